@@ -1,0 +1,240 @@
+"""fp8_linear forward and forward+backward at the seed layer's GEMM shapes vs bf16, torchao, _scaled_mm.
+
+Shapes: tokens M = 8192, (K -> N) in {4096 -> 12288 (QKV), 4096 -> 4096 (proj), 4096 -> 16384 (fc1),
+16384 -> 4096 (fc2)}; bf16 activations and weights, no bias.
+
+Implementations:
+
+- ``bf16 F.linear``: eager PyTorch.
+- ``fp8ops <recipe> [<backend>]``: :func:`fp8ops.fp8_linear` with a calibrated delayed-scaling state
+  and a probe, current (per-tensor) scaling, row-wise scaling; GEMMs through cuBLAS
+  (``torch._scaled_mm``) or fp8ops's Triton GEMM.
+- ``torchao tensorwise/rowwise + compile``: ``torchao.float8.convert_to_float8_training`` on an
+  ``nn.Linear``, under ``torch.compile`` (if torchao is installed).
+- ``fp8ops ... + compile``: the same under ``torch.compile(fullgraph=True)``.
+- ``3 GEMMs (_scaled_mm)``: the ceiling: fprop (fast accumulation), dgrad and wgrad (full-precision
+  accumulation) on pre-quantized operands, the same accumulation modes as fp8ops's defaults.
+
+TFLOP/s count 2*M*N*K per GEMM (one for forward, three for forward+backward). Times are medians
+of CUDA-event-timed iterations after warm-up, on random data, with the weight gradient reset to
+None before each backward (as after ``zero_grad(set_to_none=True)``). "fwd µs" and "fwd+bwd µs"
+time plain launches from Python (what an eager training loop sees, host overhead included);
+"graph µs" times CUDA-graph replays of forward+backward (device time), where capture works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import common
+
+__all__ = ["add_arguments", "run"]
+
+SHAPES = [(8192, 4096, 12288), (8192, 4096, 4096), (8192, 4096, 16384), (8192, 16384, 4096)]
+QUICK_SHAPES = [(8192, 4096, 4096)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of this suite."""
+    parser.add_argument("--no-torchao", action="store_true", help="skip the torchao peers")
+    parser.add_argument("--samples", type=int, default=None, help="timed samples per case")
+
+
+def _fp8ops_case(M, K, N, recipe, backend, dtype=torch.bfloat16, compiled=False):  # type: ignore[no-untyped-def]
+    import fp8ops
+
+    gs = fp8ops.GemmSpec
+    recipe = type(recipe)(**{**_fields(recipe),
+                             "fprop": gs(fast_accum=True, backend=backend),
+                             "dgrad": gs(fast_accum=False, backend=backend),
+                             "wgrad": gs(fast_accum=False, backend=backend)})
+    st = fp8ops.LinearState.init(recipe, device="cuda")
+    if recipe.mode == "delayed":
+        st = st.replace(
+            input=st.input.replace(scale=torch.tensor(448.0 / 5.0, device="cuda"), calibrated=True),
+            weight=st.weight.replace(scale=torch.tensor(448.0 / 0.1, device="cuda"), calibrated=True),
+            grad_output=st.grad_output.replace(scale=torch.tensor(57344.0 / 1e-2, device="cuda"), calibrated=True),
+        )
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(dtype).requires_grad_()
+
+    def layer(x, probe):  # type: ignore[no-untyped-def]
+        return fp8ops.fp8_linear(x, w, None, st, recipe=recipe, grad_probe=probe)
+
+    if compiled:
+        torch._dynamo.reset()  # each case compiles afresh (the cases share one code object)
+    f = torch.compile(layer, fullgraph=True) if compiled else layer
+
+    def fwd(x, dy):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return f(x, None)[0]
+
+    def fwd_bwd(x, dy):  # type: ignore[no-untyped-def]
+        w.grad = None  # as after optimizer.zero_grad(set_to_none=True)
+        probe = torch.zeros((), device="cuda", requires_grad=True)
+        y, _ = f(x, probe)
+        y.backward(dy)
+
+    return fwd, fwd_bwd
+
+
+def _fields(recipe: Any) -> dict[str, Any]:
+    import attrs
+
+    return {f.name: getattr(recipe, f.name) for f in attrs.fields(type(recipe))}
+
+
+def _bf16_case(M, K, N):  # type: ignore[no-untyped-def]
+    w = (torch.randn(N, K, device="cuda") / K**0.5).bfloat16().requires_grad_()
+
+    def fwd(x, dy):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return torch.nn.functional.linear(x, w)
+
+    def fwd_bwd(x, dy):  # type: ignore[no-untyped-def]
+        w.grad = None
+        torch.nn.functional.linear(x, w).backward(dy)
+
+    return fwd, fwd_bwd
+
+
+def _torchao_case(M, K, N, recipe_name):  # type: ignore[no-untyped-def]
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    m = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False)).cuda().bfloat16()
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe_name))
+    mc = torch.compile(m)
+
+    def fwd(x, dy):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return mc(x)
+
+    def fwd_bwd(x, dy):  # type: ignore[no-untyped-def]
+        m[0].weight.grad = None
+        mc(x).backward(dy)
+
+    return fwd, fwd_bwd
+
+
+def _gemm_ceiling(M, K, N, samples):  # type: ignore[no-untyped-def]
+    """Median times (µs) of the three GEMMs alone through _scaled_mm on pre-quantized operands."""
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    one = torch.ones((), device="cuda")
+
+    def q(shape, dt):  # type: ignore[no-untyped-def]
+        return (torch.randn(shape, device="cuda") * 8).to(dt)
+
+    xq, wq, wq_t, xq_t = q((M, K), e4), q((N, K), e4), q((K, N), e4), q((K, M), e4)
+    dyq, dyq_t = q((M, N), e5), q((N, M), e5)
+    mm = torch._scaled_mm
+    cases = {
+        "fprop": lambda: mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True),
+        "dgrad": lambda: mm(dyq, wq_t.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=False),
+        "wgrad": lambda: mm(dyq_t, xq_t.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=False),
+    }
+    return {k: common.time_cuda(fn, [()], samples=samples).median_us for k, fn in cases.items()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the suite; print the table; write linear.json and linear.png; return the record."""
+    import fp8ops
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    samples = args.samples or (10 if args.quick else 25)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    env = common.environment()
+    print(common.describe_environment(env))
+    impls: list[tuple[str, Any]] = [("bf16 F.linear", lambda M, K, N: _bf16_case(M, K, N))]
+    for label, recipe in (("delayed", fp8ops.DelayedScaling()), ("current", fp8ops.CurrentScaling()),
+                          ("rowwise", fp8ops.CurrentScaling(granularity="row"))):
+        for backend in ("cublas", "triton"):
+            impls.append((f"fp8ops {label} [{backend}]",
+                          lambda M, K, N, r=recipe, b=backend: _fp8ops_case(M, K, N, r, b)))
+        impls.append((f"fp8ops {label} [cublas] + compile",
+                      lambda M, K, N, r=recipe: _fp8ops_case(M, K, N, r, "cublas", compiled=True)))
+    if not args.no_torchao:
+        try:
+            import torchao  # noqa: F401
+
+            for name in ("tensorwise", "rowwise"):
+                impls.append((f"torchao {name} + compile", lambda M, K, N, n=name: _torchao_case(M, K, N, n)))
+        except Exception as exc:  # torchao missing or incompatible: say so, keep going
+            print(f"torchao unavailable: {type(exc).__name__}: {exc}")
+    progress = common.Progress(len(shapes) * (len(impls) + 1), prefix="linear")
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    t0 = time.perf_counter()
+    for M, K, N in shapes:
+        flops = 2.0 * M * N * K
+        x_sets = [(torch.randn(M, K, device="cuda").bfloat16().requires_grad_(),
+                   (torch.randn(M, N, device="cuda") * 1e-2).bfloat16()) for _ in range(2)]
+        progress.step(f"{M}x{K}->{N} _scaled_mm ceiling")
+        ceil = _gemm_ceiling(M, K, N, samples)
+        ceil_fb = ceil["fprop"] + ceil["dgrad"] + ceil["wgrad"]
+        rows.append({"shape": f"{M}x{K}->{N}", "impl": "3 GEMMs (_scaled_mm)", "fwd_us": ceil["fprop"],
+                     "fwd_bwd_us": ceil_fb, "fwd_tflops": flops / ceil["fprop"] / 1e6,
+                     "fwd_bwd_tflops": 3 * flops / ceil_fb / 1e6, "gemms": ceil})
+        for label, make in impls:
+            progress.step(f"{M}x{K}->{N} {label}")
+            try:
+                fwd, fwd_bwd = make(M, K, N)
+                tf = common.time_cuda(fwd, x_sets, samples=samples, use_graph=False).median_us
+                tb = common.time_cuda(fwd_bwd, x_sets, samples=samples, use_graph=False).median_us
+                notes: list[str] = []
+                tg = common.time_cuda(fwd_bwd, x_sets, samples=samples, use_graph=True,
+                                      on_fallback=notes.append)
+                tb_dev = tg.median_us if tg.method == "cuda-graph" else None
+            except Exception as exc:
+                msg = f"{label} at {M}x{K}->{N}: {type(exc).__name__}: {str(exc)[:300]}"
+                print(f"\n  failed: {msg}")
+                failed.append(msg)
+                continue
+            rows.append({"shape": f"{M}x{K}->{N}", "impl": label, "fwd_us": tf, "fwd_bwd_us": tb,
+                         "fwd_tflops": flops / tf / 1e6, "fwd_bwd_tflops": 3 * flops / tb / 1e6,
+                         "vs_gemms": tb / ceil_fb, "fwd_bwd_graph_us": tb_dev,
+                         "graph_vs_gemms": (tb_dev / ceil_fb) if tb_dev else None})
+        del x_sets
+        torch.cuda.empty_cache()
+    # speed-ups vs torchao tensorwise + compile, per shape
+    for r in rows:
+        peer = next((p for p in rows if p["shape"] == r["shape"] and p["impl"] == "torchao tensorwise + compile"), None)
+        if peer is not None:
+            r["speedup_vs_torchao_tw"] = peer["fwd_bwd_us"] / r["fwd_bwd_us"]
+    cols = [("shape", "shape", "s"), ("impl", "implementation", "s"), ("fwd_us", "fwd µs", ".0f"),
+            ("fwd_tflops", "fwd TF/s", ".0f"), ("fwd_bwd_us", "fwd+bwd µs", ".0f"),
+            ("fwd_bwd_tflops", "fwd+bwd TF/s", ".0f"), ("vs_gemms", "/ 3 GEMMs", ".3f"),
+            ("fwd_bwd_graph_us", "graph µs", ".0f"), ("graph_vs_gemms", "graph / 3 GEMMs", ".3f"),
+            ("speedup_vs_torchao_tw", "x torchao tw", ".3f")]
+    print()
+    print(common.format_table(rows, cols))
+    record = {"suite": "linear", "environment": env, "rows": rows, "failed_checks": failed,
+              "seconds": time.perf_counter() - t0}
+    common.write_json(out / "linear.json", record)
+    try:
+        shape_names = list(dict.fromkeys(r["shape"] for r in rows))
+        impl_names = list(dict.fromkeys(r["impl"] for r in rows))
+        panels = []
+        for key, title in (("fwd_tflops", "forward"), ("fwd_bwd_tflops", "forward + backward")):
+            series = {i: [next((r[key] for r in rows if r["shape"] == s and r["impl"] == i), None)
+                          for s in shape_names] for i in impl_names}
+            panels.append({"title": title, "groups": shape_names, "series": series})
+        common.write_bar_chart(out / "linear.png", panels, title="fp8_linear TFLOP/s (M x K -> N)", ylabel="TFLOP/s")
+    except Exception as exc:  # the plot is a convenience; the JSON and the table are the record
+        print(f"plot skipped: {type(exc).__name__}: {exc}")
+    return record
+
+
+if __name__ == "__main__":
+    import sys
+
+    _p = argparse.ArgumentParser(prog="python -m fp8ops.bench.linear")
+    _p.add_argument("--out", default="bench_out")
+    _p.add_argument("--quick", action="store_true")
+    add_arguments(_p)
+    _rec = run(_p.parse_args())
+    sys.exit(1 if _rec["failed_checks"] else 0)

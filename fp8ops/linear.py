@@ -1,0 +1,454 @@
+"""fp8_linear: ``y = x @ W.T + b`` with FP8 GEMMs forward and backward, and explicit scaling state.
+
+Three GEMMs (HYBRID format: E4M3 forward tensors, E5M2 gradients)::
+
+    fprop  y  = x  . W^T     xq (M, K)  x  wq   (N, K)       E4M3 x E4M3
+    dgrad  dx = dy . W       dyq (M, N) x  wq^T (K, N)       E5M2 x E4M3
+    wgrad  dW = dy^T . x     dyq^T (N, M) x xq^T (K, M)      E5M2 x E4M3
+
+Every operand is K-major (row-major with the contraction dimension last), the layout Hopper's FP8
+tensor cores need; the transposed copies ``xq^T``, ``wq^T`` and ``dyq^T`` come from the same fused
+quantize pass that writes ``xq``, ``wq`` and ``dyq``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar, NamedTuple
+
+import attrs
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from .formats import Role
+from .gemm import scaled_mm
+from .quantize import Float8Value, QuantSpec, _check_recipe, quantize_2d
+from .recipes import GemmSpec, Recipe
+from .state import OpState, ScalingState, validate_state
+
+__all__ = ["LinearState", "WeightCache", "fp8_linear", "quantize_weight"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class LinearState(OpState):
+    """State of one :func:`fp8_linear` call site: ``input``, ``weight`` (forward), ``grad_output``.
+
+    Build it with ``LinearState.init(recipe, device=...)``; its probe is a 0-d float32 zero.
+
+    Example:
+        >>> import fp8ops
+        >>> st = fp8ops.LinearState.init(fp8ops.DelayedScaling())
+        >>> [st.input.role, st.weight.role, st.grad_output.role]
+        ['forward', 'forward', 'backward']
+    """
+
+    ROLES: ClassVar[dict[str, Role]] = {"input": "forward", "weight": "forward", "grad_output": "backward"}
+    PROBE_ROLES: ClassVar[tuple[str, ...]] = ("grad_output",)
+    input: ScalingState
+    weight: ScalingState
+    grad_output: ScalingState
+
+
+@attrs.frozen(init=False, eq=False, repr=False)
+class WeightCache:
+    """An FP8 weight quantized once per optimizer step, for every micro-batch of that step.
+
+    Built by :func:`quantize_weight`; holds the FP8 weight (N, K), its transposed copy (K, N) for
+    the dgrad GEMM, its inverse scale, and what it was built with (the recipe and the weight
+    state's scale tensor), so that :func:`fp8_linear` refuses a cache from another state or recipe.
+    """
+
+    value: Float8Value
+    inv_scale_t: Tensor | None
+    scale: Tensor
+    recipe: Recipe
+
+    def __init__(self, value: Float8Value, inv_scale_t: Tensor | None, scale: Tensor, recipe: Recipe) -> None:
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "inv_scale_t", inv_scale_t)  # row-wise: (K, 1) scales of data_t
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "recipe", recipe)
+
+    def __repr__(self) -> str:
+        return f"WeightCache({self.value!r}, recipe={type(self.recipe).__name__})"
+
+
+pytree.register_pytree_node(
+    WeightCache,
+    lambda c: ([c.value, c.inv_scale_t, c.scale], c.recipe),
+    lambda ch, recipe: WeightCache(ch[0], ch[1], ch[2], recipe),
+    serialized_type_name="fp8ops.WeightCache",
+    flatten_with_keys_fn=lambda c: (
+        [(pytree.GetAttrKey(n), getattr(c, n)) for n in ("value", "inv_scale_t", "scale")],
+        c.recipe,
+    ),
+)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Identity of two tensors, looking through torch.func wrappers in eager mode."""
+    if a is b:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    unwrap = torch._C._functorch
+    while unwrap.is_functorch_wrapped_tensor(a):
+        a = unwrap.get_unwrapped(a)
+    while unwrap.is_functorch_wrapped_tensor(b):
+        b = unwrap.get_unwrapped(b)
+    return a is b
+
+
+def _quantize_pair(t: Tensor, scale: Tensor | None, spec: QuantSpec, need_t: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q, inv, q_t, inv_t, amax) of an (R, C) tensor; q_t (C, R) is K-major for the other GEMM.
+
+    Per-tensor scaling writes both in one pass; row-wise scaling quantizes the transpose with its
+    own row scales (per column of ``t``), the layout a row-wise scaled GEMM needs.
+    """
+    if spec.mode == "rowwise":
+        q, inv, _, amax = quantize_2d(t, scale, spec)
+        if not need_t:
+            return q, inv, t.new_empty(0, dtype=q.dtype), inv.new_empty(0), amax
+        q_t, inv_t, _, _ = quantize_2d(t.t().contiguous(), scale, spec)
+        return q, inv, q_t, inv_t, amax
+    q, inv, q_t, amax = quantize_2d(t, scale, spec, transpose=need_t)
+    if q_t is None:
+        q_t = t.new_empty(0, dtype=q.dtype)
+    return q, inv, q_t, inv, amax
+
+
+class _Cfg(NamedTuple):
+    """Static configuration of one fp8_linear call (plain constants)."""
+
+    x_spec: QuantSpec
+    w_spec: QuantSpec
+    g_spec: QuantSpec
+    fprop: tuple[str, bool, str]  # (precision, fast_accum, backend)
+    dgrad: tuple[str, bool, str]
+    wgrad: tuple[str, bool, str]
+    has_probe: bool
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
+    wgrad_dtype: torch.dtype
+    use_cache: bool
+
+
+def _g(spec: GemmSpec) -> tuple[str, bool, str]:
+    return (spec.precision, spec.fast_accum, spec.backend)
+
+
+class _FP8Linear(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        x: Tensor,  # (M, K)
+        w: Tensor,  # (N, K)
+        bias: Tensor | None,  # (N,)
+        x_scale: Tensor,
+        w_scale: Tensor,
+        g_scale: Tensor,
+        probe: Tensor | None,
+        c_data: Tensor | None,  # (N, K) cached FP8 weight
+        c_data_t: Tensor | None,  # (K, N)
+        c_inv: Tensor | None,
+        c_inv_t: Tensor | None,  # row-wise (K, 1) scales of c_data_t, else None
+        cfg: _Cfg,
+    ) -> tuple[Tensor, ...]:
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            torch.ops.fp8ops.guard([x, w, bias, probe])  # makes torch.compile(torch.func.grad(...)) raise
+
+        def empty() -> Tensor:  # distinct placeholders: one tensor must not be two outputs
+            return x.new_empty(0)
+
+        fp8_fwd = cfg.fprop[0] == "fp8"
+        need_xt = cfg.need_dw and cfg.wgrad[0] == "fp8"
+        need_wt = cfg.need_dx and cfg.dgrad[0] == "fp8"
+        # Step 1: quantize x (and its transpose for wgrad) in one pass.
+        if fp8_fwd or need_xt:
+            xq, x_inv, xq_t, x_inv_t, x_amax = _quantize_pair(x, x_scale, cfg.x_spec, need_xt)
+        else:
+            x_amax = torch.ops.fp8ops.amax(x)
+            xq_t, x_inv_t = empty(), empty()
+        # Step 2: the weight, from the cache or quantized now (with its transpose for dgrad).
+        if cfg.use_cache:
+            # the cached operands are saved from the inputs in setup_context
+            wq, w_inv, wq_t, w_inv_t = c_data, c_inv, empty(), empty()
+            w_amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        elif fp8_fwd or need_wt:
+            wq, w_inv, wq_t, w_inv_t, w_amax = _quantize_pair(w, w_scale, cfg.w_spec, need_wt)
+        else:
+            w_amax = torch.ops.fp8ops.amax(w)
+            wq_t, w_inv_t = empty(), empty()
+        # Step 3: the forward GEMM.
+        if fp8_fwd:
+            y = scaled_mm(xq, wq, x_inv, w_inv, bias=bias, out_dtype=x.dtype,
+                          fast_accum=cfg.fprop[1], backend=cfg.fprop[2])
+        else:
+            y = torch.nn.functional.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        if not need_xt:
+            xq_t, x_inv_t = empty(), empty()
+        if not need_wt or cfg.use_cache:
+            wq_t, w_inv_t = empty(), empty()
+        return y, x_amax, w_amax, xq_t, x_inv_t, wq_t, w_inv_t
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        _, x_amax, w_amax, xq_t, x_inv_t, wq_t, w_inv_t = output
+        if cfg.use_cache:
+            wq_t, w_inv_t = c_data_t, (c_inv_t if c_inv_t is not None else c_inv)
+        keep_x = cfg.need_dw and cfg.wgrad[0] != "fp8"
+        keep_w = cfg.need_dx and cfg.dgrad[0] != "fp8"
+        ctx.save_for_backward(
+            xq_t, x_inv_t, wq_t, w_inv_t, g_scale, x if keep_x else None, w if keep_w else None
+        )
+        ctx.cfg = cfg
+        ctx.x_dtype = x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        xq_t, x_inv_t, wq_t, w_inv_t, g_scale, x, w = ctx.saved_tensors
+        cfg: _Cfg = ctx.cfg
+        with torch.no_grad():
+            dy = dy.contiguous()
+            # Without a probe the gradient is quantized with current scaling (nothing is recorded).
+            g_spec = cfg.g_spec if cfg.has_probe else cfg.g_spec._replace(calibrated=False)
+            fp8_dgrad = cfg.need_dx and cfg.dgrad[0] == "fp8"
+            fp8_wgrad = cfg.need_dw and cfg.wgrad[0] == "fp8"
+            # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
+            if fp8_dgrad or fp8_wgrad:
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = _quantize_pair(
+                    dy, g_scale if cfg.has_probe else None, g_spec, fp8_wgrad
+                )
+            else:
+                dy_amax = torch.ops.fp8ops.amax(dy)
+            # Step 2: dgrad and wgrad.
+            dx = dw = db = None
+            if cfg.need_dx:
+                if fp8_dgrad:
+                    dx = scaled_mm(dyq, wq_t, dy_inv, w_inv_t, out_dtype=ctx.x_dtype,
+                                   fast_accum=cfg.dgrad[1], backend=cfg.dgrad[2])
+                else:
+                    dx = (dy @ w.to(dy.dtype)).to(ctx.x_dtype)
+            if cfg.need_dw:
+                if fp8_wgrad:
+                    dw = scaled_mm(dyq_t, xq_t, dy_inv_t, x_inv_t, out_dtype=cfg.wgrad_dtype,
+                                   fast_accum=cfg.wgrad[1], backend=cfg.wgrad[2])
+                else:
+                    dw = (dy.t() @ x.to(dy.dtype)).to(cfg.wgrad_dtype)
+            if cfg.need_db:
+                db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        probe_grad = dy_amax if cfg.has_probe else None
+        return dx, dw, db, None, None, None, probe_grad, None, None, None, None, None
+
+
+# autograd.Function.apply binds arguments with inspect.signature(forward) on every call; a stored
+# signature makes that lookup immediate (tens of µs per call on the host).
+_FP8Linear.forward.__signature__ = inspect.signature(_FP8Linear.forward)  # type: ignore[attr-defined]
+
+
+def _check_tensor(t: Any, name: str, where: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{where}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
+    return t
+
+
+def quantize_weight(
+    weight: Tensor,
+    state: ScalingState | LinearState,
+    *,
+    recipe: Recipe,
+) -> tuple[WeightCache, Any]:
+    """Quantize a weight once per optimizer step, for :func:`fp8_linear`'s ``weight_cache``.
+
+    Writes the FP8 weight (N, K) and its transposed copy (K, N) in one pass and records amax(W).
+
+    Args:
+        weight: (N, K) float32, bfloat16 or float16.
+        state: the weight's :class:`ScalingState` (``linear_state.weight``), or the whole
+            :class:`LinearState`.
+        recipe: the recipe the state was built with.
+
+    Returns:
+        ``(cache, new_state)``: a :class:`WeightCache`, and the state (same type as given) with
+        amax(W) recorded. Pass ``new_state`` on (it holds the observation) and the cache to every
+        ``fp8_linear`` call of this step.
+
+    Example:
+        >>> import torch, fp8ops
+        >>> r = fp8ops.DelayedScaling()
+        >>> st = fp8ops.LinearState.init(r)
+        >>> w = torch.randn(32, 16)
+        >>> qw, st = fp8ops.quantize_weight(w, st, recipe=r)
+        >>> qw.value.data.shape, qw.value.data_t.shape
+        (torch.Size([32, 16]), torch.Size([16, 32]))
+    """
+    where = "quantize_weight"
+    _check_tensor(weight, "weight", where)
+    _check_recipe(recipe, where)
+    if weight.dim() != 2:
+        raise ValueError(f"{where}: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    ws = state.weight if isinstance(state, LinearState) else state
+    validate_state(ws, where=f"{where}: state", device=weight.device)
+    spec = QuantSpec.of(recipe, "forward", ws.calibrated)
+    q, inv, q_t, inv_t, amax = _quantize_pair(weight.detach(), ws.scale, spec, True)
+    cache = WeightCache(Float8Value(q, inv, q_t), inv_t if spec.mode == "rowwise" else None, ws.scale, recipe)
+    new_ws = ws.observe(amax)
+    return cache, (state.replace(weight=new_ws) if isinstance(state, LinearState) else new_ws)
+
+
+def fp8_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    state: LinearState,
+    *,
+    recipe: Recipe,
+    grad_probe: Tensor | None = None,
+    weight_cache: WeightCache | None = None,
+    wgrad_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, LinearState]:
+    """FP8 linear layer ``y = x @ weight.T + bias`` with FP8 GEMMs in forward and backward.
+
+    Math::
+
+        y  = dq(q(x) . q(W)^T) + b                       fprop  (E4M3 x E4M3 under HYBRID)
+        dx = dq(q(dy) . q(W))                            dgrad  (E5M2 x E4M3)
+        dW = dq(q(dy)^T . q(x))                          wgrad  (E5M2 x E4M3)
+        db = sum_rows(dy);   grad of grad_probe = amax(dy)
+
+    Each GEMM's precision, accumulation mode and backend come from ``recipe.fprop``,
+    ``recipe.dgrad`` and ``recipe.wgrad`` (:class:`GemmSpec`).
+
+    Args:
+        x: (..., K) float32, bfloat16 or float16; y has the same dtype.
+        weight: (N, K) float32, bfloat16 or float16. Its gradient has ``wgrad_dtype``.
+        bias: (N,) or None.
+        state: the :class:`LinearState` of this call site.
+        recipe: the scaling recipe the state was built with.
+        grad_probe: a 0-d float32 zero whose gradient becomes amax(dy) (see
+            :func:`fp8ops.make_probes`); without one, dy is quantized with current scaling.
+        weight_cache: a :class:`WeightCache` from :func:`quantize_weight` for this step; the
+            weight is then not quantized again (its gradient still flows to ``weight``).
+        wgrad_dtype: dtype the wgrad GEMM writes; default ``weight.dtype``. To accumulate FP32
+            weight gradients, differentiate FP32 (master) weights: they are quantized directly
+            and the wgrad GEMM writes FP32, with no separate cast.
+
+    Returns:
+        ``(y, new_state)``: y (..., N); ``new_state`` with amax(x) and amax(W) max-merged into
+        the pending observations (amax(W) is recorded by :func:`quantize_weight` when a cache is
+        used). The input state is not modified.
+
+    Raises:
+        TypeError, ValueError: bad input (the message names the argument and the fix).
+
+    Example:
+        >>> import torch, fp8ops
+        >>> r = fp8ops.DelayedScaling()
+        >>> st = fp8ops.LinearState.init(r)
+        >>> x = torch.randn(4, 3, 32, requires_grad=True)
+        >>> w = torch.randn(48, 32, requires_grad=True)
+        >>> probe = torch.zeros((), requires_grad=True)
+        >>> y, st = fp8ops.fp8_linear(x, w, None, st, recipe=r, grad_probe=probe)
+        >>> y.shape
+        torch.Size([4, 3, 48])
+        >>> y.sum().backward()
+        >>> st = fp8ops.update(st, recipe=r, grad_amax=probe.grad)
+        >>> bool(st.grad_output.scale == 57344.0)  # amax(dy) = 1
+        True
+
+    References:
+        Micikevicius et al., "FP8 Formats for Deep Learning" (2022); NVIDIA Transformer Engine.
+    """
+    where = "fp8_linear"
+    _check_tensor(x, "x", where)
+    _check_tensor(weight, "weight", where)
+    _check_recipe(recipe, where)
+    if x.dim() < 1:
+        raise ValueError(f"{where}: x must be (..., K), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"{where}: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"{where}: x has K={x.shape[-1]} in its last dimension but weight is (N, K) = {tuple(weight.shape)}")
+    if bias is not None:
+        _check_tensor(bias, "bias", where)
+        if tuple(bias.shape) != (N,):
+            raise ValueError(f"{where}: bias must have shape (N,) = ({N},), got {tuple(bias.shape)}")
+    if not isinstance(state, LinearState):
+        raise TypeError(f"{where}: state must be a LinearState (LinearState.init(recipe)), got {type(state).__name__}")
+    for role in ("input", "weight", "grad_output"):
+        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device)
+    if weight.device != x.device:
+        raise ValueError(f"{where}: weight is on {weight.device} but x is on {x.device}")
+    if grad_probe is not None and (
+        not isinstance(grad_probe, Tensor) or grad_probe.dim() != 0 or grad_probe.dtype != torch.float32
+    ):
+        raise ValueError(f"{where}: grad_probe must be a 0-d float32 tensor (fp8ops.make_probes), got {grad_probe!r}")
+    wgrad_dtype = weight.dtype if wgrad_dtype is None else wgrad_dtype
+    if wgrad_dtype != weight.dtype:
+        raise ValueError(
+            f"{where}: wgrad_dtype={wgrad_dtype} but weight is {weight.dtype}; autograd keeps a gradient "
+            f"in its parameter's dtype, so differentiate a {wgrad_dtype} weight (e.g. the FP32 master "
+            f"weight: it is quantized directly and the wgrad GEMM writes {wgrad_dtype})"
+        )
+    use_cache = weight_cache is not None
+    if use_cache:
+        if not isinstance(weight_cache, WeightCache):
+            raise TypeError(f"{where}: weight_cache must be a WeightCache from quantize_weight, got {type(weight_cache).__name__}")
+        if weight_cache.recipe != recipe:
+            raise ValueError(f"{where}: weight_cache was built with another recipe ({weight_cache.recipe!r}); rebuild it with quantize_weight")
+        if not _same_tensor(weight_cache.scale, state.weight.scale):
+            raise ValueError(
+                f"{where}: weight_cache was built with another weight state (stale after fp8ops.update?); "
+                f"rebuild it with quantize_weight(weight, state.weight, recipe=...) once per optimizer step"
+            )
+        if tuple(weight_cache.value.shape) != (N, K):
+            raise ValueError(f"{where}: weight_cache holds a {tuple(weight_cache.value.shape)} weight, expected {(N, K)}")
+
+    grad_on = torch.is_grad_enabled()
+    cfg = _Cfg(
+        x_spec=QuantSpec.of(recipe, "forward", state.input.calibrated),
+        w_spec=QuantSpec.of(recipe, "forward", state.weight.calibrated),
+        g_spec=QuantSpec.of(recipe, "backward", state.grad_output.calibrated),
+        fprop=_g(recipe.fprop),
+        dgrad=_g(recipe.dgrad),
+        wgrad=_g(recipe.wgrad),
+        has_probe=grad_probe is not None,
+        need_dx=grad_on and x.requires_grad,
+        need_dw=grad_on and weight.requires_grad,
+        need_db=grad_on and bias is not None and bias.requires_grad,
+        wgrad_dtype=wgrad_dtype,
+        use_cache=use_cache,
+    )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    x_scale, w_scale, g_scale = state.input.scale, state.weight.scale, state.grad_output.scale
+    # autograd.Function under torch.compile rejects one tensor passed twice.
+    if w_scale is x_scale:
+        w_scale = w_scale.clone()
+    if g_scale is x_scale or g_scale is w_scale:
+        g_scale = g_scale.clone()
+    c = weight_cache.value if use_cache else None
+    y, x_amax, w_amax, *_ = _FP8Linear.apply(
+        x2, weight, bias, x_scale, w_scale, g_scale, grad_probe,
+        c.data if c is not None else None,
+        c.data_t if c is not None else None,
+        c.inv_scale if c is not None else None,
+        weight_cache.inv_scale_t if use_cache else None,
+        cfg,
+    )
+    new_state = state.replace(
+        input=state.input.observe(x_amax),
+        weight=state.weight if use_cache else state.weight.observe(w_amax),
+    )
+    return y.reshape(*lead, N), new_state

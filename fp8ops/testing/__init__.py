@@ -1,0 +1,41 @@
+"""Testing helpers of fp8ops: tolerances, comparison rules and hypothesis strategies.
+
+Public, so that tests of code built on fp8ops can use the same rules as fp8ops' own tests.
+
+- :mod:`fp8ops.testing.tolerances`: per-format quantization bounds, the comparison rule
+  "error vs the FP32 reference <= k x (error of plain PyTorch at the same precision) + atol",
+  bitwise equality and SQNR. Needs only torch; its names are re-exported here.
+- :mod:`fp8ops.testing.strategies`: hypothesis strategies for shapes, tensors, recipes, scales,
+  amax observations and scaling states. Needs ``hypothesis`` (the ``test`` extra); import it
+  explicitly: ``from fp8ops.testing import strategies``.
+"""
+
+from .tolerances import (
+    E4M3_HALF_ULP,
+    E4M3_SMALLEST_NORMAL,
+    E5M2_HALF_ULP,
+    E5M2_SMALLEST_NORMAL,
+    HALF_ULP_REL,
+    SMALLEST_NORMAL,
+    RuleErrors,
+    assert_close_rule,
+    assert_same_bits,
+    half_ulp_rel,
+    smallest_normal,
+    sqnr,
+)
+
+__all__ = [
+    "E4M3_HALF_ULP",
+    "E4M3_SMALLEST_NORMAL",
+    "E5M2_HALF_ULP",
+    "E5M2_SMALLEST_NORMAL",
+    "HALF_ULP_REL",
+    "SMALLEST_NORMAL",
+    "RuleErrors",
+    "assert_close_rule",
+    "assert_same_bits",
+    "half_ulp_rel",
+    "smallest_normal",
+    "sqnr",
+]

@@ -1,0 +1,507 @@
+"""FP8 quantization kernels: fused cast + amax, cast + transpose + amax, row-wise cast, amax.
+
+Math (per tensor, scale ``s`` a multiplier, ``fmax`` the format's largest finite value)::
+
+    q      = rne(clamp(x * s, -fmax, fmax))      # saturating, round-to-nearest-even; NaN stays NaN
+    amax   = max |x|                              # NaN if any x is NaN
+    inv    = 1 / s                                # what a scaled GEMM multiplies by to dequantize
+
+With *current* scaling the scale is computed from the amax of the same tensor, just in time::
+
+    s = fmax / amax / 2**margin                   # optionally rounded down to a power of two
+    s = fallback       if amax == 0 or amax is not finite
+    s = clamp(s, float32 smallest normal, float32 max)
+
+Kernels (one launch each):
+
+- ``_cast_fwd_kernel``: flat pass over ``x``; reads ``x`` once, writes ``q`` once, reduces the amax
+  in registers and folds it into one global word with an integer ``atomic_max`` on the float's bit
+  pattern (|x| >= 0, so integer order equals float order, and a NaN's bits exceed every finite
+  value's, so NaN wins the max).
+- ``_cast_transpose_fwd_kernel``: 2-D tiles; writes ``q`` (M, K) and its transpose (K, M), the
+  K-major operand that Hopper's FP8 tensor-core instructions want for the B side of dgrad/wgrad.
+  The transposed store goes through a layout conversion in shared memory.
+- ``_cast_rowwise_fwd_kernel``: one scale per row; each program owns ``BLOCK_M`` rows and sweeps K
+  twice (amax, then cast); the second sweep mostly hits L2.
+- ``_amax_fwd_kernel``: the first launch of current scaling (reads ``x`` once).
+
+Delayed scaling is a single launch (3 bytes moved per bf16 element, the roofline); current scaling
+is amax + cast (5 bytes per element). The kernels are memory-bound; they are fast when the tensor
+is much larger than L2 and slow, relative to the copy ceiling, on tensors of a few MB where launch
+latency dominates.
+
+References: Micikevicius et al., "FP8 Formats for Deep Learning" (2022); NVIDIA Transformer Engine
+cast/transpose kernels (amax reduced per block, one atomic per block).
+
+The ops are registered as opaque ``torch.library`` ops (``fp8ops::amax``, ``fp8ops::cast``,
+``fp8ops::cast_transpose``, ``fp8ops::cast_rowwise``; see ``_library.py``) with a CUDA kernel (the
+launchers below) and a fake kernel; the CPU kernel, the FP32 reference math, is registered by
+``fp8ops``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._library import define
+
+__all__ = [
+    "FP8_DTYPES",
+    "amax_launch",
+    "cast_launch",
+    "cast_rowwise_launch",
+    "cast_transpose_launch",
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _just_in_time_scale(
+    amax_in_ptr,  # () fp32: amax of the whole tensor
+    fallback_ptr,  # () fp32: scale used when the amax is 0 or not finite
+    FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr,
+    POWER_2: tl.constexpr,
+):
+    amax = tl.load(amax_in_ptr)
+    fallback = tl.load(fallback_ptr)
+    # Step: fmax / amax / 2**margin, clamped to the normal float32 range.
+    sf = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), amax)
+    if MARGIN > 0:
+        sf = sf * (0.5**MARGIN)  # exact: a power of two
+    sf = tl.minimum(tl.maximum(sf, 1.1754943508222875e-38), 3.4028234663852886e38)
+    if POWER_2:
+        # Round down to a power of two: keep the exponent bits, clear the mantissa.
+        sf = (sf.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    valid = (amax > 0.0) & (amax < float("inf"))
+    return tl.where(valid, sf, fallback)
+
+
+@triton.jit
+def _saturate(y, FP8_MAX: tl.constexpr):
+    # Clamp to the finite range; a NaN passes through unchanged (min/max would drop it).
+    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
+def _cast_fwd_kernel(
+    x_ptr,  # (N,) input, contiguous
+    q_ptr,  # (N,) fp8 output
+    scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
+    amax_in_ptr,  # () fp32 amax of x (current scaling only)
+    amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    inv_ptr,  # () fp32 output: 1 / scale
+    n_elements,
+    FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POWER_2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # Step 1: the scale, read or computed just in time (every program computes the same value).
+    if SCALE_FROM_AMAX:
+        scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
+    else:
+        scale = tl.load(scale_ptr)
+    if pid == 0:
+        tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+    # Step 2: load, scale, saturate, cast, store.
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _saturate(x * scale, FP8_MAX)
+    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    # Step 3: amax of the block on the bit patterns, one atomic per program.
+    bits = tl.abs(x).to(tl.int32, bitcast=True)
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _cast_transpose_fwd_kernel(
+    x_ptr,  # (M, K) input, row stride stride_xm, unit column stride
+    q_ptr,  # (M, K) fp8 output, contiguous
+    qt_ptr,  # (K, M) fp8 output, contiguous: the transposed (K-major) copy
+    scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
+    amax_in_ptr,  # () fp32 amax of x (current scaling only)
+    amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    inv_ptr,  # () fp32 output: 1 / scale
+    M,
+    K,
+    stride_xm,
+    FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POWER_2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Step 1: tile coordinates, grouped along M so neighbouring programs share output rows of q^T.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_k = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_M * num_k
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_k = (pid % per_group) // size_m
+    # Step 2: the scale.
+    if SCALE_FROM_AMAX:
+        scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
+    else:
+        scale = tl.load(scale_ptr)
+    if pid == 0:
+        tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+    # Step 3: load the tile, cast, store it and its transpose.
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = _saturate(x * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+    tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    # Step 4: amax of the tile.
+    bits = tl.abs(x).to(tl.int32, bitcast=True)
+    tile_max = tl.max(tl.max(bits, axis=1), axis=0)
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile_max, sem="relaxed")
+
+
+@triton.jit
+def _cast_rowwise_fwd_kernel(
+    x_ptr,  # (M, K) input, row stride stride_xm, unit column stride
+    q_ptr,  # (M, K) fp8 output, contiguous
+    inv_ptr,  # (M,) fp32 output: 1 / scale of each row
+    amax_ptr,  # () fp32 output, zero-initialised: amax of the whole tensor
+    M,
+    K,
+    stride_xm,
+    FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr,
+    POWER_2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rm = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    # Step 1: row amaxes, as float bit patterns (NaN-propagating integer max).
+    acc = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1))
+    row_amax = acc.to(tl.float32, bitcast=True)
+    # Step 2: one scale per row; a zero or non-finite row keeps scale 1.
+    sf = tl.math.div_rn(FP8_MAX + tl.zeros_like(row_amax), row_amax)
+    if MARGIN > 0:
+        sf = sf * (0.5**MARGIN)
+    sf = tl.minimum(tl.maximum(sf, 1.1754943508222875e-38), 3.4028234663852886e38)
+    if POWER_2:
+        sf = (sf.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    valid = (row_amax > 0.0) & (row_amax < float("inf"))
+    scale = tl.where(valid, sf, 1.0)
+    tl.store(inv_ptr + rm, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale), mask=row_ok)
+    # Step 3: cast with the row scales (the second sweep mostly reads from L2).
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = _saturate(x * scale[:, None], FP8_MAX)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    # Step 4: the tensor amax.
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _amax_fwd_kernel(
+    x_ptr,  # (N,) input, contiguous
+    amax_ptr,  # () fp32 output, zero-initialised
+    n_elements,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n_elements, other=0.0).to(tl.float32)
+    bits = tl.abs(x).to(tl.int32, bitcast=True)
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits, axis=0), sem="relaxed")
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers: they alone know grids and block sizes, and they validate what the kernels assume.
+
+# Defaults measured on an H200 (python -m fp8ops.bench quantize --sweep; docs/benchmarks/quantize.md).
+_CAST_CFG = {"BLOCK": 8192, "num_warps": 8}
+_CAST_T_CFG = {"BLOCK_M": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4}
+_ROWWISE_CFG = {"BLOCK_M": 1, "BLOCK_K": 2048, "num_warps": 8}
+_AMAX_CFG = {"BLOCK": 16384, "num_warps": 4}
+
+
+def _check_input(name: str, x: torch.Tensor, *, flat: bool) -> None:
+    if x.dtype not in _IN_DTYPES:
+        raise ValueError(f"{name}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if flat:
+        if not x.is_contiguous():
+            raise ValueError(f"{name}: x must be contiguous; call x.contiguous() first")
+    else:
+        if x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(
+                f"{name}: x must be 2-D (M, K) with unit stride along K, got shape "
+                f"{tuple(x.shape)} and strides {tuple(x.stride())}"
+            )
+
+
+def _check_out_dtype(name: str, out_dtype: torch.dtype) -> float:
+    if out_dtype not in FP8_DTYPES:
+        raise ValueError(f"{name}: out_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {out_dtype}")
+    return _FP8_MAX[out_dtype]
+
+
+def _check_scalar(name: str, arg: str, t: torch.Tensor | None) -> None:
+    if t is not None and (t.dim() != 0 or t.dtype != torch.float32):
+        raise ValueError(f"{name}: {arg} must be a 0-d float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
+
+
+def _cfg(default: dict[str, int], override: dict[str, Any] | None) -> dict[str, Any]:
+    if not override:
+        return default  # read-only use: no copy on the hot path
+    cfg = dict(default)
+    if override:
+        unknown = set(override) - set(default)
+        if unknown:
+            raise ValueError(f"unknown launch config keys {sorted(unknown)}; expected {sorted(default)}")
+        cfg.update(override)
+    return cfg
+
+
+def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """max |x| as a 0-d float32 tensor (NaN if x holds a NaN). x: any shape, contiguous."""
+    _check_input("amax", x, flat=True)
+    cfg = _cfg(_AMAX_CFG, config)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n:
+        grid = (triton.cdiv(n, cfg["BLOCK"]),)
+        _amax_fwd_kernel[grid](x, amax, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+    return amax
+
+
+def cast_launch(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Saturating FP8 cast with the amax computed in the same pass.
+
+    Args:
+        x: (...) float32/bfloat16/float16, contiguous.
+        scale: () float32: the scale (``amax_in`` is None) or the fallback scale (current scaling).
+        amax_in: () float32 amax of ``x`` for current scaling, or None for a given scale.
+        margin, power_2: current-scaling parameters (ignored when ``amax_in`` is None).
+        out_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+
+    Returns:
+        ``(q, amax, inv_scale)``: q (...) FP8, amax () and inv_scale () float32.
+    """
+    _check_input("cast", x, flat=True)
+    fp8_max = _check_out_dtype("cast", out_dtype)
+    _check_scalar("cast", "scale", scale)
+    _check_scalar("cast", "amax_in", amax_in)
+    cfg = _cfg(_CAST_CFG, config)
+    q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    inv = torch.empty((), dtype=torch.float32, device=x.device)
+    n = x.numel()
+    grid = (max(1, triton.cdiv(n, cfg["BLOCK"])),)
+    _cast_fwd_kernel[grid](
+        x, q, scale, amax_in if amax_in is not None else amax, amax, inv, n,
+        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
+        BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+    )
+    return q, amax, inv
+
+
+def cast_transpose_launch(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_launch` that also writes the transposed copy in the same pass.
+
+    Args:
+        x: (M, K) with unit stride along K.
+
+    Returns:
+        ``(q, q_t, amax, inv_scale)``: q (M, K) and q_t (K, M) FP8, both contiguous.
+    """
+    _check_input("cast_transpose", x, flat=False)
+    fp8_max = _check_out_dtype("cast_transpose", out_dtype)
+    _check_scalar("cast_transpose", "scale", scale)
+    _check_scalar("cast_transpose", "amax_in", amax_in)
+    cfg = _cfg(_CAST_T_CFG, config)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=out_dtype, device=x.device)
+    qt = torch.empty((K, M), dtype=out_dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    inv = torch.empty((), dtype=torch.float32, device=x.device)
+    grid = (max(1, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"])),)
+    _cast_transpose_fwd_kernel[grid](
+        x, q, qt, scale, amax_in if amax_in is not None else amax, amax, inv,
+        M, K, x.stride(0),
+        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+    )
+    return q, qt, amax, inv
+
+
+def cast_rowwise_launch(
+    x: torch.Tensor,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Saturating FP8 cast with one just-in-time scale per row.
+
+    Args:
+        x: (M, K) with unit stride along K.
+
+    Returns:
+        ``(q, inv_scale, amax)``: q (M, K) FP8, inv_scale (M, 1) float32, amax () float32.
+    """
+    _check_input("cast_rowwise", x, flat=False)
+    fp8_max = _check_out_dtype("cast_rowwise", out_dtype)
+    cfg = _cfg(_ROWWISE_CFG, config)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=out_dtype, device=x.device)
+    inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    if M:
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
+        _cast_rowwise_fwd_kernel[grid](
+            x, q, inv, amax, M, K, x.stride(0),
+            FP8_MAX=fp8_max, MARGIN=margin, POWER_2=power_2,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        )
+    return q, inv, amax
+
+
+# ------------------------------------------------------------------------------------------------
+# Library ops: opaque to torch.compile (a fake kernel gives shapes), CUDA kernels above.
+
+
+def _amax_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((), dtype=torch.float32)
+
+
+def _cast_fake(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
+    return (
+        torch.empty(x.shape, dtype=out_dtype, device=x.device),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+def _cast_transpose_fake(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
+    M, K = x.shape
+    return (
+        torch.empty((M, K), dtype=out_dtype, device=x.device),
+        torch.empty((K, M), dtype=out_dtype, device=x.device),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+def _cast_rowwise_fake(x, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
+    M, K = x.shape
+    return (
+        torch.empty((M, K), dtype=out_dtype, device=x.device),
+        x.new_empty((M, 1), dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+def _guard(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    return torch.empty(0)
+
+
+_GUARD_MESSAGE = (
+    "fp8ops: torch.compile cannot trace a torch.func transform (grad, vjp, grad_and_value) through "
+    "fp8ops ops: it would drop their custom backward and return wrong gradients (pytorch#193279). "
+    "Use torch.func eagerly, or torch.compile the loss and call .backward() / torch.autograd.grad."
+)
+
+
+def _guard_autograd(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    # An op's autograd.Function runs its forward with grad mode off; reaching here with grad mode on
+    # and an input that requires grad means a tracer inlined the forward as differentiable code.
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(_GUARD_MESSAGE)
+    with torch._C._AutoDispatchBelowAutograd():
+        return guard(tensors)
+
+
+amax = define(
+    "amax(Tensor x) -> Tensor",
+    cuda=lambda x: amax_launch(x.contiguous()),
+    fake=_amax_fake,
+)
+"""``fp8ops::amax``: max |x| over every element, float32, NaN-propagating."""
+
+cast = define(
+    "cast(Tensor x, Tensor scale, Tensor? amax_in, int margin, bool power_2, ScalarType out_dtype)"
+    " -> (Tensor, Tensor, Tensor)",
+    cuda=lambda x, scale, amax_in, margin, power_2, out_dtype: cast_launch(
+        x.contiguous(), scale, amax_in, margin, power_2, out_dtype
+    ),
+    fake=_cast_fake,
+)
+"""``fp8ops::cast``: saturating FP8 cast + amax, ``(q, amax, inv_scale)``; see :func:`cast_launch`."""
+
+cast_transpose = define(
+    "cast_transpose(Tensor x, Tensor scale, Tensor? amax_in, int margin, bool power_2, ScalarType out_dtype)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
+    cuda=lambda x, scale, amax_in, margin, power_2, out_dtype: cast_transpose_launch(
+        x.contiguous(), scale, amax_in, margin, power_2, out_dtype
+    ),
+    fake=_cast_transpose_fake,
+)
+"""``fp8ops::cast_transpose``: cast + transposed copy + amax, ``(q, q_t, amax, inv_scale)``."""
+
+cast_rowwise = define(
+    "cast_rowwise(Tensor x, int margin, bool power_2, ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",
+    cuda=lambda x, margin, power_2, out_dtype: cast_rowwise_launch(x.contiguous(), margin, power_2, out_dtype),
+    fake=_cast_rowwise_fake,
+)
+"""``fp8ops::cast_rowwise``: cast with one scale per row, ``(q, inv_scale (M, 1), amax)``."""
+
+guard = define("guard(Tensor?[] tensors) -> Tensor", cuda=_guard, cpu=_guard, fake=_guard,
+               autograd=_guard_autograd)
+"""``fp8ops::guard``: an opaque no-op (no kernel launch) on an op's differentiable inputs.
+
+Ops call it in their autograd.Function forward, which runs with grad mode off under plain autograd,
+eager torch.func and torch.compile. When torch.compile traces a torch.func transform through the
+Function, the forward is inlined as differentiable code and its custom backward would be dropped
+(pytorch#193279); the guard then sees inputs that require grad with grad mode on, and raises.
+"""

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The one script run on the GPU machine: install fp8ops, run the GPU tests, run the benchmarks,
+# and write every log and result into OUTDIR.
+#
+# Usage: bash scripts/gpu_check.sh OUTDIR [--sweep]
+#
+#   SUITES="quantize linear"   benchmark suites to run (python -m fp8ops.bench <suite>), in order
+#   TESTS="tests property_tests"  where pytest looks for the tests marked gpu
+#   Wheels in .whl/ (e.g. torchao, a peer in the linear suite) are installed to /tmp/site first.
+#
+#   OUTDIR     created if missing; receives nvidia-smi.txt, versions.txt, install.log,
+#              gpu_tests.log, gpu_tests.xml, bench_quantize.log, quantize.json, quantize.png,
+#              summary.txt
+#   --sweep    also time launcher configurations of the quantize kernels (python -m fp8ops.bench
+#              quantize --sweep) to tune the defaults in kernels/quantize.py
+#
+# Expects torch (CUDA build) and triton preinstalled for python3 (override with PYTHON=...); needs
+# no network. The tests run even if an earlier step failed, the benchmark runs even if tests fail,
+# and the exit status is non-zero if any step failed. Every step has a time limit so that the whole
+# script stays under GPU_CHECK_BUDGET_S seconds (default 480).
+
+set -u -o pipefail
+
+usage() {
+    echo "usage: bash scripts/gpu_check.sh OUTDIR [--sweep]" >&2
+    exit 2
+}
+
+[ $# -ge 1 ] || usage
+OUT_ARG=$1
+shift
+SWEEP=""
+for arg in "$@"; do
+    case "$arg" in
+        --sweep) SWEEP="--sweep" ;;
+        *) usage ;;
+    esac
+done
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$OUT_ARG" || { echo "gpu_check: cannot create $OUT_ARG" >&2; exit 2; }
+OUT=$(cd "$OUT_ARG" && pwd)
+cd "$REPO" || exit 2
+
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
+START=$SECONDS
+FAILED=()
+
+step() { printf '\n==== %s (t=%ds) ====\n' "$*" "$((SECONDS - START))"; }
+fail() {
+    echo "gpu_check: FAILED: $*" >&2
+    FAILED+=("$*")
+}
+remaining() { echo $((BUDGET - (SECONDS - START))); }
+# limit CAP RESERVE: seconds for the next step: at most CAP, leaving RESERVE for later steps.
+limit() {
+    local t=$(($(remaining) - $2))
+    [ "$t" -gt "$1" ] && t=$1
+    [ "$t" -lt 30 ] && t=30
+    echo "$t"
+}
+# check NAME RC: record a failure for a non-zero status (124/137: the time limit).
+check() {
+    case "$2" in
+        0) ;;
+        124 | 137) fail "$1 (time limit reached)" ;;
+        *) fail "$1 (exit status $2)" ;;
+    esac
+}
+
+step "GPU and versions"
+nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
+check "nvidia-smi" $?
+"$PY" - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
+import platform, sys
+print("python", platform.python_version())
+import torch
+print("torch", torch.__version__, "| CUDA", torch.version.cuda, "| cuDNN", torch.backends.cudnn.version())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as exc:
+    print("triton: not importable:", exc)
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f"cuda:{i}", p.name, f"sm_{p.major}{p.minor}", f"{p.total_memory / 2**30:.1f} GiB",
+              f"{p.multi_processor_count} SMs")
+else:
+    print("CUDA is not available to torch")
+    sys.exit(1)
+EOF
+check "versions / CUDA available" $?
+(git -C "$REPO" rev-parse --verify -q HEAD 2>/dev/null || echo "git revision: unknown") | tee -a "$OUT/versions.txt"
+
+if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+    step "install carried wheels (.whl/) into /tmp/site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$REPO"/.whl/*.whl 2>&1 | tail -3
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+step "install fp8ops (editable, no dependencies)"
+timeout --kill-after=10 "$(limit 180 360)" \
+    "$PY" -m pip install --no-deps --no-build-isolation -e . 2>&1 | tee "$OUT/install.log"
+check "pip install" $?
+
+step "GPU tests: pytest -m gpu tests property_tests"
+timeout --kill-after=10 "$(limit 270 200)" \
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" ${TESTS:-tests property_tests} \
+    2>&1 | tee "$OUT/gpu_tests.log"
+check "GPU tests" $?
+
+for suite in ${SUITES:-quantize linear}; do
+    step "benchmark: python -m fp8ops.bench $suite"
+    extra=""
+    [ "$suite" = quantize ] && extra=$SWEEP
+    # shellcheck disable=SC2086  # extra is empty or one word
+    timeout --kill-after=10 "$(limit 330 10)" \
+        "$PY" -m fp8ops.bench "$suite" --out "$OUT" $extra 2>&1 | tee "$OUT/bench_$suite.log"
+    check "benchmark $suite" $?
+done
+
+step "summary"
+{
+    echo "gpu_check finished in $((SECONDS - START)) s; outputs in $OUT"
+    if [ ${#FAILED[@]} -eq 0 ]; then
+        echo "all steps passed"
+    else
+        echo "${#FAILED[@]} step(s) failed:"
+        printf '  - %s\n' "${FAILED[@]}"
+    fi
+} | tee "$OUT/summary.txt"
+[ ${#FAILED[@]} -eq 0 ]
