@@ -33,6 +33,8 @@ _DOCTEST_MODULES = [
     "fp8ops.state",
     "fp8ops.quantize",
     "fp8ops.fake_quantize",
+    "fp8ops.linear",
+    "fp8ops.reference.gemm",
 ]
 
 

@@ -16,8 +16,8 @@ Implementations:
   accumulation) on pre-quantized operands, the same accumulation modes as fp8ops's defaults.
 
 TFLOP/s count 2*M*N*K per GEMM (one for forward, three for forward+backward). Times are medians
-of CUDA-event-timed iterations after warm-up, on random data, with the weight gradient reset to
-None before each backward (as after ``zero_grad(set_to_none=True)``). "fwd µs" and "fwd+bwd µs"
+of CUDA-event-timed iterations after warm-up, on random data, with the weight and input gradients
+reset to None before each backward (as after ``zero_grad(set_to_none=True)``). "fwd µs" and "fwd+bwd µs"
 time plain launches from Python (what an eager training loop sees, host overhead included);
 "graph µs" times CUDA-graph replays of forward+backward (device time), where capture works.
 """
@@ -74,7 +74,7 @@ def _fp8ops_case(M, K, N, recipe, backend, dtype=torch.bfloat16, compiled=False)
             return f(x, None)[0]
 
     def fwd_bwd(x, dy):  # type: ignore[no-untyped-def]
-        w.grad = None  # as after optimizer.zero_grad(set_to_none=True)
+        w.grad = x.grad = None  # as after optimizer.zero_grad(set_to_none=True)
         probe = torch.zeros((), device="cuda", requires_grad=True)
         y, _ = f(x, probe)
         y.backward(dy)
@@ -96,7 +96,7 @@ def _bf16_case(M, K, N):  # type: ignore[no-untyped-def]
             return torch.nn.functional.linear(x, w)
 
     def fwd_bwd(x, dy):  # type: ignore[no-untyped-def]
-        w.grad = None
+        w.grad = x.grad = None
         torch.nn.functional.linear(x, w).backward(dy)
 
     return fwd, fwd_bwd
@@ -114,7 +114,7 @@ def _torchao_case(M, K, N, recipe_name):  # type: ignore[no-untyped-def]
             return mc(x)
 
     def fwd_bwd(x, dy):  # type: ignore[no-untyped-def]
-        m[0].weight.grad = None
+        m[0].weight.grad = x.grad = None
         mc(x).backward(dy)
 
     return fwd, fwd_bwd
