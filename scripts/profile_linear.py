@@ -95,6 +95,12 @@ def main() -> None:
         print(f"{'fp8_linear forward+backward, graph replay (device time)':60s} {(time.perf_counter() - t0) / 50 * 1e6:8.1f} µs/call")
     except Exception as exc:  # capture can fail; the host numbers above stand on their own
         print("graph capture failed:", type(exc).__name__, exc)
+    # device kernels of one forward+backward (after warm-up), to see where device time goes
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as tp:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
