@@ -34,6 +34,7 @@ _DOCTEST_MODULES = [
     "fp8ops.quantize",
     "fp8ops.fake_quantize",
     "fp8ops.linear",
+    "fp8ops.attention",
     "fp8ops.reference.gemm",
 ]
 
@@ -72,7 +73,8 @@ def test_api_md_has_a_heading_for_every_public_name() -> None:
 
 def test_docs_pages_exist() -> None:
     names = {p.relative_to(DOCS).as_posix() for p in _doc_pages()}
-    for page in ("index.md", "formats_and_recipes.md", "scaling_state.md", "api.md", "kernels/quantize.md"):
+    for page in ("index.md", "formats_and_recipes.md", "scaling_state.md", "api.md", "kernels/quantize.md",
+                 "kernels/attention.md"):
         assert page in names, f"docs/{page} is missing"
 
 

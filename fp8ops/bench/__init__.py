@@ -21,5 +21,6 @@ __all__ = ["SUITES"]
 SUITES: dict[str, str] = {
     "quantize": "fp8ops.bench.quantize",
     "linear": "fp8ops.bench.linear",
+    "attention": "fp8ops.bench.attention",
 }
 """Suite name -> module implementing it (``add_arguments(parser)`` and ``run(args)``)."""

@@ -1,0 +1,1440 @@
+"""Flash attention kernels with fused score/mask modifications, block sparsity and packed sequences.
+
+Math (FlashAttention-2's online softmax, in base 2; ``L = log2(e)``)::
+
+    s_ij  = scale * q_i . k_j                        score, fp32 (QK^T on the tensor cores)
+    s_ij  = score_mod(s_ij, b, h, i, j)              optional, fused, fp32
+    s_ij  = -inf  where (i, j) is not visible         band (causal / window), mask_mod, bounds
+    m_i   = max_j s_ij * L;  l_i = sum_j 2^(s_ij L - m_i)   updated one key tile at a time
+    o_i   = sum_j 2^(s_ij L - m_i) v_j / l_i          P cast to V's dtype for the PV GEMM
+    lse_i = (m_i + log2 l_i) / L                      natural log; MASKED_ROW_LSE when l_i == 0
+
+Backward (the "no atomics" schedule of the Triton tutorial and FlexAttention, plus an atomic-dQ
+variant)::
+
+    delta_i = sum_d o_id do_id - dlse_i                               (_attention_bwd_preprocess_kernel)
+    p_ij    = 2^(s_ij L - lse_i L);  dp_ij = do_i . v_j;  ds_ij = p_ij (dp_ij - delta_i)
+    ds_ij  <- ds_ij * d score_mod / d s   (and captured-tensor gradients, scattered with atomics)
+    dv_j = sum_i p_ij do_i;  dk_j = scale sum_i ds_ij q_i;  dq_i = scale sum_j ds_ij k_j
+
+- ``_attention_bwd_dkdv_kernel``: one program per (key tile, kv head, batch); loops over the
+  query heads of its GQA group and over the query tiles that see the key tile, so dK and dV are
+  reduced in registers (deterministic). It computes the transposed products ``s^T = K Q^T`` and
+  ``dp^T = V dO^T`` directly (no transpose of a dot result: a Hopper miscompile, G8). With
+  ``ATOMIC_DQ`` it also adds ``dq^T = K^T ds^T`` to an fp32 buffer with atomics (5 GEMMs per tile
+  pair instead of 7, not deterministic).
+- ``_attention_bwd_dq_kernel``: one program per (query tile, head, batch), over key tiles (7-GEMM
+  scheme together with the dK/dV kernel, deterministic).
+
+Visibility and sparsity. The band ``i - left <= j <= i + right`` (``causal`` is ``right = 0``,
+top-left aligned) gives each query tile a key range; tiles entirely inside the band and the
+sequence run an unmasked loop, tiles on its edges a masked loop, tiles outside are never visited.
+With a block mask, programs follow its per-row lists of *partial* blocks (mask_mod evaluated) and
+*full* blocks (mask_mod skipped); empty blocks are never visited. The dK/dV kernel uses the
+transposed (per key block) lists. Kernel tiles divide the block-mask blocks.
+
+Packed sequences (``VARLEN``): ``cu_seqlens`` gives each sequence's rows; loads and stores are
+masked at sequence ends (no reads or writes in a neighbour's rows), and the mods see positions
+inside the sequence.
+
+Mods are ``@triton.jit`` functions referenced as globals of a *specialized* copy of each kernel
+(:func:`specialize`), so each (score_mod, mask_mod) pair compiles once and the kernels never take a
+function as an argument (which ``torch.compile`` cannot trace). Signatures::
+
+    score_mod(score, b, h, q_idx, kv_idx, t0, t1, t2, t3) -> score
+    score_grad(ds, score, b, h, q_idx, kv_idx, valid, t0, t1, t2, t3, g0, g1, g2, g3) -> ds * dmod/dscore
+    mask_mod(b, h, q_idx, kv_idx, t0, t1, t2, t3) -> bool
+
+``t*`` are the mod's captured tensors (pointers, or None), ``g*`` fp32 gradient buffers of them
+(or None). Indices are clamped to the sequence, so a mod may index tables by position.
+
+FP8 hooks (not yet used by fp8ops): the forward takes per-block descales of Q, K and V
+(``HAS_DESCALE``: ``qk *= dq * dk`` per tile, ``pv *= dv``) and casts P to V's dtype before the PV
+GEMM, so FP8 operands need no kernel rewrite.
+
+Performance: pointer loads with cp.async pipelining (no TMA yet); fast for long sequences with
+head dims 64/128; masks cost only on edge tiles; a cheap score_mod (ALiBi, soft-cap) costs a few
+elementwise ops per score. Slow cases: short sequences with many heads (launch-bound), head dim
+256 in the backward (register pressure: smaller tiles), and fp32 inputs (IEEE dots).
+
+References: Dao, "FlashAttention-2" (2023); Shah et al., "FlashAttention-3" (2024); the Triton
+fused-attention tutorial; PyTorch FlexAttention (Dong et al., 2024).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "MASKED_ROW_LSE",
+    "MAX_MOD_BUFFERS",
+    "MODMATH_TRITON",
+    "NO_BOUND",
+    "AttentionKernels",
+    "attention_bwd_launch",
+    "attention_fwd_launch",
+    "specialize",
+]
+
+MASKED_ROW_LSE = -1.0e30
+"""LSE written for a query row that sees no key (its output is 0)."""
+
+NO_BOUND = 1 << 30
+"""Window bound meaning "unbounded" (any sequence is shorter)."""
+
+MAX_MOD_BUFFERS = 4
+"""Captured tensors per mod (kernel pointer slots)."""
+
+_MASKED_LSE = tl.constexpr(MASKED_ROW_LSE)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton twins of fp8ops.modmath (the small math namespace that mods may use).
+
+
+@triton.jit
+def _mm_exp(x):
+    return tl.exp(x.to(tl.float32))
+
+
+@triton.jit
+def _mm_exp2(x):
+    return tl.math.exp2(x.to(tl.float32))
+
+
+@triton.jit
+def _mm_log(x):
+    return tl.log(x.to(tl.float32))
+
+
+@triton.jit
+def _mm_log2(x):
+    return tl.math.log2(x.to(tl.float32))
+
+
+@triton.jit
+def _mm_sqrt(x):
+    return tl.sqrt(x.to(tl.float32))
+
+
+@triton.jit
+def _mm_tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7 near 0.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x.to(tl.float32)) + 1.0)
+
+
+@triton.jit
+def _mm_sigmoid(x):
+    return tl.sigmoid(x.to(tl.float32))
+
+
+@triton.jit
+def _mm_abs(x):
+    return tl.abs(x)
+
+
+@triton.jit
+def _mm_minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _mm_maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _mm_where(cond, a, b):
+    return tl.where(cond, a, b)
+
+
+@triton.jit
+def _mm_clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def _mm_load(table, index):
+    return tl.load(table + index)
+
+
+MODMATH_TRITON: dict[str, Any] = {
+    "exp": _mm_exp,
+    "exp2": _mm_exp2,
+    "log": _mm_log,
+    "log2": _mm_log2,
+    "sqrt": _mm_sqrt,
+    "tanh": _mm_tanh,
+    "sigmoid": _mm_sigmoid,
+    "abs": _mm_abs,
+    "minimum": _mm_minimum,
+    "maximum": _mm_maximum,
+    "where": _mm_where,
+    "clamp": _mm_clamp,
+    "load": _mm_load,
+}
+"""modmath function name -> its ``@triton.jit`` implementation (used by generated mod code)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Defaults of the mod globals (replaced in specialized kernels).
+
+
+@triton.jit
+def _identity_score_mod(score, b, h, q_idx, kv_idx, t0, t1, t2, t3):
+    return score
+
+
+@triton.jit
+def _identity_score_grad(ds, score, b, h, q_idx, kv_idx, valid, t0, t1, t2, t3, g0, g1, g2, g3):
+    return ds
+
+
+@triton.jit
+def _all_visible(b, h, q_idx, kv_idx, t0, t1, t2, t3):
+    return (q_idx >= 0) | (kv_idx >= 0)
+
+
+SCORE_MOD = _identity_score_mod
+SCORE_GRAD = _identity_score_grad
+SCORE_GRAD_DQ = _identity_score_grad
+MASK_MOD = _all_visible
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+@triton.jit
+def _mix32(x):
+    # A 32-bit xor-shift-multiply hash on uint32 (wrapping), as in fp8ops.reference.attention.
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _dropout_key(seed_ptr, b, h):
+    # The per-(batch, head) part of the dropout hash.
+    seed = tl.load(seed_ptr)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    k0 = _mix32(lo ^ _mix32(hi))
+    k1 = _mix32(k0 + b.to(tl.uint32))
+    return _mix32(k1 + h.to(tl.uint32))
+
+
+@triton.jit
+def _dropout_keep(key, q_idx, kv_idx, drop_thresh):
+    # True where the weight of (q_idx, kv_idx) is kept; q_idx / kv_idx broadcast to the tile.
+    r = _mix32(_mix32(key + q_idx.to(tl.uint32)) + kv_idx.to(tl.uint32))
+    return (r >> 8).to(tl.int32) >= drop_thresh
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # A masked 2-D load (rows x cols), masks compiled in only where needed.
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN: tl.constexpr):
+    # (q_start, q_len, kv_start, kv_len) of sequence b.
+    if VARLEN:
+        q_start = tl.load(cu_q_ptr + b)
+        q_len = tl.load(cu_q_ptr + b + 1) - q_start
+        kv_start = tl.load(cu_kv_ptr + b)
+        kv_len = tl.load(cu_kv_ptr + b + 1) - kv_start
+    else:
+        q_start = b * 0
+        q_len = seq_q + b * 0
+        kv_start = b * 0
+        kv_len = seq_kv + b * 0
+    return q_start, q_len, kv_start, kv_len
+
+
+@triton.jit
+def _kv_range(m0, m1, kv_len, win_left, win_right, BAND: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Key range of query rows [m0, m1): (lo, full_lo, full_hi, hi). Tiles in [full_lo, full_hi)
+    # are inside the band and the sequence for every row (no masking); [lo, full_lo) and
+    # [full_hi, hi) are edge tiles. All values are >= 0 before any division (C-style division).
+    if BAND:
+        lo = tl.maximum(m0 - win_left, 0)
+        hi = tl.minimum(kv_len, m1 + win_right)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(m1 - 1 - win_left, 0)
+        full_lo = tl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
+        full_hi = tl.minimum(((m0 + win_right + 1) // BLOCK_N) * BLOCK_N, (kv_len // BLOCK_N) * BLOCK_N)
+        full_hi = tl.maximum(full_hi, full_lo)
+    else:
+        lo = kv_len * 0
+        hi = kv_len
+        full_lo = lo
+        full_hi = (kv_len // BLOCK_N) * BLOCK_N
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _q_range(n0, n1, owned_full, q_len, win_left, win_right, BAND: tl.constexpr, BLOCK_M: tl.constexpr):
+    # Query range that sees keys [n0, n1) (the mirror of _kv_range): (lo, full_lo, full_hi, hi).
+    if BAND:
+        lo = tl.maximum(n0 - win_right, 0)
+        hi = tl.minimum(q_len, n1 + win_left)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = tl.maximum(n1 - 1 - win_right, 0)
+        full_lo = tl.maximum(((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo)
+        full_hi = tl.minimum(((n0 + win_left + 1) // BLOCK_M) * BLOCK_M, (q_len // BLOCK_M) * BLOCK_M)
+    else:
+        lo = q_len * 0
+        hi = q_len
+        full_lo = lo
+        full_hi = (q_len // BLOCK_M) * BLOCK_M
+    full_lo = tl.where(owned_full, full_lo, lo)
+    full_hi = tl.where(owned_full, tl.maximum(full_hi, full_lo), lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _visible(q_rows, kv_cols, q_len, kv_len, b, h, win_left, win_right,
+             mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN: tl.constexpr,
+             CHECK_Q: tl.constexpr, CHECK_KV: tl.constexpr, CHECK_BAND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr):
+    # Visibility of a tile; q_rows and kv_cols are broadcastable index tiles (rows x 1, 1 x cols or
+    # transposed). Returns a full-shape bool tile.
+    vis = (q_rows >= 0) & (kv_cols >= 0)
+    if CHECK_Q:
+        vis = vis & (q_rows < q_len)
+    if CHECK_KV:
+        vis = vis & (kv_cols < kv_len)
+    if CHECK_BAND:
+        vis = vis & (q_rows - kv_cols <= win_left) & (kv_cols - q_rows <= win_right)
+    if APPLY_MASK_MOD:
+        qc = tl.minimum(q_rows, q_len - 1)
+        kc = tl.minimum(kv_cols, kv_len - 1)
+        vis = vis & MASK_FN(b, h, qc, kc, mm_t0, mm_t1, mm_t2, mm_t3)
+    return vis
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _attn_fwd_tile(
+    acc, l_i, m_i, q,
+    k_base,  # pointer to k[b, hk, seq_start]; rows at stride_ks
+    v_base,  # pointer to v[b, hk, seq_start]
+    start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+    stride_ks, stride_kd, stride_vs, stride_vd,
+    qk_scale, sm_scale, b, h, win_left, win_right,
+    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
+    drop_key, drop_thresh, kds_base, vds_base,
+    SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
+    HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr,
+    CHECK_BAND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DESCALE: tl.constexpr, DESCALE_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kv_ok = offs_n < kv_len
+    # Step 1: K tile (BLOCK_N, D) and the scores (BLOCK_M, BLOCK_N), fp32.
+    k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    k = _load_tile(k_ptrs, kv_ok, offs_d < HEAD_DIM, CHECK_KV, BLOCK_D != HEAD_DIM)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if HAS_DESCALE:
+        qk = qk * tl.load(kds_base + start_n // DESCALE_KV)
+    # Step 2: score_mod in natural units, then base-2 units.
+    if HAS_SCORE_MOD:
+        s = qk * sm_scale
+        qc = tl.minimum(offs_m, q_len - 1)[:, None]
+        kc = tl.minimum(offs_n, kv_len - 1)[None, :]
+        s = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32)
+        s2 = s * _LOG2E
+    else:
+        s2 = qk * qk_scale
+    # Step 3: visibility (edge tiles only).
+    if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
+        vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
+                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN, False, CHECK_KV, CHECK_BAND, APPLY_MASK_MOD)
+        s2 = tl.where(vis, s2, float("-inf"))
+    # Step 4: online softmax update; a row with no visible key so far keeps m = -inf, l = 0.
+    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s2 - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DROPOUT:
+        keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
+        p = tl.where(keep, p, 0.0)
+    # Step 5: P V, with P in V's dtype (bf16/fp16 now, FP8 later).
+    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+    v = _load_tile(v_ptrs, kv_ok, offs_dv < HEAD_DIM_V, CHECK_KV, BLOCK_DV != HEAD_DIM_V)
+    if HAS_DESCALE:
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * tl.load(vds_base + start_n // DESCALE_KV)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+def _attention_fwd_kernel(
+    q_ptr,  # (B, Hq, Sq, D) through strides, or packed (Tq, Hq, D) with stride_qb = 0 (VARLEN)
+    k_ptr,  # (B, Hkv, Skv, D) / (Tkv, Hkv, D)
+    v_ptr,  # (B, Hkv, Skv, Dv) / (Tkv, Hkv, Dv)
+    o_ptr,  # (B, Hq, Sq, Dv) output, q's dtype
+    lse_ptr,  # (B, Hq, Sq) fp32 output: natural-log LSE
+    stride_qb, stride_qh, stride_qs, stride_qd,  # strides of q along (B, H, S, D)
+    stride_kb, stride_kh, stride_ks, stride_kd,  # strides of k along (B, H, S, D)
+    stride_vb, stride_vh, stride_vs, stride_vd,  # strides of v along (B, H, S, D)
+    stride_ob, stride_oh, stride_os, stride_od,  # strides of out along (B, H, S, D)
+    stride_lb, stride_lh, stride_ls,  # strides of lse along (B, H, S)
+    cu_q_ptr,  # (B + 1,) int32 sequence starts in the packed q (VARLEN), or None
+    cu_kv_ptr,  # (B + 1,) int32 sequence starts in the packed k/v (VARLEN), or None
+    seq_q, seq_kv, group, sm_scale, win_left, win_right,  # lengths (dense), Hq // Hkv, scale, band bounds
+    kvn_ptr,  # (B', H', NQ) int32: partial key blocks per query block (BLOCK_SPARSE)
+    kvi_ptr,  # (B', H', NQ, NKV) int32: their indices
+    fkvn_ptr,  # (B', H', NQ) int32: full key blocks per query block
+    fkvi_ptr,  # (B', H', NQ, NKV) int32: their indices
+    stride_nb, stride_nh, stride_nm,  # strides of the count tensors (0 on broadcast dims)
+    stride_ib, stride_ih, stride_im,  # strides of the index tensors (last dim unit)
+    sm_t0, sm_t1, sm_t2, sm_t3,  # score_mod captured tensors (flat), or None
+    mm_t0, mm_t1, mm_t2, mm_t3,  # mask_mod captured tensors (flat), or None
+    seed_ptr,  # () int64 dropout seed (DROPOUT), or None
+    drop_thresh, drop_scale,
+    qds_ptr,  # (B, Hq, ceil(Sq / DESCALE_Q)) fp32 descales of q (HAS_DESCALE), or None
+    kds_ptr,  # (B, Hkv, ceil(Skv / DESCALE_KV)) fp32 descales of k
+    vds_ptr,  # (B, Hkv, ceil(Skv / DESCALE_KV)) fp32 descales of v
+    stride_dqb, stride_dqh, stride_dkb, stride_dkh,  # strides of the q / kv descales along (B, H)
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, BAND: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_DESCALE: tl.constexpr, DESCALE_Q: tl.constexpr, DESCALE_KV: tl.constexpr,
+    REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Step 1: program coordinates; causal-like bands run the longest query tiles first.
+    pid_m = tl.program_id(0)
+    if REVERSE:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len = _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    hk = h // group
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ok = offs_m < q_len
+
+    # Step 2: the query tile stays in registers.
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + m0).to(tl.int64) * stride_qs
+    q_ptrs = q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    q = _load_tile(q_ptrs, q_ok, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
+
+    qk_scale = sm_scale * _LOG2E
+    kds_base = kds_ptr
+    vds_base = vds_ptr
+    if HAS_DESCALE:
+        qk_scale = qk_scale * tl.load(qds_ptr + b * stride_dqb + h * stride_dqh + m0 // DESCALE_Q)
+        sm_scale = sm_scale * tl.load(qds_ptr + b * stride_dqb + h * stride_dqh + m0 // DESCALE_Q)
+        kds_base = kds_ptr + b * stride_dkb + hk * stride_dkh
+        vds_base = vds_ptr + b * stride_dkb + hk * stride_dkh
+    drop_key = b.to(tl.uint32)
+    if DROPOUT:
+        drop_key = _dropout_key(seed_ptr, b, h)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+
+    if BLOCK_SPARSE:
+        # Step 3a: the block mask's lists for this query block: partial blocks, then full ones.
+        sb = m0 // SPARSE_Q
+        n_off = b * stride_nb + h * stride_nh + sb * stride_nm
+        i_off = b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + sb.to(tl.int64) * stride_im
+        num = tl.load(kvn_ptr + n_off)
+        for i in range(0, num):
+            blk = tl.load(kvi_ptr + i_off + i)
+            for start_n in range(blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len), BLOCK_N):
+                acc, l_i, m_i = _attn_fwd_tile(
+                    acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                    stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                    SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT, HAS_DESCALE, DESCALE_KV,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        num = tl.load(fkvn_ptr + n_off)
+        for i in range(0, num):
+            blk = tl.load(fkvi_ptr + i_off + i)
+            for start_n in range(blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len), BLOCK_N):
+                acc, l_i, m_i = _attn_fwd_tile(
+                    acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                    stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                    SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, False, True, BAND, DROPOUT, HAS_DESCALE, DESCALE_KV,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+    else:
+        # Step 3b: the band's key range: masked edge tiles around an unmasked middle.
+        lo, full_lo, full_hi, hi = _kv_range(m0, tl.minimum(m0 + BLOCK_M, q_len), kv_len, win_left, win_right,
+                                             BAND, BLOCK_N)
+        for start_n in range(lo, full_lo, BLOCK_N):
+            acc, l_i, m_i = _attn_fwd_tile(
+                acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT, HAS_DESCALE, DESCALE_KV,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            acc, l_i, m_i = _attn_fwd_tile(
+                acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, False, False, DROPOUT, HAS_DESCALE, DESCALE_KV,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        for start_n in range(full_hi, hi, BLOCK_N):
+            acc, l_i, m_i = _attn_fwd_tile(
+                acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT, HAS_DESCALE, DESCALE_KV,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+
+    # Step 4: normalise once; rows that saw nothing give 0 and MASKED_ROW_LSE.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if DROPOUT:
+        out = out * drop_scale
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * _LN2, _MASKED_LSE)
+    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + (q_start + m0).to(tl.int64) * stride_os
+    o_ptrs = o_base + tl.arange(0, BLOCK_M)[:, None] * stride_os + offs_dv[None, :] * stride_od
+    if BLOCK_DV != HEAD_DIM_V:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+    else:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
+    l_base = lse_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (q_start + m0).to(tl.int64) * stride_ls
+    tl.store(l_base + tl.arange(0, BLOCK_M) * stride_ls, lse, mask=q_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+
+
+def _attention_bwd_preprocess_kernel(
+    o_ptr,  # (B, Hq, Sq, Dv) forward output
+    do_ptr,  # (B, Hq, Sq, Dv) output gradient
+    dlse_ptr,  # (B, Hq, Sq) gradient of the LSE, or None
+    delta_ptr,  # (B, Hq, Sq) fp32 output: rowsum(o * do) - dlse (lse's strides)
+    stride_ob, stride_oh, stride_os, stride_od,  # strides of out along (B, H, S, D)
+    stride_gb, stride_gh, stride_gs, stride_gd,  # strides of do along (B, H, S, D)
+    stride_eb, stride_eh, stride_es,  # of dlse
+    stride_lb, stride_lh, stride_ls,  # of delta (= lse)
+    cu_q_ptr, seq_q,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, _, _ = _seq_bounds(cu_q_ptr, cu_q_ptr, b, seq_q, seq_q, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok = (m0 + rows) < q_len
+    # Step 1: delta = rowsum(o * do) in fp32.
+    pos = (q_start + m0).to(tl.int64)
+    o = tl.load(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + pos * stride_os
+                + rows[:, None] * stride_os + offs_dv[None, :] * stride_od,
+                mask=ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + pos * stride_gs
+                 + rows[:, None] * stride_gs + offs_dv[None, :] * stride_gd,
+                 mask=ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    # Step 2: a gradient flowing into the LSE enters as -dlse (d lse / d s = p).
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh + pos * stride_es
+                         + rows * stride_es, mask=ok, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + pos * stride_ls + rows * stride_ls,
+             delta, mask=ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_tile(
+    dk, dv, k, v,
+    q_base,  # pointer to q[b, hq, seq_start]
+    do_base,  # pointer to do[b, hq, seq_start]
+    l_base,  # pointer to lse[b, hq, seq_start]
+    e_base,  # pointer to delta[b, hq, seq_start]
+    dq_base,  # pointer to the fp32 dq accumulator [b, hq, seq_start] (ATOMIC_DQ)
+    start_m, q_len, kv_len, offs_n, offs_d, offs_dv,
+    stride_qs, stride_qd, stride_gs, stride_gd, stride_ls, stride_as, stride_ad,
+    qk_scale, sm_scale, b, h, win_left, win_right,
+    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
+    drop_key, drop_thresh, drop_scale,
+    SCORE_FN: tl.constexpr, GRAD_FN: tl.constexpr, MASK_FN: tl.constexpr,
+    HAS_SCORE_MOD: tl.constexpr, MASKED: tl.constexpr, CHECK_BAND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
+    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_ok = offs_m < q_len
+    # Step 1: Q and dO tiles, and the row statistics.
+    q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok, offs_d < HEAD_DIM,
+                   MASKED, BLOCK_D != HEAD_DIM)
+    do = _load_tile(do_base + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok,
+                    offs_dv < HEAD_DIM_V, MASKED, BLOCK_DV != HEAD_DIM_V)
+    if MASKED:
+        lse2 = tl.load(l_base + offs_m * stride_ls, mask=q_ok, other=0.0) * _LOG2E
+        delta = tl.load(e_base + offs_m * stride_ls, mask=q_ok, other=0.0)
+    else:
+        lse2 = tl.load(l_base + offs_m * stride_ls) * _LOG2E
+        delta = tl.load(e_base + offs_m * stride_ls)
+    # Step 2: transposed scores s^T = K Q^T (BLOCK_N, BLOCK_M) and probabilities p^T.
+    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    if HAS_SCORE_MOD:
+        sT = qkT * sm_scale
+        qc = tl.minimum(offs_m, q_len - 1)[None, :]
+        kc = tl.minimum(offs_n, kv_len - 1)[:, None]
+        s2 = SCORE_FN(sT, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
+    else:
+        s2 = qkT * qk_scale
+    if MASKED:
+        # Masking the exponent (not the result) keeps exp2 finite for rows that see nothing.
+        vis = _visible(offs_m[None, :], offs_n[:, None], q_len, kv_len, b, h, win_left, win_right,
+                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN, True, True, CHECK_BAND, APPLY_MASK_MOD)
+        s2 = tl.where(vis, s2, float("-inf"))
+    else:
+        vis = (offs_m[None, :] >= 0) & (offs_n[:, None] >= 0)
+    pT = tl.math.exp2(s2 - lse2[None, :])
+    # Step 3: dV += P^T dO (dropout-scaled), dP^T = V dO^T.
+    if DROPOUT:
+        keep = _dropout_keep(drop_key, offs_m[None, :], offs_n[:, None], drop_thresh)
+        dv = tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    else:
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if DROPOUT:
+        dpT = tl.where(keep, dpT * drop_scale, 0.0)
+    # Step 4: dS^T, through score_mod's derivative (captured-tensor gradients scatter here).
+    dsT = pT * (dpT - delta[None, :])
+    if HAS_SCORE_MOD:
+        dsT = GRAD_FN(dsT, sT, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, g0, g1, g2, g3).to(tl.float32)
+        dsT = tl.where(vis, dsT, 0.0)
+    # Step 5: dK += dS^T Q; optionally dQ^T += K^T dS^T with atomics (fp32 accumulator).
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:
+        dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION) * sm_scale
+        dq_ptrs = dq_base + offs_m[None, :] * stride_as + offs_d[:, None] * stride_ad
+        tl.atomic_add(dq_ptrs, dqT, mask=q_ok[None, :] & (offs_d < HEAD_DIM)[:, None], sem="relaxed")
+    return dk, dv
+
+
+def _attention_bwd_dkdv_kernel(
+    q_ptr,  # (B, Hq, Sq, D) / packed (Tq, Hq, D)
+    k_ptr,  # (B, Hkv, Skv, D)
+    v_ptr,  # (B, Hkv, Skv, Dv)
+    do_ptr,  # (B, Hq, Sq, Dv) output gradient
+    lse_ptr,  # (B, Hq, Sq) fp32 natural-log LSE from the forward
+    delta_ptr,  # (B, Hq, Sq) fp32 from the preprocess kernel (lse's strides)
+    dqa_ptr,  # (B, Hq, Sq, D) fp32 zero-initialised dq accumulator (ATOMIC_DQ), or None
+    dk_ptr,  # (B, Hkv, Skv, D) output
+    dv_ptr,  # (B, Hkv, Skv, Dv) output
+    stride_qb, stride_qh, stride_qs, stride_qd,  # strides of q along (B, H, S, D)
+    stride_kb, stride_kh, stride_ks, stride_kd,  # strides of k along (B, H, S, D)
+    stride_vb, stride_vh, stride_vs, stride_vd,  # strides of v along (B, H, S, D)
+    stride_gb, stride_gh, stride_gs, stride_gd,  # strides of do along (B, H, S, D)
+    stride_ab, stride_ah, stride_as, stride_ad,  # strides of the dq accumulator along (B, H, S, D)
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,  # strides of dk along (B, H, S, D)
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,  # strides of dv along (B, H, S, D)
+    stride_lb, stride_lh, stride_ls,  # strides of lse and delta along (B, H, S)
+    cu_q_ptr, cu_kv_ptr,  # (B + 1,) int32 (VARLEN), or None
+    seq_q, seq_kv, group, sm_scale, win_left, win_right,  # lengths (dense), Hq // Hkv, scale, band bounds
+    qn_ptr,  # (B', H', NKV) int32: partial query blocks per key block (BLOCK_SPARSE)
+    qi_ptr,  # (B', H', NKV, NQ) int32: their indices
+    fqn_ptr,  # (B', H', NKV) int32: full query blocks per key block
+    fqi_ptr,  # (B', H', NKV, NQ) int32: their indices
+    stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,  # of the block lists, as in the forward
+    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
+    g0, g1, g2, g3,  # fp32 gradients of the score_mod tensors (flat), or None
+    seed_ptr, drop_thresh, drop_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, BAND: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr, DROPOUT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Step 1: this program's key tile, kept in registers with its dK, dV accumulators.
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len = _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= kv_len:
+        return
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kv_ok = offs_n < kv_len
+    owned_full = n0 + BLOCK_N <= kv_len
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
+    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok, offs_d < HEAD_DIM,
+                   True, BLOCK_D != HEAD_DIM)
+    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
+                   offs_dv < HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    qk_scale = sm_scale * _LOG2E
+    lo, full_lo, full_hi, hi = _q_range(n0, tl.minimum(n0 + BLOCK_N, kv_len), owned_full, q_len,
+                                        win_left, win_right, BAND, BLOCK_M)
+
+    # Step 2: every query head of the GQA group, every query tile that sees this key tile.
+    for g in range(0, group):
+        h = hk * group + g
+        seq = (q_start).to(tl.int64)
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + seq * stride_qs
+        do_base = do_ptr + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + seq * stride_gs
+        l_base = lse_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + seq * stride_ls
+        e_base = delta_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + seq * stride_ls
+        dq_base = dqa_ptr
+        if ATOMIC_DQ:
+            dq_base = dqa_ptr + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah + seq * stride_as
+        drop_key = b.to(tl.uint32)
+        if DROPOUT:
+            drop_key = _dropout_key(seed_ptr, b, h)
+        if BLOCK_SPARSE:
+            sb = n0 // SPARSE_KV
+            n_off = b * stride_nb + h * stride_nh + sb * stride_nm
+            i_off = b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + sb.to(tl.int64) * stride_im
+            num = tl.load(qn_ptr + n_off)
+            for i in range(0, num):
+                blk = tl.load(qi_ptr + i_off + i)
+                for start_m in range(blk * SPARSE_Q, tl.minimum(blk * SPARSE_Q + SPARSE_Q, q_len), BLOCK_M):
+                    dk, dv = _attn_bwd_dkdv_tile(
+                        dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
+                        offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
+                        stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
+                        sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
+                        drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                        HAS_SCORE_MOD, True, BAND, HAS_MASK_MOD, DROPOUT, ATOMIC_DQ,
+                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
+            num = tl.load(fqn_ptr + n_off)
+            for i in range(0, num):
+                blk = tl.load(fqi_ptr + i_off + i)
+                for start_m in range(blk * SPARSE_Q, tl.minimum(blk * SPARSE_Q + SPARSE_Q, q_len), BLOCK_M):
+                    dk, dv = _attn_bwd_dkdv_tile(
+                        dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
+                        offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
+                        stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
+                        sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
+                        drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                        HAS_SCORE_MOD, True, BAND, False, DROPOUT, ATOMIC_DQ,
+                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
+        else:
+            for start_m in range(lo, full_lo, BLOCK_M):
+                dk, dv = _attn_bwd_dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
+                    offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
+                    stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
+                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
+                    drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                    HAS_SCORE_MOD, True, BAND, HAS_MASK_MOD, DROPOUT, ATOMIC_DQ,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
+            for start_m in range(full_lo, full_hi, BLOCK_M):
+                dk, dv = _attn_bwd_dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
+                    offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
+                    stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
+                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
+                    drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                    HAS_SCORE_MOD, HAS_MASK_MOD, False, HAS_MASK_MOD, DROPOUT, ATOMIC_DQ,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
+            for start_m in range(full_hi, hi, BLOCK_M):
+                dk, dv = _attn_bwd_dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
+                    offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
+                    stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
+                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
+                    drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                    HAS_SCORE_MOD, True, BAND, HAS_MASK_MOD, DROPOUT, ATOMIC_DQ,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
+
+    # Step 3: store dK (scaled once) and dV; rows past the sequence end are not written.
+    dk = dk * sm_scale
+    row0 = (kv_start + n0).to(tl.int64)
+    dk_base = dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + row0 * stride_dks
+    dv_base = dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + row0 * stride_dvs
+    rows = tl.arange(0, BLOCK_N)
+    tl.store(dk_base + rows[:, None] * stride_dks + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty),
+             mask=kv_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(dv_base + rows[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty),
+             mask=kv_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+
+
+@triton.jit
+def _attn_bwd_dq_tile(
+    dq, q, do, lse2, delta,
+    k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+    stride_ks, stride_kd, stride_vs, stride_vd,
+    qk_scale, sm_scale, b, h, win_left, win_right,
+    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
+    drop_key, drop_thresh, drop_scale,
+    SCORE_FN: tl.constexpr, GRAD_FN: tl.constexpr, MASK_FN: tl.constexpr,
+    HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr, CHECK_BAND: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kv_ok = offs_n < kv_len
+    # Step 1: K, V tiles; scores and probabilities (BLOCK_M, BLOCK_N).
+    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok, offs_d < HEAD_DIM,
+                   CHECK_KV, BLOCK_D != HEAD_DIM)
+    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
+                   offs_dv < HEAD_DIM_V, CHECK_KV, BLOCK_DV != HEAD_DIM_V)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if HAS_SCORE_MOD:
+        s = qk * sm_scale
+        qc = tl.minimum(offs_m, q_len - 1)[:, None]
+        kc = tl.minimum(offs_n, kv_len - 1)[None, :]
+        s2 = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
+    else:
+        s2 = qk * qk_scale
+    if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
+        vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
+                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN, False, CHECK_KV, CHECK_BAND, APPLY_MASK_MOD)
+        s2 = tl.where(vis, s2, float("-inf"))
+    else:
+        vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)
+    p = tl.math.exp2(s2 - lse2[:, None])
+    # Step 2: dP = dO V^T, dS = P (dP - delta), through score_mod's derivative.
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if DROPOUT:
+        keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    if HAS_SCORE_MOD:
+        ds = GRAD_FN(ds, s, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, None, None, None, None).to(tl.float32)
+        ds = tl.where(vis, ds, 0.0)
+    # Step 3: dQ += dS K.
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+
+def _attention_bwd_dq_kernel(
+    q_ptr,  # (B, Hq, Sq, D) / packed (Tq, Hq, D)
+    k_ptr,  # (B, Hkv, Skv, D)
+    v_ptr,  # (B, Hkv, Skv, Dv)
+    do_ptr,  # (B, Hq, Sq, Dv)
+    lse_ptr,  # (B, Hq, Sq) fp32
+    delta_ptr,  # (B, Hq, Sq) fp32 (lse's strides)
+    dq_ptr,  # (B, Hq, Sq, D) output
+    stride_qb, stride_qh, stride_qs, stride_qd,  # strides of q along (B, H, S, D)
+    stride_kb, stride_kh, stride_ks, stride_kd,  # strides of k along (B, H, S, D)
+    stride_vb, stride_vh, stride_vs, stride_vd,  # strides of v along (B, H, S, D)
+    stride_gb, stride_gh, stride_gs, stride_gd,  # strides of do along (B, H, S, D)
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,  # strides of dq along (B, H, S, D)
+    stride_lb, stride_lh, stride_ls,  # strides of lse and delta along (B, H, S)
+    cu_q_ptr, cu_kv_ptr,
+    seq_q, seq_kv, group, sm_scale, win_left, win_right,  # lengths (dense), Hq // Hkv, scale, band bounds
+    kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,  # block mask lists per query block, as in the forward
+    stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,  # of the block lists, as in the forward
+    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
+    seed_ptr, drop_thresh, drop_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, BAND: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr, DROPOUT: tl.constexpr,
+    REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Step 1: this program's query tile, dO, LSE and delta stay in registers.
+    pid_m = tl.program_id(0)
+    if REVERSE:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len = _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    hk = h // group
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ok = offs_m < q_len
+    pos = (q_start + m0).to(tl.int64)
+    q = _load_tile(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + pos * stride_qs
+                   + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok, offs_d < HEAD_DIM,
+                   True, BLOCK_D != HEAD_DIM)
+    do = _load_tile(do_ptr + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + pos * stride_gs
+                    + rows[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok, offs_dv < HEAD_DIM_V,
+                    True, BLOCK_DV != HEAD_DIM_V)
+    l_off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + pos * stride_ls + rows * stride_ls
+    lse2 = tl.load(lse_ptr + l_off, mask=q_ok, other=0.0) * _LOG2E
+    delta = tl.load(delta_ptr + l_off, mask=q_ok, other=0.0)
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
+    qk_scale = sm_scale * _LOG2E
+    drop_key = b.to(tl.uint32)
+    if DROPOUT:
+        drop_key = _dropout_key(seed_ptr, b, h)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+
+    # Step 2: the key tiles this query tile sees (same ranges as the forward).
+    if BLOCK_SPARSE:
+        sb = m0 // SPARSE_Q
+        n_off = b * stride_nb + h * stride_nh + sb * stride_nm
+        i_off = b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + sb.to(tl.int64) * stride_im
+        num = tl.load(kvn_ptr + n_off)
+        for i in range(0, num):
+            blk = tl.load(kvi_ptr + i_off + i)
+            for start_n in range(blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len), BLOCK_N):
+                dq = _attn_bwd_dq_tile(
+                    dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                    stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                    SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        num = tl.load(fkvn_ptr + n_off)
+        for i in range(0, num):
+            blk = tl.load(fkvi_ptr + i_off + i)
+            for start_n in range(blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len), BLOCK_N):
+                dq = _attn_bwd_dq_tile(
+                    dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                    stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                    SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, False, True, BAND, DROPOUT,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+    else:
+        lo, full_lo, full_hi, hi = _kv_range(m0, tl.minimum(m0 + BLOCK_M, q_len), kv_len, win_left, win_right,
+                                             BAND, BLOCK_N)
+        for start_n in range(lo, full_lo, BLOCK_N):
+            dq = _attn_bwd_dq_tile(
+                dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            dq = _attn_bwd_dq_tile(
+                dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, False, False, DROPOUT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        for start_n in range(full_hi, hi, BLOCK_N):
+            dq = _attn_bwd_dq_tile(
+                dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
+                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+
+    # Step 3: store dQ (scaled once).
+    dq = dq * sm_scale
+    dq_base = dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + pos * stride_dqs
+    tl.store(dq_base + rows[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty),
+             mask=q_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Specialization: one compiled copy of each kernel per (score_mod, score_grad, mask_mod).
+
+
+class AttentionKernels(NamedTuple):
+    """The kernels of one (score_mod, mask_mod) pair (``@triton.jit`` functions)."""
+
+    fwd: Any
+    bwd_preprocess: Any
+    bwd_dkdv: Any
+    bwd_dq: Any
+
+
+def _jit(raw: Any, mods: dict[str, Any]) -> Any:
+    if not mods:
+        return triton.jit(raw)
+    scope = dict(raw.__globals__)
+    scope.update(mods)
+    fn = types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__, raw.__closure__)
+    fn.__qualname__ = raw.__qualname__
+    fn.__module__ = raw.__module__
+    fn.__doc__ = raw.__doc__
+    fn.__annotations__ = dict(raw.__annotations__)  # tl.constexpr marks
+    fn.__kwdefaults__ = raw.__kwdefaults__
+    return triton.jit(fn)
+
+
+_PREPROCESS = triton.jit(_attention_bwd_preprocess_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def specialize(score_mod: Any = None, score_grad: Any = None, score_grad_dq: Any = None,
+               mask_mod: Any = None) -> AttentionKernels:
+    """The attention kernels compiled against the given ``@triton.jit`` mods (None: the default).
+
+    ``score_grad`` is the derivative used by the dK/dV kernel (it may scatter captured-tensor
+    gradients); ``score_grad_dq`` the one used by the dQ kernel (never scatters). Cached: the same
+    functions give the same kernel objects.
+    """
+    mods: dict[str, Any] = {}
+    if score_mod is not None:
+        mods["SCORE_MOD"] = score_mod
+    if score_grad is not None:
+        mods["SCORE_GRAD"] = score_grad
+    if score_grad_dq is not None:
+        mods["SCORE_GRAD_DQ"] = score_grad_dq
+    if mask_mod is not None:
+        mods["MASK_MOD"] = mask_mod
+    return AttentionKernels(
+        fwd=_jit(_attention_fwd_kernel, mods),
+        bwd_preprocess=_PREPROCESS,
+        bwd_dkdv=_jit(_attention_bwd_dkdv_kernel, mods),
+        bwd_dq=_jit(_attention_bwd_dq_kernel, mods),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers: they alone know grids and block sizes, and they validate what the kernels assume.
+
+
+class BlockSparsity(NamedTuple):
+    """The block-mask lists a launch follows (int32 tensors, broadcast dims of size 1).
+
+    ``num``: (B', H', R) blocks per row; ``idx``: (B', H', R, C) their indices (last dim unit
+    stride); ``full_*`` the same for full blocks. Rows are query blocks (forward, dQ) or key blocks
+    (dK/dV). ``block_q``, ``block_kv``: the block sizes (powers of two).
+    """
+
+    num: torch.Tensor
+    idx: torch.Tensor
+    full_num: torch.Tensor
+    full_idx: torch.Tensor
+    block_q: int
+    block_kv: int
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(int(n)))
+
+
+def _is_interpreter(kernel: Any) -> bool:
+    return not isinstance(kernel, triton.runtime.jit.JITFunction)
+
+
+def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
+    # Compiled kernels go through wrap_triton (traceable by torch.compile); interpreted ones
+    # (TRITON_INTERPRET=1, CPU tensors) are called directly.
+    if _is_interpreter(kernel):
+        kernel[grid](*args, **kwargs)
+    else:
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool) -> dict[str, int]:
+    # Chosen from ptxas's register report on sm_90 (triton 3.6): no spills for the plain, causal,
+    # packed-GQA and captured-tensor score_mod variants in 16-bit precision.
+    if interpret:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    dmax = max(d, dv)
+    if dtype == torch.float32:
+        # IEEE fp32 products run on the CUDA cores with both operands in registers: small tiles.
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    if dmax <= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _bwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool) -> dict[str, int]:
+    # *1: the dK/dV kernel (BLOCK_M1 inner query tile, BLOCK_N1 owned key tile); *2: the dQ kernel
+    # (BLOCK_M2 owned query tile, BLOCK_N2 inner key tile). The dK/dV kernel keeps two fp32
+    # accumulators and two operand tiles live: two pipeline stages, not three, keep it unspilled.
+    if interpret:
+        return {"BLOCK_M1": 32, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1,
+                "BLOCK_M2": 32, "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1}
+    dmax = max(d, dv)
+    if dtype == torch.float32:
+        return {"BLOCK_M1": 16, "BLOCK_N1": 16, "num_warps1": 4, "num_stages1": 1,
+                "BLOCK_M2": 64, "BLOCK_N2": 16, "num_warps2": 4, "num_stages2": 2}
+    if dmax <= 64:
+        return {"BLOCK_M1": 32, "BLOCK_N1": 128, "num_warps1": 8, "num_stages1": 2,
+                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 3}
+    if dmax <= 128:
+        return {"BLOCK_M1": 16, "BLOCK_N1": 128, "num_warps1": 8, "num_stages1": 2,
+                "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps2": 8, "num_stages2": 3}
+    return {"BLOCK_M1": 16, "BLOCK_N1": 32, "num_warps1": 8, "num_stages1": 2,
+            "BLOCK_M2": 64, "BLOCK_N2": 16, "num_warps2": 8, "num_stages2": 2}
+
+
+def _merge_config(default: dict[str, int], override: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = dict(default)
+    if override:
+        unknown = set(override) - set(default)
+        if unknown:
+            raise ValueError(f"unknown launch config keys {sorted(unknown)}; expected {sorted(default)}")
+        cfg.update(override)
+    return cfg
+
+
+def _fit_block(block: int, sparse: int | None) -> int:
+    # Kernel tiles must divide the block-mask blocks.
+    return block if sparse is None else min(block, sparse)
+
+
+class _Problem(NamedTuple):
+    varlen: bool
+    batch: int  # B (dense) or number of sequences (varlen)
+    hq: int
+    hkv: int
+    seq_q: int  # Sq (dense) or max_seqlen_q (varlen)
+    seq_kv: int
+    d: int
+    dv: int
+
+
+def _as4(t: torch.Tensor, varlen: bool) -> torch.Tensor:
+    # Packed (T, H, D) tensors are addressed as (1, H, T, D); see _st for the batch stride.
+    return t.transpose(0, 1).unsqueeze(0) if varlen else t
+
+
+def _st(t: torch.Tensor | None, n: int, varlen: bool) -> tuple[int, ...]:
+    # Strides of a (B, H, S[, D]) view; packed tensors get batch stride 0 (sequence b starts at
+    # row cu_seqlens[b], found by the kernel).
+    if t is None:
+        return (0,) * n
+    st = tuple(t.stride())
+    return (0, *st[1:]) if varlen else st
+
+
+def _check_problem(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor | None,
+                   cu_kv: torch.Tensor | None, max_q: int | None, max_kv: int | None) -> _Problem:
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{name}: q, k, v must share one dtype among float32/bfloat16/float16, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    varlen = cu_q is not None
+    if varlen:
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise ValueError(f"{name}: packed q, k, v must be 3-D (T, H, D), got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        if cu_kv is None or cu_q.dtype != torch.int32 or cu_kv.dtype != torch.int32 or cu_q.shape != cu_kv.shape:
+            raise ValueError(f"{name}: cu_seqlens_q and cu_seqlens_kv must be int32 tensors of one shape (B + 1,)")
+        if max_q is None or max_kv is None:
+            raise ValueError(f"{name}: packed sequences need max_seqlen_q and max_seqlen_kv")
+        batch, hq, d = cu_q.shape[0] - 1, q.shape[1], q.shape[2]
+        hkv, dv = k.shape[1], v.shape[2]
+        if k.shape[2] != d or v.shape[1] != hkv or v.shape[0] != k.shape[0]:
+            raise ValueError(f"{name}: k (Tkv, Hkv, D) and v (Tkv, Hkv, Dv) do not match q (Tq, Hq, D): "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        seq_q, seq_kv = int(max_q), int(max_kv)
+    else:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise ValueError(f"{name}: q, k, v must be 4-D (B, H, S, D) views, got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        batch, hq, seq_q, d = q.shape
+        _, hkv, seq_kv, _ = k.shape
+        dv = v.shape[3]
+        if k.shape[0] != batch or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"{name}: k (B, Hkv, Skv, D) and v (B, Hkv, Skv, Dv) do not match q (B, Hq, Sq, D): "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"{name}: the query heads ({hq}) must be a multiple of the key/value heads ({hkv})")
+    if max(d, dv) > 256:
+        raise ValueError(f"{name}: head dims up to 256 are supported, got {d} and {dv}")
+    return _Problem(varlen, batch, hq, hkv, seq_q, seq_kv, d, dv)
+
+
+def _slots(bufs: tuple[torch.Tensor | None, ...] | None) -> tuple[torch.Tensor | None, ...]:
+    bufs = tuple(bufs or ())
+    if len(bufs) > MAX_MOD_BUFFERS:
+        raise ValueError(f"a mod captures at most {MAX_MOD_BUFFERS} tensors, got {len(bufs)}")
+    return bufs + (None,) * (MAX_MOD_BUFFERS - len(bufs))
+
+
+def _sparse_args(bs: BlockSparsity | None) -> tuple[Any, ...]:
+    if bs is None:
+        return (None, None, None, None, 0, 0, 0, 0, 0, 0)
+    for t in (bs.num, bs.idx, bs.full_num, bs.full_idx):
+        if t.dtype != torch.int32:
+            raise ValueError("block-mask tensors must be int32")
+    if bs.idx.stride(-1) != 1 or bs.full_idx.stride() != bs.idx.stride() or bs.full_num.stride() != bs.num.stride():
+        raise ValueError("block-mask index tensors must have a unit last stride, and the partial and full "
+                         "lists the same strides")
+
+    def st(t: torch.Tensor, i: int) -> int:
+        return 0 if t.shape[i] == 1 else t.stride(i)
+
+    return (bs.num, bs.idx, bs.full_num, bs.full_idx,
+            st(bs.num, 0), st(bs.num, 1), bs.num.stride(2), st(bs.idx, 0), st(bs.idx, 1), bs.idx.stride(2))
+
+
+def attention_fwd_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    sm_scale: float,
+    kernels: AttentionKernels | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    has_score_mod: bool = False,
+    has_mask_mod: bool = False,
+    score_buffers: tuple[torch.Tensor, ...] | None = None,
+    mask_buffers: tuple[torch.Tensor, ...] | None = None,
+    block_sparsity: BlockSparsity | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
+    descale: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
+    config: dict[str, Any] | None = None,
+) -> None:
+    """Attention forward into ``out`` and ``lse``.
+
+    Args:
+        q: (B, Hq, Sq, D) (any strides: a bhsd/bshd/sbhd view), or packed (Tq, Hq, D) with
+            ``cu_seqlens_q``. k: (B, Hkv, Skv, D) / (Tkv, Hkv, D). v: (B, Hkv, Skv, Dv) / (Tkv, Hkv, Dv).
+        out: (B, Hq, Sq, Dv) / (Tq, Hq, Dv) in q's dtype, written. lse: (B, Hq, Sq) / (Tq, Hq) fp32.
+        sm_scale: the score scale. kernels: from :func:`specialize` (default: no mods).
+        cu_seqlens_q, cu_seqlens_kv: (B + 1,) int32 sequence starts; max_seqlen_*: grid sizes.
+        window: (left, right) band bounds, None unbounded (causal: right = 0).
+        has_score_mod, has_mask_mod: whether ``kernels`` carry mods to call.
+        score_buffers, mask_buffers: flat contiguous tensors the mods capture (<= 4 each).
+        block_sparsity: per-query-block lists of partial/full key blocks (dense only).
+        dropout_p, dropout_seed: drop probability and a () int64 seed tensor.
+        descale: (q_descale (B, Hq, nq), k_descale (B, Hkv, nkv), v_descale (B, Hkv, nkv), block_q,
+            block_kv) fp32 per-block descales (FP8 operands), or None.
+        config: overrides of BLOCK_M, BLOCK_N, num_warps, num_stages.
+    """
+    name = "attention_fwd_launch"
+    prob = _check_problem(name, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+    want_out = (q.shape[0], prob.hq, prob.dv) if prob.varlen else (prob.batch, prob.hq, prob.seq_q, prob.dv)
+    want_lse = (q.shape[0], prob.hq) if prob.varlen else (prob.batch, prob.hq, prob.seq_q)
+    if tuple(out.shape) != want_out or out.dtype != q.dtype:
+        raise ValueError(f"{name}: out must be {want_out} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if tuple(lse.shape) != want_lse or lse.dtype != torch.float32:
+        raise ValueError(f"{name}: lse must be {want_lse} float32, got {tuple(lse.shape)} {lse.dtype}")
+    if descale is not None:
+        for g in descale[3:]:
+            if isinstance(g, bool) or not isinstance(g, int) or g < 16 or g & (g - 1):
+                raise ValueError(f"{name}: descale block sizes must be powers of two >= 16, got {descale[3:]}")
+    kernels = kernels or specialize()
+    interp = _is_interpreter(kernels.fwd)
+    cfg = _merge_config(_fwd_config(prob.d, prob.dv, q.dtype, interp), config)
+    bs = block_sparsity
+    if bs is not None and prob.varlen:
+        raise ValueError(f"{name}: block sparsity is not available with packed sequences")
+    block_m = _fit_block(cfg["BLOCK_M"], bs.block_q if bs else None)
+    block_n = _fit_block(cfg["BLOCK_N"], bs.block_kv if bs else None)
+    if descale is not None:
+        block_m = _fit_block(block_m, descale[3])
+        block_n = _fit_block(block_n, descale[4])
+    vl = prob.varlen
+    q4, k4, v4, o4 = (_as4(t, vl) for t in (q, k, v, out))
+    l3 = lse.transpose(0, 1).unsqueeze(0) if vl else lse
+    left, right = window
+    band = left is not None or right is not None
+    sm, mm = _slots(score_buffers), _slots(mask_buffers)
+    if dropout_p > 0.0 and dropout_seed is None:
+        raise ValueError(f"{name}: dropout needs a seed tensor")
+    if descale is not None:
+        qds, kds, vds, gq, gkv = descale
+        ds_args = (qds, kds, vds, qds.stride(0), qds.stride(1), kds.stride(0), kds.stride(1))
+    else:
+        gq, gkv = 1, 1
+        ds_args = (None, None, None, 0, 0, 0, 0)
+    grid = (triton.cdiv(prob.seq_q, block_m), prob.hq, prob.batch)
+    if grid[0] == 0 or prob.batch == 0 or prob.hq == 0:
+        return
+    _launch(
+        kernels.fwd, grid,
+        q4, k4, v4, o4, l3,
+        *_st(q4, 4, vl), *_st(k4, 4, vl), *_st(v4, 4, vl), *_st(o4, 4, vl), *_st(l3, 3, vl),
+        cu_seqlens_q, cu_seqlens_kv, prob.seq_q, prob.seq_kv, prob.hq // prob.hkv, float(sm_scale),
+        NO_BOUND if left is None else int(left), NO_BOUND if right is None else int(right),
+        *_sparse_args(bs), *sm, *mm,
+        dropout_seed if dropout_p > 0.0 else None, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        *ds_args,
+        HEAD_DIM=prob.d, HEAD_DIM_V=prob.dv, BLOCK_D=_pow2(prob.d), BLOCK_DV=_pow2(prob.dv),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        VARLEN=prob.varlen, BAND=band, HAS_SCORE_MOD=has_score_mod, HAS_MASK_MOD=has_mask_mod,
+        BLOCK_SPARSE=bs is not None, SPARSE_Q=bs.block_q if bs else 1, SPARSE_KV=bs.block_kv if bs else 1,
+        DROPOUT=dropout_p > 0.0, HAS_DESCALE=descale is not None, DESCALE_Q=gq, DESCALE_KV=gkv,
+        REVERSE=right is not None and not prob.varlen, DOT_PRECISION=_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _threshold(p: float) -> int:
+    return int(round(float(p) * (1 << 24)))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get IEEE products (plain PyTorch's default for fp32 matmul); 16-bit ones ignore it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def attention_bwd_launch(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    sm_scale: float,
+    kernels: AttentionKernels | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    has_score_mod: bool = False,
+    has_mask_mod: bool = False,
+    score_buffers: tuple[torch.Tensor, ...] | None = None,
+    mask_buffers: tuple[torch.Tensor, ...] | None = None,
+    score_buffer_grads: tuple[torch.Tensor | None, ...] | None = None,
+    block_sparsity: BlockSparsity | None = None,
+    block_sparsity_t: BlockSparsity | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
+    dq_mode: str = "separate",
+    config: dict[str, Any] | None = None,
+) -> None:
+    """Attention backward into ``dq``, ``dk``, ``dv`` (and ``score_buffer_grads``, accumulated).
+
+    Args:
+        do: output gradient, shaped like ``out``. dlse: gradient of ``lse`` or None.
+        dq, dk, dv: outputs shaped like q, k, v (any strides); dk/dv are written only where a
+            sequence has keys (allocate zeros for packed inputs).
+        score_buffer_grads: fp32 zero-initialised flat tensors, one per score_mod buffer that needs
+            a gradient (None for the others); atomically accumulated.
+        block_sparsity / block_sparsity_t: the block mask's per-query-block lists (dQ kernel) and
+            per-key-block lists (dK/dV kernel).
+        dq_mode: "separate" (deterministic dQ kernel) or "atomic" (dQ accumulated by the dK/dV
+            kernel with fp32 atomics).
+        Other arguments: as in :func:`attention_fwd_launch`.
+    """
+    name = "attention_bwd_launch"
+    prob = _check_problem(name, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
+    if dq_mode not in ("separate", "atomic"):
+        raise ValueError(f"{name}: dq_mode must be 'separate' or 'atomic', got {dq_mode!r}")
+    kernels = kernels or specialize()
+    interp = _is_interpreter(kernels.bwd_dkdv)
+    cfg = _merge_config(_bwd_config(prob.d, prob.dv, q.dtype, interp), config)
+    bs, bst = block_sparsity, block_sparsity_t
+    if (bs is None) != (bst is None):
+        raise ValueError(f"{name}: pass both block_sparsity and block_sparsity_t, or neither")
+    if bs is not None and prob.varlen:
+        raise ValueError(f"{name}: block sparsity is not available with packed sequences")
+    m1 = _fit_block(cfg["BLOCK_M1"], bs.block_q if bs else None)
+    n1 = _fit_block(cfg["BLOCK_N1"], bs.block_kv if bs else None)
+    m2 = _fit_block(cfg["BLOCK_M2"], bs.block_q if bs else None)
+    n2 = _fit_block(cfg["BLOCK_N2"], bs.block_kv if bs else None)
+    vl = prob.varlen
+    v4 = lambda t: _as4(t, vl)  # noqa: E731
+    q4, k4, vv4, o4, do4, dq4, dk4, dv4 = (v4(t) for t in (q, k, v, out, do, dq, dk, dv))
+    l3 = lse.transpose(0, 1).unsqueeze(0) if prob.varlen else lse
+    e3 = None if dlse is None else (dlse.transpose(0, 1).unsqueeze(0) if prob.varlen else dlse)
+    delta = torch.empty_like(lse)
+    d3 = delta.transpose(0, 1).unsqueeze(0) if prob.varlen else delta
+    left, right = window
+    band = left is not None or right is not None
+    wl = NO_BOUND if left is None else int(left)
+    wr = NO_BOUND if right is None else int(right)
+    sm, mm = _slots(score_buffers), _slots(mask_buffers)
+    gs = _slots(score_buffer_grads)
+    seed = dropout_seed if dropout_p > 0.0 else None
+    drop = (seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p))
+    common = dict(
+        HEAD_DIM=prob.d, HEAD_DIM_V=prob.dv, BLOCK_D=_pow2(prob.d), BLOCK_DV=_pow2(prob.dv),
+        VARLEN=prob.varlen, BAND=band, HAS_SCORE_MOD=has_score_mod, HAS_MASK_MOD=has_mask_mod,
+        BLOCK_SPARSE=bs is not None, SPARSE_Q=bs.block_q if bs else 1, SPARSE_KV=bs.block_kv if bs else 1,
+        DROPOUT=dropout_p > 0.0, DOT_PRECISION=_precision(q.dtype),
+    )
+    if prob.batch == 0 or prob.hq == 0 or prob.seq_q == 0 or prob.seq_kv == 0:
+        for t in (dq, dk, dv):
+            t.zero_()
+        return
+
+    # Step 1: delta = rowsum(o * do) - dlse.
+    bm0 = 64 if not interp else 32
+    _launch(
+        kernels.bwd_preprocess, (triton.cdiv(prob.seq_q, bm0), prob.hq, prob.batch),
+        o4, do4, e3, d3, *_st(o4, 4, vl), *_st(do4, 4, vl), *_st(e3, 3, vl), *_st(d3, 3, vl),
+        cu_seqlens_q, prob.seq_q,
+        HEAD_DIM_V=prob.dv, BLOCK_DV=_pow2(prob.dv), BLOCK_M=bm0, VARLEN=prob.varlen, HAS_DLSE=e3 is not None,
+        num_warps=4,
+    )
+    # Step 2: dK, dV (and dQ with atomics).
+    atomic = dq_mode == "atomic"
+    dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device) if atomic else None
+    dqa4 = v4(dqa) if dqa is not None else None
+    _launch(
+        kernels.bwd_dkdv, (triton.cdiv(prob.seq_kv, n1), prob.hkv, prob.batch),
+        q4, k4, vv4, do4, l3, d3, dqa4, dk4, dv4,
+        *_st(q4, 4, vl), *_st(k4, 4, vl), *_st(vv4, 4, vl), *_st(do4, 4, vl), *_st(dqa4, 4, vl),
+        *_st(dk4, 4, vl), *_st(dv4, 4, vl), *_st(l3, 3, vl),
+        cu_seqlens_q, cu_seqlens_kv, prob.seq_q, prob.seq_kv, prob.hq // prob.hkv, float(sm_scale), wl, wr,
+        *_sparse_args(bst), *sm, *mm, *gs, *drop,
+        BLOCK_M=m1, BLOCK_N=n1, ATOMIC_DQ=atomic, **common,
+        num_warps=cfg["num_warps1"], num_stages=cfg["num_stages1"],
+    )
+    # Step 3: dQ (its own deterministic kernel, or the atomic accumulator cast).
+    if atomic:
+        assert dqa is not None
+        dq.copy_(dqa)
+        return
+    _launch(
+        kernels.bwd_dq, (triton.cdiv(prob.seq_q, m2), prob.hq, prob.batch),
+        q4, k4, vv4, do4, l3, d3, dq4,
+        *_st(q4, 4, vl), *_st(k4, 4, vl), *_st(vv4, 4, vl), *_st(do4, 4, vl), *_st(dq4, 4, vl), *_st(l3, 3, vl),
+        cu_seqlens_q, cu_seqlens_kv, prob.seq_q, prob.seq_kv, prob.hq // prob.hkv, float(sm_scale), wl, wr,
+        *_sparse_args(bs), *sm, *mm, *drop,
+        BLOCK_M=m2, BLOCK_N=n2, REVERSE=right is not None and not prob.varlen, **common,
+        num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
+    )
+
+
+def flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *, causal: bool = False,
+          backward: bool = False) -> float:
+    """The FLOP count convention of the benchmarks: 4 B H Sq Skv D, halved for causal, x3.5 fwd+bwd."""
+    f = 4.0 * batch * heads * seq_q * seq_kv * head_dim
+    if causal:
+        f /= 2.0
+    if backward:
+        f *= 3.5
+    return f
+

@@ -1,0 +1,378 @@
+"""The attention Triton kernels under TRITON_INTERPRET=1, on CPU, at small sizes.
+
+Every feature runs through the fused path (``_attention_triton``: the autograd Function, the
+launchers, the forward, preprocess, dK/dV and dQ kernels, mods compiled from their Python source)
+and is compared with the FP32 reference, forward and every gradient: GQA/MQA, cross-attention,
+causal and windows, layouts, score mods (with captured-tensor gradients), mask mods, block masks,
+packed sequences, dropout, fully masked rows, sequence lengths 1 and primes, head dims that are not
+powers of two, the atomic-dQ variant, explicit Triton twins and the FP8 descale hook.
+
+Inputs are float32 (the interpreter's bf16 dot is wrong, G6) or float16. Shapes are tiny and the
+tile sizes 16 so that every run crosses several tiles, partial tiles and sequence ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fp8ops.testing import assert_close_rule
+
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs only under TRITON_INTERPRET=1"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
+
+A = importlib.import_module("fp8ops.attention")
+R = importlib.import_module("fp8ops.reference.attention")
+K = importlib.import_module("fp8ops.kernels.attention")
+
+FWD16 = {"BLOCK_M": 16, "BLOCK_N": 16}
+BWD16 = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}
+
+
+def _tensors(shapes, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+
+
+def _run_both(q, k, v, *, layout="bhsd", score_mod=None, mask_mod=None, block_mask=None, causal=False, window=None,
+              scale=None, cu_q=None, cu_kv=None, dropout_p=0.0, dq_mode="separate", seed=0):
+    """(kernel outputs and gradients, reference outputs and gradients) for random dout and dlse."""
+    left, right = R.normalize_window(window, causal)
+    d = q.shape[-1]
+    sm_scale = scale if scale is not None else d**-0.5
+    varlen = cu_q is not None
+    dseed = torch.tensor(1234567) if dropout_p else None
+    mm = mask_mod if mask_mod is not None else (block_mask.mask_mod if block_mask is not None else None)
+    if mm is not None and not isinstance(mm, A.MaskMod):
+        mm = A.MaskMod(mm)
+    lens = None
+    if varlen:
+        cu_kv = cu_q if cu_kv is None else cu_kv
+        lens = (int((cu_q[1:] - cu_q[:-1]).max()), int((cu_kv[1:] - cu_kv[:-1]).max()))
+    out, lse = A._attention_triton(
+        q, k, v, score_mod=score_mod, mask_mod=mm, block_mask=block_mask, scale=sm_scale, left=left, right=right,
+        layout="thd" if varlen else layout, cu_q=cu_q, cu_kv=cu_kv, max_q=lens[0] if lens else None,
+        max_kv=lens[1] if lens else None, dropout_p=dropout_p, seed=dseed, dq_mode=dq_mode,
+        fwd_config=FWD16, bwd_config=BWD16)
+    params = [q, k, v] + [t for t in (score_mod.buffers if score_mod is not None else ()) if t.requires_grad]
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype)
+    dlse = torch.randn(lse.shape, generator=g)
+    grads = torch.autograd.grad((out.float() * dout.float()).sum() + (lse * dlse).sum(), params)
+    kw = dict(score_mod=score_mod, mask_mod=mm, block_mask=block_mask, causal=causal, window=window, scale=scale,
+              layout=layout, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, return_lse=True, dropout_p=dropout_p,
+              dropout_seed=dseed)
+    (ro, rl), _ = R.attention(q, k, v, **kw)
+    rgrads = torch.autograd.grad((ro.float() * dout.float()).sum() + (rl * dlse).sum(), params)
+    low = None
+    if q.dtype != torch.float32:
+        (lo_o, lo_l), _ = R.attention(q, k, v, compute_dtype=q.dtype, **kw)
+        lgrads = torch.autograd.grad((lo_o.float() * dout.float()).sum() + (lo_l * dlse).sum(), params)
+        low = (lo_o, lo_l, lgrads)
+    return (out, lse, grads), (ro, rl, rgrads), low
+
+
+def _check(q, k, v, **kw):
+    (out, lse, grads), (ro, rl, rgrads), low = _run_both(q, k, v, **kw)
+    names = ["out", "lse", "dq", "dk", "dv"] + [f"dbuf{i}" for i in range(len(grads) - 3)]
+    assert out.shape == ro.shape and lse.shape == rl.shape and out.dtype == q.dtype
+    for t in (out, lse, *grads):
+        assert not torch.isnan(t).any()
+    if low is None:
+        for name, a, b in zip(names, (out, lse, *grads), (ro, rl, *rgrads)):
+            scale = max(1.0, float(b.detach().abs().max()))
+            assert (a - b).abs().max() <= 2e-5 * scale, f"{name}: {(a - b).abs().max():.3g}"
+    else:
+        lo_o, lo_l, lgrads = low
+        for name, a, b, c in zip(names, (out, lse, *grads), (ro, rl, *rgrads), (lo_o, lo_l, *lgrads)):
+            assert_close_rule(a, b, c, k=2.0, atol=2e-3, name=name)
+    return out, lse
+
+
+def _dense(B, Hq, Hkv, Sq, Skv, D, Dv=None, layout="bhsd", dtype=torch.float32, seed=0):
+    shape = {"bhsd": lambda H, S, d: (B, H, S, d), "bshd": lambda H, S, d: (B, S, H, d),
+             "sbhd": lambda H, S, d: (S, B, H, d)}[layout]
+    return _tensors([shape(Hq, Sq, D), shape(Hkv, Skv, D), shape(Hkv, Skv, Dv or D)], dtype, seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense inputs
+
+
+def _softcap_causal():
+    return dict(score_mod=A.softcap(2.0), causal=True)
+
+
+def _alibi_window_mask():
+    return dict(score_mod=A.alibi(4), mask_mod=A.sliding_window_mask(9))
+
+
+def _relbias_causal():
+    return dict(score_mod=A.relative_position_bias((torch.randn(4, 13) * 0.5).requires_grad_()), causal=True)
+
+
+def _user_mod_prefix():
+    tab = (torch.randn(2) * 0.3).requires_grad_()  # a learned per-batch bias, read with a scalar index
+
+    @A.score_mod
+    def user(score, b, h, q_idx, kv_idx):
+        t = score * 0.5
+        near = modmath_abs(q_idx - kv_idx) < 4
+        return modmath_where(near, t + modmath_load(tab, b), modmath_exp(t * 0.1) - 1.0)
+
+    return dict(score_mod=user, mask_mod=A.prefix_lm_mask(torch.tensor([3, 11])))
+
+
+modmath_abs = A.modmath.abs
+modmath_where = A.modmath.where
+modmath_load = A.modmath.load
+modmath_exp = A.modmath.exp
+
+
+def _doc_block_mask():
+    docs = torch.arange(37) // 12
+    mm = A.and_masks(A.causal_mask(), A.document_mask(docs))
+    return dict(block_mask=A.create_block_mask(mm, None, None, 37, 37, block_size=16))
+
+
+def _bh_block_mask():
+    def shifted(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + 5 * (b + h)
+
+    return dict(block_mask=A.create_block_mask(shifted, 2, 4, 37, 37, block_size=16))
+
+
+def _atomic_everything():
+    d = _doc_block_mask()
+    d.update(score_mod=A.relative_position_bias((torch.randn(13) * 0.5).requires_grad_()), dq_mode="atomic")
+    return d
+
+
+# (name, (B, Hq, Hkv, Sq, Skv, D, Dv), layout, dtype, options factory)
+DENSE = [
+    ("gqa", (2, 4, 2, 37, 37, 16, None), "bhsd", torch.float32, dict),
+    ("mqa_causal", (1, 4, 1, 29, 29, 16, None), "bhsd", torch.float32, lambda: dict(causal=True)),
+    ("cross_causal_short_q", (2, 2, 2, 17, 45, 16, None), "bhsd", torch.float32, lambda: dict(causal=True)),
+    ("cross_long_q", (1, 2, 1, 45, 17, 16, None), "bshd", torch.float32, lambda: dict(causal=True)),
+    ("window_bshd", (2, 4, 2, 40, 40, 16, None), "bshd", torch.float32, lambda: dict(window=7)),
+    ("window_lr_sbhd", (2, 2, 2, 40, 33, 16, None), "sbhd", torch.float32, lambda: dict(window=(3, 5))),
+    ("len1", (2, 2, 1, 1, 1, 16, None), "bhsd", torch.float32, lambda: dict(causal=True)),
+    ("primes_d24_dv40", (1, 3, 3, 31, 23, 24, 40), "bhsd", torch.float32, lambda: dict(scale=0.3)),
+    ("softcap_causal", (1, 2, 2, 33, 33, 16, None), "bhsd", torch.float32, _softcap_causal),
+    ("alibi_window_mask", (1, 4, 2, 37, 37, 16, None), "bhsd", torch.float32, _alibi_window_mask),
+    ("relbias_learned", (1, 4, 4, 30, 30, 16, None), "bshd", torch.float32, _relbias_causal),
+    ("user_mod_prefix", (2, 2, 1, 21, 21, 16, None), "bhsd", torch.float32, _user_mod_prefix),
+    ("block_mask_docs", (1, 2, 2, 37, 37, 16, None), "bhsd", torch.float32, _doc_block_mask),
+    ("block_mask_bh", (2, 4, 2, 37, 37, 16, None), "bhsd", torch.float32, _bh_block_mask),
+    ("dropout", (1, 2, 2, 33, 33, 16, None), "bhsd", torch.float32, lambda: dict(causal=True, dropout_p=0.2)),
+    ("fp16_causal_gqa", (1, 4, 2, 40, 40, 32, None), "bhsd", torch.float16, lambda: dict(causal=True)),
+    ("atomic_dq_everything", (1, 2, 2, 37, 37, 16, None), "bhsd", torch.float32, _atomic_everything),
+]
+
+
+@pytest.mark.parametrize("case", DENSE, ids=[c[0] for c in DENSE])
+def test_dense_forward_and_gradients(case):
+    _, (B, Hq, Hkv, Sq, Skv, D, Dv), layout, dtype, opts = case
+    q, k, v = _dense(B, Hq, Hkv, Sq, Skv, D, Dv, layout=layout, dtype=dtype)
+    _check(q, k, v, layout=layout, **opts())
+
+
+def test_full_blocks_skip_the_mask_mod():
+    # Causal blocks with a sliding-window mask_mod: full blocks must not evaluate it (the reference
+    # encodes the same block semantics).
+    q, k, v = _dense(1, 2, 2, 32, 32, 16)
+    bm = A.create_block_mask(A.causal_mask(), None, None, 32, 32, block_size=16)
+    out, _ = _check(q, k, v, block_mask=bm, mask_mod=A.sliding_window_mask(3))
+    plain, _ = _check(*_dense(1, 2, 2, 32, 32, 16), window=3)
+    assert not torch.allclose(out, plain)
+
+
+def test_fully_masked_rows():
+    q, k, v = _dense(1, 2, 2, 24, 20, 16)
+    mm = A.MaskMod(lambda b, h, q_idx, kv_idx: (q_idx < 10) & (kv_idx < 15))
+    out, lse = _check(q, k, v, mask_mod=mm)
+    assert (out[:, :, 10:] == 0).all() and (lse[:, :, 10:] == R.MASKED_ROW_LSE).all()
+    # causal cross-attention where the first rows see keys, and a window that sees none
+    out, lse = _check(q, k, v, window=(None, None), mask_mod=lambda b, h, i, j: j > i + 100)
+    assert (out == 0).all() and (lse == R.MASKED_ROW_LSE).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed sequences
+
+
+def _packed(lens_q, lens_kv, Hq, Hkv, D, dtype=torch.float32, extra_q=0, seed=0):
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_kv = torch.tensor([0, *torch.tensor(lens_kv).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = _tensors([(int(cu_q[-1]) + extra_q, Hq, D), (int(cu_kv[-1]), Hkv, D), (int(cu_kv[-1]), Hkv, D)],
+                       dtype, seed)
+    return q, k, v, cu_q, cu_kv
+
+
+PACKED = [
+    ("self_causal_gqa", [5, 1, 17, 0, 23], None, dict(causal=True)),
+    ("cross_lengths", [3, 20, 7], [9, 2, 40], dict()),
+    ("cross_causal_extra_rows", [3, 20, 7], [9, 2, 40], dict(causal=True, extra_q=3)),
+    ("window_prefix_atomic", [3, 20, 7], [9, 2, 40],
+     dict(window=(2, 3), mask_mod=A.prefix_lm_mask(torch.tensor([1, 5, 3])), dq_mode="atomic")),
+    ("alibi_fp16", [12, 31], None, dict(score_mod=A.alibi(4), causal=True, dtype=torch.float16)),
+]
+
+
+@pytest.mark.parametrize("case", PACKED, ids=[c[0] for c in PACKED])
+def test_packed_forward_and_gradients(case):
+    _, lens_q, lens_kv, opts = case
+    opts = dict(opts)
+    dtype = opts.pop("dtype", torch.float32)
+    extra = opts.pop("extra_q", 0)
+    q, k, v, cu_q, cu_kv = _packed(lens_q, lens_kv or lens_q, 4, 2, 16, dtype=dtype, extra_q=extra)
+    out, lse = _check(q, k, v, cu_q=cu_q, cu_kv=cu_kv, **opts)
+    if extra:
+        assert (out[-extra:] == 0).all() and (lse[-extra:] == R.MASKED_ROW_LSE).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Public glue on the fused path: vmap rule, torch.func, determinism
+
+
+def _fused(q, k, v, causal=True):
+    out, _ = A._attention_triton(q, k, v, score_mod=None, mask_mod=None, block_mask=None, scale=0.25, left=None,
+                                 right=0 if causal else None, layout="bhsd", cu_q=None, cu_kv=None, max_q=None,
+                                 max_kv=None, dropout_p=0.0, seed=None, fwd_config=FWD16, bwd_config=BWD16)
+    return out
+
+
+def test_vmap_and_func_grad_through_the_fused_path():
+    q, k, v = (t.detach() for t in _dense(1, 2, 2, 19, 19, 16))
+    qs = torch.stack([q[0], q[0] * 0.5, q[0] * 2.0])  # a vmapped batch of (H, S, D)... with B = 1 inside
+    qs = qs[:, None]
+    vo = torch.func.vmap(lambda x: _fused(x, k, v))(qs)
+    for i in range(3):
+        torch.testing.assert_close(vo[i], _fused(qs[i], k, v), rtol=0, atol=0)
+
+    def loss(q):
+        return _fused(q, k, v).square().sum()
+
+    gq = torch.func.grad(loss)(q)
+    qq = q.clone().requires_grad_()
+    loss(qq).backward()
+    torch.testing.assert_close(gq, qq.grad, rtol=0, atol=0)
+    # vmap of grad: the backward library op runs once per entry
+    vg = torch.func.vmap(torch.func.grad(loss))(qs)
+    for i in range(3):
+        torch.testing.assert_close(vg[i], torch.func.grad(loss)(qs[i]), rtol=0, atol=0)
+
+
+def test_same_tensor_passed_three_times():
+    x = _dense(1, 2, 2, 17, 17, 16)[0]
+    out = _fused(x, x, x)
+    out.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    (ro, _), _ = R.attention(xr, xr, xr, causal=True, scale=0.25, return_lse=True)
+    ro.sum().backward()
+    assert (out - ro).abs().max() < 1e-5 and (x.grad - xr.grad).abs().max() < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# Explicit Triton twins and the FP8 descale hook (launcher level)
+
+
+@triton.jit
+def _twin_score(score, b, h, q_idx, kv_idx, t0, t1, t2, t3):
+    return score * tl.load(t0 + h)
+
+
+@triton.jit
+def _twin_score_grad(ds, score, b, h, q_idx, kv_idx, valid, t0, t1, t2, t3, g0, g1, g2, g3):
+    if g0 is not None:
+        tl.atomic_add(g0 + h + tl.zeros(ds.shape, tl.int32), ds * score, mask=valid)
+    return ds * tl.load(t0 + h)
+
+
+@triton.jit
+def _twin_mask(b, h, q_idx, kv_idx, t0, t1, t2, t3):
+    return (q_idx + kv_idx) % 3 != 0
+
+
+def test_explicit_twins():
+    tw_fwd, tw_grad, tw_mask = _twin_score, _twin_score_grad, _twin_mask
+    w = torch.tensor([0.5, 2.0]).requires_grad_()
+    sm = A.ScoreMod(lambda s, b, h, i, j: s * w[h], triton=tw_fwd, triton_grad=tw_grad, buffers=(w,))
+    mm = A.MaskMod(lambda b, h, i, j: (i + j) % 3 != 0, triton=tw_mask)
+    q, k, v = _dense(1, 2, 2, 21, 21, 16)
+    _check(q, k, v, score_mod=sm, mask_mod=mm)
+    no_grad = A.ScoreMod(lambda s, b, h, i, j: s * w[h], triton=tw_fwd, buffers=(w,))
+    out2, _ = A._attention_triton(q, k, v, score_mod=no_grad, mask_mod=None, block_mask=None, scale=0.25, left=None,
+                                  right=None, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
+                                  dropout_p=0.0, seed=None)
+    with pytest.raises(NotImplementedError, match="triton_grad"):
+        out2.sum().backward()
+
+
+def test_descale_hook():
+    # attention(q / qd, k / kd, v / vd) with per-block descales qd, kd, vd equals attention(q, k, v).
+    q, k, v = (t.detach() for t in _dense(2, 2, 1, 40, 40, 16))
+    gq, gkv = 16, 32
+    nq, nkv = -(-40 // gq), -(-40 // gkv)
+    g = torch.Generator().manual_seed(5)
+    qd = torch.rand(2, 2, nq, generator=g) + 0.5
+    kd = torch.rand(2, 1, nkv, generator=g) + 0.5
+    vd = torch.rand(2, 1, nkv, generator=g) + 0.5
+    rq = qd.repeat_interleave(gq, -1)[..., :40, None]
+    rk = kd.repeat_interleave(gkv, -1)[..., :40, None]
+    rv = vd.repeat_interleave(gkv, -1)[..., :40, None]
+    out = torch.empty_like(q)
+    lse = torch.empty(2, 2, 40)
+    K.attention_fwd_launch(q / rq, k / rk, v / rv, out, lse, sm_scale=0.25, window=(None, 0),
+                           descale=(qd, kd, vd, gq, gkv), config=FWD16)
+    (ro, rl), _ = R.attention(q, k, v, scale=0.25, causal=True, return_lse=True)
+    assert (out - ro).abs().max() < 1e-5 and (lse - rl).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="powers of two"):
+        K.attention_fwd_launch(q, k, v, out, lse, sm_scale=0.25, descale=(qd, kd, vd, 8, 16))
+
+
+def test_launchers_validate():
+    q, k, v = (t.detach() for t in _dense(1, 2, 2, 8, 8, 16))
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 8)
+    with pytest.raises(ValueError, match="one dtype"):
+        K.attention_fwd_launch(q, k.double(), v, out, lse, sm_scale=1.0)
+    with pytest.raises(ValueError, match="4-D"):
+        K.attention_fwd_launch(q[0], k[0], v[0], out, lse, sm_scale=1.0)
+    with pytest.raises(ValueError, match="multiple of"):
+        K.attention_fwd_launch(q, k[:, :1].expand(1, 3, 8, 16).contiguous(), v[:, :1].expand(1, 3, 8, 16).contiguous(),
+                               out, lse, sm_scale=1.0)
+    with pytest.raises(ValueError, match="unknown launch config"):
+        K.attention_fwd_launch(q, k, v, out, lse, sm_scale=1.0, config={"BLOK_M": 16})
+    with pytest.raises(ValueError, match="max_seqlen"):
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        K.attention_fwd_launch(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), out, lse,
+                               sm_scale=1.0, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(ValueError, match="out must be"):
+        K.attention_fwd_launch(q, k, v, out[:, :1], lse, sm_scale=1.0)
+    with pytest.raises(ValueError, match="dq_mode"):
+        K.attention_bwd_launch(q, q, k, v, out, lse, None, q, k, v, sm_scale=1.0, dq_mode="fast")
+
+
+def test_opcheck_backward_library_op():
+    q, k, v = (t.detach() for t in _dense(1, 2, 1, 19, 19, 16))
+    table = torch.randn(2, 9)
+    sm = A.relative_position_bias(table.requires_grad_())
+    out, lse = A._attention_triton(q, k, v, score_mod=sm, mask_mod=None, block_mask=None, scale=0.25, left=None,
+                                   right=0, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
+                                   dropout_p=0.0, seed=None, fwd_config=FWD16, bwd_config=BWD16)
+    static = A._Static(sm.key, None, (0,), (), (True,), 0.25, None, 0, "bhsd", None, None, 0.0, None, "separate",
+                       None, tuple(sorted(BWD16.items())))
+    args = (torch.randn_like(out), torch.randn_like(lse), q, k, v, out.detach(), lse.detach(), None, None, None,
+            *([None] * 8), [table.detach()], repr(tuple(static)))
+    grads = torch.ops.fp8ops.attention_bwd(*args)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, table.shape]
+    torch.library.opcheck(torch.ops.fp8ops.attention_bwd.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
