@@ -1044,8 +1044,18 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(int(n)))
 
 
+@triton.jit
+def _interpreter_probe_kernel(x_ptr):  # never launched: tells whether @triton.jit interprets
+    pass
+
+
+# Whether kernels run under the Triton interpreter is fixed when they are defined; decided once
+# here, so launchers read a constant (torch.compile cannot trace isinstance on a JITFunction).
+_INTERPRETED = not isinstance(_interpreter_probe_kernel, triton.runtime.jit.JITFunction)
+
+
 def _is_interpreter(kernel: Any) -> bool:
-    return not isinstance(kernel, triton.runtime.jit.JITFunction)
+    return _INTERPRETED
 
 
 def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
