@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from .kernels import attention as _K
+from .kernels._library import define as _define
 from .reference import attention as _ref
 from .reference.attention import LAYOUTS, MASKED_ROW_LSE
 
@@ -1468,6 +1469,75 @@ def _sparsity(bm: tuple[Tensor | None, ...], static: _Static) -> tuple[Any, Any]
     return (_K.BlockSparsity(kvn, kvi, fkvn, fkvi, bq, bkv), _K.BlockSparsity(qn, qi, fqn, fqi, bq, bkv))
 
 
+@functools.lru_cache(maxsize=256)
+def _parse_static(static: str) -> _Static:
+    """The :class:`_Static` of ``repr(tuple(static))`` (the form the library ops take)."""
+    return _Static(*ast.literal_eval(static))
+
+
+def _attention_fwd_outputs(q: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    varlen = layout == "thd"
+    out_shape = (q.shape[0], q.shape[1], v.shape[2]) if varlen else (*q.shape[:3], v.shape[3])
+    out = _alloc_layout(out_shape, layout, q.dtype, q.device, zero=varlen)  # type: ignore[arg-type]
+    return out, _alloc_lse(q, layout)
+
+
+def _attention_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_kv: Tensor | None,
+                        seed: Tensor | None, kvn: Tensor | None, kvi: Tensor | None, fkvn: Tensor | None,
+                        fkvi: Tensor | None, buffers: list[Tensor], static: str) -> tuple[Tensor, Tensor]:
+    """``fp8ops::attention_fwd``: the fused forward, ``(out, lse)`` as (B, Hq, Sq, Dv) / (B, Hq, Sq)
+    views stored in the layout of ``static`` (packed: (Tq, Hq, Dv) / (Tq, Hq)). The kernel comes
+    from the registry of generated mods (:data:`_SPECS`) through the keys in ``static``, the
+    ``repr`` of the call's :class:`_Static`; ``buffers`` are the unique captured tensors."""
+    st = _parse_static(static)
+    kern = _K.AttentionKernels(_kernels(st.score_key, st.mask_key, st.needs).fwd, None, None, None)
+    out, lse = _attention_fwd_outputs(q, v, st.layout)
+    flat = [_flat(t) for t in buffers]
+    bs = None
+    if st.sparse_block is not None:
+        assert kvn is not None and kvi is not None and fkvn is not None and fkvi is not None
+        bs = _K.BlockSparsity(kvn, kvi, fkvn, fkvi, *st.sparse_block)
+    _K.attention_fwd_launch(
+        q, k, v, out, lse, sm_scale=st.scale, kernels=kern,
+        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=st.max_q, max_seqlen_kv=st.max_kv,
+        window=(st.left, st.right), has_score_mod=st.score_key is not None, has_mask_mod=st.mask_key is not None,
+        score_buffers=tuple(flat[i] for i in st.score_slots), mask_buffers=tuple(flat[i] for i in st.mask_slots),
+        block_sparsity=bs, dropout_p=st.dropout_p, dropout_seed=seed,
+        config=dict(st.fwd_config) if st.fwd_config else None,
+    )
+    return out, lse
+
+
+def _attention_fwd_fake(q, k, v, cu_q, cu_kv, seed,  # type: ignore[no-untyped-def]
+                        kvn, kvi, fkvn, fkvi, buffers, static):
+    return _attention_fwd_outputs(q, v, _parse_static(static).layout)
+
+
+def _attention_fwd_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    # vmap = a loop over the batch entries (the autograd.Function's own vmap rule normally runs
+    # first; this one covers direct calls of the op under vmap).
+    def pick(a: Any, d: Any, i: int) -> Any:
+        if isinstance(a, (list, tuple)):
+            dims = d if isinstance(d, (list, tuple)) else [d] * len(a)
+            return [pick(x, dd, i) for x, dd in zip(a, dims)]
+        return a if d is None or not isinstance(a, Tensor) else a.select(d, i)
+
+    outs = [torch.ops.fp8ops.attention_fwd(*[pick(a, d, i) for a, d in zip(args, in_dims)])
+            for i in range(info.batch_size)]
+    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+
+
+# A low-level library op (kernels/_library.py: no custom_op wrapper layers on the host path). The
+# CPU kernel serves CPU tensors under TRITON_INTERPRET=1 (the CPU path of attention() runs the
+# reference math and never calls it).
+_define(
+    "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_q, Tensor? cu_kv, Tensor? seed, Tensor? kvn, "
+    "Tensor? kvi, Tensor? fkvn, Tensor? fkvi, Tensor[] buffers, str static) -> (Tensor, Tensor)",
+    cuda=_attention_fwd_impl, cpu=_attention_fwd_impl, fake=_attention_fwd_fake,
+)
+torch.library.register_vmap("fp8ops::attention_fwd", _attention_fwd_vmap)
+
+
 class _AttentionFunction(torch.autograd.Function):
     """Autograd glue of the Triton path. Inputs: q, k, v as (B, H, S, D) views (or packed (T, H, D)),
     cu_seqlens, dropout seed, the 8 block-mask tensors, the static config, the unique captured
@@ -1477,24 +1547,10 @@ class _AttentionFunction(torch.autograd.Function):
     def forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_kv: Tensor | None,  # type: ignore[override]
                 seed: Tensor | None, kvn: Any, kvi: Any, fkvn: Any, fkvi: Any, qn: Any, qi: Any, fqn: Any,
                 fqi: Any, static: _Static, *buffers: Tensor) -> tuple[Tensor, Tensor]:
-        kern = _K.AttentionKernels(
-            _kernel_for("fwd", static.score_key, static.mask_key, static.needs), None, None, None)
-        varlen = static.layout == "thd"
-        out_shape = (q.shape[0], q.shape[1], v.shape[2]) if varlen else (*q.shape[:3], v.shape[3])
-        out = _alloc_layout(out_shape, static.layout, q.dtype, q.device, zero=varlen)  # type: ignore[arg-type]
-        lse = _alloc_lse(q, static.layout)
-        flat = [_flat(t) for t in buffers]
-        bs, _ = _sparsity((kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi), static)
-        _K.attention_fwd_launch(
-            q, k, v, out, lse, sm_scale=static.scale, kernels=kern,
-            cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=static.max_q, max_seqlen_kv=static.max_kv,
-            window=(static.left, static.right), has_score_mod=static.score_key is not None,
-            has_mask_mod=static.mask_key is not None,
-            score_buffers=tuple(flat[i] for i in static.score_slots),
-            mask_buffers=tuple(flat[i] for i in static.mask_slots),
-            block_sparsity=bs, dropout_p=static.dropout_p, dropout_seed=seed,
-            config=dict(static.fwd_config) if static.fwd_config else None,
-        )
+        # One opaque library op (see _attention_fwd_impl): torch.compile records a single node and
+        # never re-generates the kernel, whose mods are globals of a specialized copy.
+        out, lse = torch.ops.fp8ops.attention_fwd(q, k, v, cu_q, cu_kv, seed, kvn, kvi, fkvn, fkvi,
+                                                  list(buffers), repr(tuple(static)))
         return out, lse
 
     @staticmethod
@@ -1541,7 +1597,7 @@ def _needs_slot(static: _Static, slot: int) -> bool:
 
 
 def _bwd_static(static: str) -> _Static:
-    return _Static(*ast.literal_eval(static))
+    return _parse_static(static)
 
 
 @torch.library.custom_op("fp8ops::attention_bwd", mutates_args=())

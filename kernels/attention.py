@@ -1059,9 +1059,11 @@ def _is_interpreter(kernel: Any) -> bool:
 
 
 def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
-    # Compiled kernels go through wrap_triton (traceable by torch.compile); interpreted ones
-    # (TRITON_INTERPRET=1, CPU tensors) are called directly.
-    if _is_interpreter(kernel):
+    # fp8ops launches from inside its opaque library ops (fp8ops::attention_fwd / attention_bwd),
+    # which torch.compile never traces: the kernel is called directly (no wrap_triton dispatch on
+    # the host path). A launcher traced by torch.compile itself goes through wrap_triton;
+    # interpreted kernels (TRITON_INTERPRET=1, CPU tensors) are always called directly.
+    if _is_interpreter(kernel) or not torch.compiler.is_compiling():
         kernel[grid](*args, **kwargs)
     else:
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)

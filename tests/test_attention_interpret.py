@@ -376,3 +376,64 @@ def test_opcheck_backward_library_op():
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, table.shape]
     torch.library.opcheck(torch.ops.fp8ops.attention_bwd.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def _fwd_op_args(q, k, v, *, layout, score_mod=None, mask_mod=None, block_mask=None, right=None, cu=None,
+                 max_len=None):
+    uniq = []
+    sm_bufs = score_mod.buffers if score_mod is not None else ()
+    for t in (*sm_bufs, *(mask_mod.buffers if mask_mod is not None else ())):
+        if not any(t is u for u in uniq):
+            uniq.append(t)
+    slots = [next(i for i, u in enumerate(uniq) if u is t) for t in (score_mod.buffers if score_mod else ())]
+    mslots = [next(i for i, u in enumerate(uniq) if u is t) for t in (mask_mod.buffers if mask_mod else ())]
+    static = A._Static(score_mod.key if score_mod else None, mask_mod.key if mask_mod else None, tuple(slots),
+                       tuple(mslots), tuple(False for _ in slots), 0.25, None, right, layout, max_len, max_len, 0.0,
+                       block_mask.block_size if block_mask is not None else None, "separate",
+                       tuple(sorted(FWD16.items())), None)
+    bm = ((block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+           block_mask.full_kv_indices) if block_mask is not None else (None,) * 4)
+    return (q, k, v, cu, cu, None, *bm, [u.detach() for u in uniq], repr(tuple(static)))
+
+
+def test_opcheck_forward_library_op():
+    # Dense bshd (non-contiguous outputs) with a captured-tensor score_mod and a block mask.
+    q, k, v = (t.detach() for t in _dense(1, 2, 1, 32, 32, 16, layout="bshd"))
+    q4, k4, v4 = (R.to_bhsd(t, "bshd") for t in (q, k, v))
+    sm = A.relative_position_bias(torch.randn(2, 9))
+    bm = A.create_block_mask(A.causal_mask(), None, None, 32, 32, block_size=16)
+    args = _fwd_op_args(q4, k4, v4, layout="bshd", score_mod=sm, mask_mod=bm.mask_mod, block_mask=bm, right=0)
+    out, lse = torch.ops.fp8ops.attention_fwd(*args)
+    (ro, rl), _ = R.attention(q, k, v, score_mod=sm, causal=True, scale=0.25, layout="bshd", return_lse=True)
+    assert (R.from_bhsd(out, "bshd") - ro).abs().max() < 1e-5
+    assert (R.lse_from_bhs(lse, "bshd") - rl).abs().max() < 1e-5
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.fp8ops.attention_fwd.default, args, test_utils=utils)
+    # Packed sequences with a mask_mod.
+    cu = torch.tensor([0, 7, 20, 23], dtype=torch.int32)
+    qp, kp, vp = (t.detach() for t in _tensors([(26, 2, 16), (26, 1, 16), (26, 1, 16)], torch.float32, 3))
+    args = _fwd_op_args(qp, kp, vp, layout="thd", mask_mod=A.sliding_window_mask(5), cu=cu, max_len=13)
+    torch.library.opcheck(torch.ops.fp8ops.attention_fwd.default, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_runs_the_fused_path(backend):
+    # The fused path under torch.compile(fullgraph=True), run (here on CPU through the interpreter):
+    # forward and backward are opaque library ops, so nothing re-generates a kernel with mods.
+    q, k, v = _dense(1, 2, 1, 32, 32, 16, layout="bshd")
+    table = (torch.randn(2, 9) * 0.3).requires_grad_()
+    sm = A.relative_position_bias(table)
+    bm = A.create_block_mask(A.and_masks(A.causal_mask(), A.document_mask(torch.arange(32) // 10)), None, None,
+                             32, 32, block_size=16)
+
+    def loss(q, k, v):
+        out, lse = A._attention_triton(q, k, v, score_mod=sm, mask_mod=bm.mask_mod, block_mask=bm, scale=0.25,
+                                       left=None, right=0, layout="bshd", cu_q=None, cu_kv=None, max_q=None,
+                                       max_kv=None, dropout_p=0.0, seed=None, fwd_config=FWD16, bwd_config=BWD16)
+        return out.square().sum() + lse.sum()
+
+    want = torch.autograd.grad(loss(q, k, v), [q, k, v, table])
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=backend)(q, k, v), [q, k, v, table])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
