@@ -46,6 +46,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from ._checks import check_float_tensor
 from .kernels import attention as _K
 from .kernels._library import define as _define
 from .reference import attention as _ref
@@ -72,7 +73,6 @@ __all__ = [
     "softcap",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_BUFFERS = _K.MAX_MOD_BUFFERS
 
 
@@ -1725,14 +1725,6 @@ def _attention_triton(
 # The public op
 
 
-def _check_tensor(x: Any, name: str, where: str) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{where}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
-    return x
-
-
 def _as_mod(m: Any, cls: type, name: str, where: str, arity: int) -> Any:
     if m is None or isinstance(m, cls):
         return m
@@ -1888,9 +1880,9 @@ def attention(
         q, k, v = q.values(), k.values(), v.values()
 
     # Step 2: validate.
-    q = _check_tensor(q, "q", where)
-    k = _check_tensor(k, "k", where)
-    v = _check_tensor(v, "v", where)
+    q = check_float_tensor(q, "q", where)
+    k = check_float_tensor(k, "k", where)
+    v = check_float_tensor(v, "v", where)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"{where}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:

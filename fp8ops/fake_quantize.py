@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from .formats import Role
-from .quantize import QuantSpec, _check_recipe, _check_x, quantize_2d
+from ._checks import check_float_tensor, check_probe, check_recipe
+from .quantize import QuantSpec, quantize_2d
 from .recipes import Recipe
 from .state import OpState, ScalingState, validate_state
 
@@ -142,17 +143,15 @@ def fake_quantize(
         use ``torch.func`` eagerly.
     """
     where = "fake_quantize"
-    _check_x(x, where)
-    _check_recipe(recipe, where)
+    check_float_tensor(x, "x", where, min_dim=1)
+    check_recipe(recipe, where)
     if not isinstance(state, FakeQuantState):
         raise TypeError(f"{where}: state must be a FakeQuantState (FakeQuantState.init(recipe)), got {type(state).__name__}")
     validate_state(state.input, where=f"{where}: state.input", device=x.device)
     validate_state(state.grad_output, where=f"{where}: state.grad_output", device=x.device)
     if recipe.mode == "rowwise":
         raise ValueError(f"{where}: row-wise scaling is not supported here; use CurrentScaling(granularity='tensor')")
-    if grad_probe is not None:
-        if not isinstance(grad_probe, Tensor) or grad_probe.dim() != 0 or grad_probe.dtype != torch.float32:
-            raise ValueError(f"{where}: grad_probe must be a 0-d float32 tensor (fp8ops.make_probes), got {grad_probe!r}")
+    check_probe(grad_probe, where)
     in_scale, grad_scale = state.input.scale, state.grad_output.scale
     if grad_scale is in_scale:
         # The same tensor twice breaks autograd.Function under torch.compile.

@@ -23,13 +23,12 @@ from torch.utils import _pytree as pytree
 
 from .formats import Role
 from .gemm import scaled_mm
-from .quantize import Float8Value, QuantSpec, _check_recipe, quantize_2d
+from ._checks import check_float_tensor, check_probe, check_recipe
+from .quantize import Float8Value, QuantSpec, quantize_2d
 from .recipes import GemmSpec, Recipe
 from .state import OpState, ScalingState, validate_state
 
 __all__ = ["LinearState", "WeightCache", "fp8_linear", "quantize_weight"]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class LinearState(OpState):
@@ -254,14 +253,6 @@ class _FP8Linear(torch.autograd.Function):
 _FP8Linear.forward.__signature__ = inspect.signature(_FP8Linear.forward)  # type: ignore[attr-defined]
 
 
-def _check_tensor(t: Any, name: str, where: str) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{where}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
-    return t
-
-
 def quantize_weight(
     weight: Tensor,
     state: ScalingState | LinearState,
@@ -293,8 +284,8 @@ def quantize_weight(
         (torch.Size([32, 16]), torch.Size([16, 32]))
     """
     where = "quantize_weight"
-    _check_tensor(weight, "weight", where)
-    _check_recipe(recipe, where)
+    check_float_tensor(weight, "weight", where)
+    check_recipe(recipe, where)
     if weight.dim() != 2:
         raise ValueError(f"{where}: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
     ws = state.weight if isinstance(state, LinearState) else state
@@ -370,9 +361,9 @@ def fp8_linear(
         Micikevicius et al., "FP8 Formats for Deep Learning" (2022); NVIDIA Transformer Engine.
     """
     where = "fp8_linear"
-    _check_tensor(x, "x", where)
-    _check_tensor(weight, "weight", where)
-    _check_recipe(recipe, where)
+    check_float_tensor(x, "x", where)
+    check_float_tensor(weight, "weight", where)
+    check_recipe(recipe, where)
     if x.dim() < 1:
         raise ValueError(f"{where}: x must be (..., K), got a 0-d tensor")
     if weight.dim() != 2:
@@ -381,7 +372,7 @@ def fp8_linear(
     if x.shape[-1] != K:
         raise ValueError(f"{where}: x has K={x.shape[-1]} in its last dimension but weight is (N, K) = {tuple(weight.shape)}")
     if bias is not None:
-        _check_tensor(bias, "bias", where)
+        check_float_tensor(bias, "bias", where)
         if tuple(bias.shape) != (N,):
             raise ValueError(f"{where}: bias must have shape (N,) = ({N},), got {tuple(bias.shape)}")
     if not isinstance(state, LinearState):
@@ -390,10 +381,7 @@ def fp8_linear(
         validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device)
     if weight.device != x.device:
         raise ValueError(f"{where}: weight is on {weight.device} but x is on {x.device}")
-    if grad_probe is not None and (
-        not isinstance(grad_probe, Tensor) or grad_probe.dim() != 0 or grad_probe.dtype != torch.float32
-    ):
-        raise ValueError(f"{where}: grad_probe must be a 0-d float32 tensor (fp8ops.make_probes), got {grad_probe!r}")
+    check_probe(grad_probe, where)
     wgrad_dtype = weight.dtype if wgrad_dtype is None else wgrad_dtype
     if wgrad_dtype != weight.dtype:
         raise ValueError(

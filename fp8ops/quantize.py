@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from . import kernels as _kernels  # noqa: F401  (registers the fp8ops:: library ops)
+from ._checks import FLOAT_DTYPES, check_float_tensor, check_recipe
 from .formats import Role, check_role
 from .recipes import Recipe
 from .reference import quantize as _ref
@@ -24,7 +25,6 @@ from .state import ScalingState, validate_state
 __all__ = ["Float8Value", "dequantize", "quantize"]
 
 _ops = torch.ops.fp8ops
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @attrs.frozen(init=False, eq=False, repr=False)
@@ -92,22 +92,6 @@ class QuantSpec(NamedTuple):
     @staticmethod
     def of(recipe: Recipe, role: Role, calibrated: bool) -> QuantSpec:
         return QuantSpec(recipe.mode, recipe.dtype(role), recipe.margin, recipe.power_2_scale, calibrated)
-
-
-def _check_x(x: Any, where: str, *, min_dim: int = 1) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{where}: x must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() < min_dim:
-        raise ValueError(f"{where}: x must have at least {min_dim} dimension(s) (..., K), got shape {tuple(x.shape)}")
-    return x
-
-
-def _check_recipe(recipe: Any, where: str) -> Recipe:
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"{where}: recipe must be a fp8ops recipe (DelayedScaling, CurrentScaling, ...), got {recipe!r}")
-    return recipe
 
 
 def _resolve_role(state: ScalingState | None, role: Role | None, where: str) -> Role:
@@ -203,8 +187,8 @@ def quantize(
         Micikevicius et al., "FP8 Formats for Deep Learning" (2022).
     """
     where = "quantize"
-    _check_x(x, where, min_dim=2 if transpose else 1)
-    _check_recipe(recipe, where)
+    check_float_tensor(x, "x", where, min_dim=2 if transpose else 1)
+    check_recipe(recipe, where)
     if state is not None:
         validate_state(state, where=where, device=x.device)
     elif recipe.mode == "delayed":
@@ -241,7 +225,7 @@ def dequantize(q: Float8Value, *, dtype: torch.dtype = torch.float32) -> Tensor:
     """
     if not isinstance(q, Float8Value):
         raise TypeError(f"dequantize: q must be a Float8Value (from fp8ops.quantize), got {type(q).__name__}")
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dequantize: dtype must be float32, bfloat16 or float16, got {dtype}")
     return _ref.dequantize(q.data, q.inv_scale, dtype)
 

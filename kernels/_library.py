@@ -1,4 +1,5 @@
-"""Registration of fp8ops's library ops through the dispatcher's low-level API.
+"""Registration of fp8ops's library ops through the dispatcher's low-level API, and the launch
+configuration helper shared by the launchers.
 
 ``torch.library.custom_op`` wraps every call in Python layers (autograd, alias checks, a dynamo
 guard) that cost on the order of 100 µs per call on the host, more than the kernels of a whole
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["define"]
+__all__ = ["define", "merge_config"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -35,3 +36,14 @@ def define(schema: str, *, cuda: Callable[..., Any], fake: Callable[..., Any],
         _LIB.impl(name, autograd, "Autograd")
     torch.library.register_fake(f"fp8ops::{name}", fake, lib=_LIB)
     return getattr(torch.ops.fp8ops, name)
+
+
+def merge_config(default: dict[str, Any], override: dict[str, Any] | None, *, name: str) -> dict[str, Any]:
+    """A launcher's block sizes: ``default`` (returned as is, read-only, when there is no override)
+    updated with ``override``, whose keys must be among the default's."""
+    if not override:
+        return default
+    unknown = set(override) - set(default)
+    if unknown:
+        raise ValueError(f"{name}: unknown launch config keys {sorted(unknown)}; expected {sorted(default)}")
+    return {**default, **override}

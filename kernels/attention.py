@@ -71,6 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._library import merge_config
+
 __all__ = [
     "MASKED_ROW_LSE",
     "MAX_MOD_BUFFERS",
@@ -1104,16 +1106,6 @@ def _bwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool) -> dict[st
             "BLOCK_M2": 64, "BLOCK_N2": 16, "num_warps2": 8, "num_stages2": 2}
 
 
-def _merge_config(default: dict[str, int], override: dict[str, Any] | None) -> dict[str, Any]:
-    cfg = dict(default)
-    if override:
-        unknown = set(override) - set(default)
-        if unknown:
-            raise ValueError(f"unknown launch config keys {sorted(unknown)}; expected {sorted(default)}")
-        cfg.update(override)
-    return cfg
-
-
 def _fit_block(block: int, sparse: int | None) -> int:
     # Kernel tiles must divide the block-mask blocks.
     return block if sparse is None else min(block, sparse)
@@ -1260,7 +1252,7 @@ def attention_fwd_launch(
                 raise ValueError(f"{name}: descale block sizes must be powers of two >= 16, got {descale[3:]}")
     kernels = kernels or specialize()
     interp = _is_interpreter(kernels.fwd)
-    cfg = _merge_config(_fwd_config(prob.d, prob.dv, q.dtype, interp), config)
+    cfg = merge_config(_fwd_config(prob.d, prob.dv, q.dtype, interp), config, name="attention_fwd")
     bs = block_sparsity
     if bs is not None and prob.varlen:
         raise ValueError(f"{name}: block sparsity is not available with packed sequences")
@@ -1365,7 +1357,7 @@ def attention_bwd_launch(
         raise ValueError(f"{name}: dq_mode must be 'separate' or 'atomic', got {dq_mode!r}")
     kernels = kernels or specialize()
     interp = _is_interpreter(kernels.bwd_dkdv)
-    cfg = _merge_config(_bwd_config(prob.d, prob.dv, q.dtype, interp), config)
+    cfg = merge_config(_bwd_config(prob.d, prob.dv, q.dtype, interp), config, name="attention_bwd")
     bs, bst = block_sparsity, block_sparsity_t
     if (bs is None) != (bst is None):
         raise ValueError(f"{name}: pass both block_sparsity and block_sparsity_t, or neither")

@@ -79,7 +79,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._library import define
+from ._library import define, merge_config
 
 __all__ = [
     "FP8_DTYPES",
@@ -327,12 +327,7 @@ def default_config(fast_accum: bool, *, tma: bool = True) -> dict[str, Any]:
 
 
 def _cfg(fast_accum: bool, tma: bool, override: dict[str, Any] | None) -> dict[str, Any]:
-    cfg = default_config(fast_accum, tma=tma)
-    if override:
-        unknown = set(override) - set(cfg)
-        if unknown:
-            raise ValueError(f"scaled_mm: unknown launch config keys {sorted(unknown)}; expected {sorted(cfg)}")
-        cfg.update(override)
+    cfg = merge_config(default_config(fast_accum, tma=tma), override, name="scaled_mm")
     for key, lo in (("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 32)):
         v = cfg[key]
         if not isinstance(v, int) or v < lo or v & (v - 1):

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._library import define
+from ._library import define, merge_config
 
 __all__ = [
     "FP8_DTYPES",
@@ -60,7 +60,6 @@ __all__ = [
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-_FLT_MAX = 3.4028234663852886e38
 
 
 @triton.jit
@@ -272,22 +271,10 @@ def _check_scalar(name: str, arg: str, t: torch.Tensor | None) -> None:
         raise ValueError(f"{name}: {arg} must be a 0-d float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
 
 
-def _cfg(default: dict[str, int], override: dict[str, Any] | None) -> dict[str, Any]:
-    if not override:
-        return default  # read-only use: no copy on the hot path
-    cfg = dict(default)
-    if override:
-        unknown = set(override) - set(default)
-        if unknown:
-            raise ValueError(f"unknown launch config keys {sorted(unknown)}; expected {sorted(default)}")
-        cfg.update(override)
-    return cfg
-
-
 def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> torch.Tensor:
     """max |x| as a 0-d float32 tensor (NaN if x holds a NaN). x: any shape, contiguous."""
     _check_input("amax", x, flat=True)
-    cfg = _cfg(_AMAX_CFG, config)
+    cfg = merge_config(_AMAX_CFG, config, name="amax")
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     n = x.numel()
     if n:
@@ -322,7 +309,7 @@ def cast_launch(
     fp8_max = _check_out_dtype("cast", out_dtype)
     _check_scalar("cast", "scale", scale)
     _check_scalar("cast", "amax_in", amax_in)
-    cfg = _cfg(_CAST_CFG, config)
+    cfg = merge_config(_CAST_CFG, config, name="cast")
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     inv = torch.empty((), dtype=torch.float32, device=x.device)
@@ -358,7 +345,7 @@ def cast_transpose_launch(
     fp8_max = _check_out_dtype("cast_transpose", out_dtype)
     _check_scalar("cast_transpose", "scale", scale)
     _check_scalar("cast_transpose", "amax_in", amax_in)
-    cfg = _cfg(_CAST_T_CFG, config)
+    cfg = merge_config(_CAST_T_CFG, config, name="cast_transpose")
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     qt = torch.empty((K, M), dtype=out_dtype, device=x.device)
@@ -392,7 +379,7 @@ def cast_rowwise_launch(
     """
     _check_input("cast_rowwise", x, flat=False)
     fp8_max = _check_out_dtype("cast_rowwise", out_dtype)
-    cfg = _cfg(_ROWWISE_CFG, config)
+    cfg = merge_config(_ROWWISE_CFG, config, name="cast_rowwise")
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)

@@ -33,7 +33,6 @@ def test_forward_and_gradients_match_reference(calibrated, dtype):
     torch.manual_seed(0)
     st = _calibrated() if calibrated else FakeQuantState.init(RECIPE)
     x = (torch.randn(5, 7) * 3).to(dtype).requires_grad_()
-    w = torch.randn(5, 7).to(dtype)
     probe = torch.zeros((), requires_grad=True)
     y, st2 = fp8ops.fake_quantize(x, st, recipe=RECIPE, grad_probe=probe)
     y_ref, st_ref = R.fake_quantize(x, st, recipe=RECIPE)
