@@ -33,8 +33,12 @@ def check_recipe(recipe: Any, where: str) -> Recipe:
     return recipe
 
 
-def check_probe(probe: Any, where: str) -> Tensor | None:
-    """``probe`` if it is None or a 0-d float32 tensor (one gradient role)."""
-    if probe is not None and (not isinstance(probe, Tensor) or probe.dim() != 0 or probe.dtype != torch.float32):
-        raise ValueError(f"{where}: grad_probe must be a 0-d float32 tensor (fp8ops.make_probes), got {probe!r}")
+def check_probe(probe: Any, where: str, *, shape: tuple[int, ...] = (), name: str = "grad_probe") -> Tensor | None:
+    """``probe`` if it is None or a float32 tensor of ``shape`` (() for one gradient role, (n,) for n)."""
+    if probe is not None and (
+        not isinstance(probe, Tensor) or tuple(probe.shape) != shape or probe.dtype != torch.float32
+    ):
+        what = "0-d" if not shape else f"{shape}"
+        got = f"shape {tuple(probe.shape)} {probe.dtype}" if isinstance(probe, Tensor) else repr(probe)
+        raise ValueError(f"{where}: {name} must be a {what} float32 tensor (fp8ops.make_probes), got {got}")
     return probe

@@ -1789,6 +1789,7 @@ def attention(
     return_lse: bool = False,
     dropout_p: float = 0.0,
     dropout_seed: int | Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[Any, None]:
     """Scaled dot-product attention with score/mask mods, block sparsity, packed sequences and GQA.
 
@@ -1828,6 +1829,11 @@ def attention(
         dropout_p: probability of dropping an attention weight (training); 0 disables it.
         dropout_seed: int or 1-element integer tensor; None draws one from torch's generator. The
             mask is a hash of (seed, b, h, i, j): the same seed gives the same mask everywhere.
+        deterministic: on CUDA, compute dQ in its own kernel so that gradients are bitwise
+            reproducible. By default a masked attention (causal, window, ``mask_mod`` or
+            ``block_mask``) accumulates dQ with float32 atomics inside the dK/dV kernel, the
+            faster scheme there (docs/benchmarks/attention_mods.md); unmasked attention always
+            uses the separate dQ kernel, which is faster without masks.
 
     Returns:
         ``(out, None)`` where ``out`` is shaped like q with head dim Dv, or ``((out, lse), None)``
@@ -1959,6 +1965,8 @@ def attention(
         raise ValueError(f"{where}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
     dropout_p = float(dropout_p)
     seed = _seed_tensor(dropout_seed, q.device, where) if dropout_p > 0.0 else None
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{where}: deterministic must be True or False, got {deterministic!r}")
     for name, t in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         for buf in getattr(t, "buffers", ()):
             if buf.device != q.device:
@@ -1980,6 +1988,8 @@ def attention(
             left=left, right=right, layout=eff_layout, cu_q=cu_q if varlen else None,
             cu_kv=cu_kv if varlen else None, max_q=max_seqlen_q if varlen else None,
             max_kv=max_seqlen_kv if varlen else None, dropout_p=dropout_p, seed=seed,
+            dq_mode=_dq_mode(deterministic, masked=left is not None or right is not None
+                             or mask_mod is not None or block_mask is not None),
         )
     else:
         out, lse = _reference_path(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
@@ -1994,6 +2004,13 @@ def attention(
         if njt_transposed:
             out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return ((out, lse) if return_lse else out), None
+
+
+def _dq_mode(deterministic: bool, *, masked: bool) -> str:
+    """The dQ scheme of the backward: "atomic" (dQ accumulated by the dK/dV kernel with float32
+    atomics, faster when masks skip blocks) unless the attention is unmasked or must be
+    deterministic, else "separate" (a dQ kernel of its own)."""
+    return "atomic" if masked and not deterministic else "separate"
 
 
 def _reference_path(q: Tensor, k: Tensor, v: Tensor, *, score_mod: Any, mask_mod: Any, block_mask: Any,

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ._checks import check_float_tensor, check_probe, check_recipe
 from .formats import Role
 from .gemm import scaled_mm
-from ._checks import check_float_tensor, check_probe, check_recipe
 from .quantize import Float8Value, QuantSpec, quantize_2d
 from .recipes import GemmSpec, Recipe
 from .state import OpState, ScalingState, validate_state
@@ -119,6 +119,57 @@ def _quantize_pair(t: Tensor, scale: Tensor | None, spec: QuantSpec, need_t: boo
     return q, inv, q_t, inv, amax
 
 
+def _quantize_grad(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool, need_q: bool, need_t: bool
+                   ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """(q, inv, q_t, inv_t, amax) of an output gradient; without a probe, current scaling.
+
+    ``q`` feeds the dgrad GEMM and ``q_t`` the wgrad GEMM; with neither needed only the amax (the
+    observation) is computed.
+    """
+    if not (need_q or need_t):
+        return None, None, None, None, torch.ops.fp8ops.amax(dy)
+    if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
+        spec = spec._replace(calibrated=False)
+    return _quantize_pair(dy, g_scale if has_probe else None, spec, need_t)
+
+
+def gemm_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor | None, wq: Tensor | None,
+               w_inv: Tensor | None, w: Tensor | None, bias: Tensor | None, spec: tuple[str, bool, str],
+               out_dtype: torch.dtype) -> Tensor:
+    """``y = x . W^T + b`` (M, N): FP8 operands (M, K) x (N, K) when ``spec`` says fp8, else high precision."""
+    if spec[0] == "fp8":
+        return scaled_mm(xq, wq, x_inv, w_inv, bias=bias, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    assert x is not None and w is not None
+    b = None if bias is None else bias.to(x.dtype)
+    return torch.nn.functional.linear(x, w.to(x.dtype), b).to(out_dtype)
+
+
+def gemm_dgrad(dyq: Tensor | None, dy_inv: Tensor | None, dy: Tensor, wq_t: Tensor | None,
+               w_inv_t: Tensor | None, w: Tensor | None, spec: tuple[str, bool, str], out_dtype: torch.dtype) -> Tensor:
+    """``dx = dy . W`` (M, K): FP8 operands (M, N) x (K, N) when ``spec`` says fp8, else high precision."""
+    if spec[0] == "fp8":
+        return scaled_mm(dyq, wq_t, dy_inv, w_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    assert w is not None
+    return (dy @ w.to(dy.dtype)).to(out_dtype)
+
+
+def gemm_wgrad(dyq_t: Tensor | None, dy_inv_t: Tensor | None, dy: Tensor, xq_t: Tensor | None,
+               x_inv_t: Tensor | None, x: Tensor | None, spec: tuple[str, bool, str], out_dtype: torch.dtype) -> Tensor:
+    """``dW = dy^T . x`` (N, K): FP8 operands (N, M) x (K, M) when ``spec`` says fp8, else high precision."""
+    if spec[0] == "fp8":
+        return scaled_mm(dyq_t, xq_t, dy_inv_t, x_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    assert x is not None
+    return (dy.t() @ x.to(dy.dtype)).to(out_dtype)
+
+
+def quantize_weight_operands(w: Tensor, w_scale: Tensor, spec: QuantSpec, fp8_fprop: bool, need_t: bool
+                             ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """(wq, inv, wq_t, inv_t, amax) of a weight for the fprop GEMM and (transposed) the dgrad GEMM."""
+    if fp8_fprop or need_t:
+        return _quantize_pair(w, w_scale, spec, need_t)
+    return None, None, None, None, torch.ops.fp8ops.amax(w)
+
+
 class _Cfg(NamedTuple):
     """Static configuration of one fp8_linear call (plain constants)."""
 
@@ -138,6 +189,11 @@ class _Cfg(NamedTuple):
 
 def _g(spec: GemmSpec) -> tuple[str, bool, str]:
     return (spec.precision, spec.fast_accum, spec.backend)
+
+
+def _or_empty(t: Tensor | None, x: Tensor) -> Tensor:
+    """``t``, or a fresh empty placeholder (one tensor must never be two outputs of a Function)."""
+    return x.new_empty(0) if t is None else t
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -161,45 +217,36 @@ class _FP8Linear(torch.autograd.Function):
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             torch.ops.fp8ops.guard([x, w, bias, probe])  # makes torch.compile(torch.func.grad(...)) raise
 
-        def empty() -> Tensor:  # distinct placeholders: one tensor must not be two outputs
-            return x.new_empty(0)
-
         fp8_fwd = cfg.fprop[0] == "fp8"
         need_xt = cfg.need_dw and cfg.wgrad[0] == "fp8"
-        need_wt = cfg.need_dx and cfg.dgrad[0] == "fp8"
+        need_wt = cfg.need_dx and cfg.dgrad[0] == "fp8" and not cfg.use_cache
         # Step 1: quantize x (and its transpose for wgrad) in one pass.
         if fp8_fwd or need_xt:
             xq, x_inv, xq_t, x_inv_t, x_amax = _quantize_pair(x, x_scale, cfg.x_spec, need_xt)
         else:
+            xq = x_inv = xq_t = x_inv_t = None
             x_amax = torch.ops.fp8ops.amax(x)
-            xq_t, x_inv_t = empty(), empty()
         # Step 2: the weight, from the cache or quantized now (with its transpose for dgrad).
         if cfg.use_cache:
             # the cached operands are saved from the inputs in setup_context
-            wq, w_inv, wq_t, w_inv_t = c_data, c_inv, empty(), empty()
+            wq, w_inv, wq_t, w_inv_t = c_data, c_inv, None, None
             w_amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        elif fp8_fwd or need_wt:
-            wq, w_inv, wq_t, w_inv_t, w_amax = _quantize_pair(w, w_scale, cfg.w_spec, need_wt)
         else:
-            w_amax = torch.ops.fp8ops.amax(w)
-            wq_t, w_inv_t = empty(), empty()
+            wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
         # Step 3: the forward GEMM.
-        if fp8_fwd:
-            y = scaled_mm(xq, wq, x_inv, w_inv, bias=bias, out_dtype=x.dtype,
-                          fast_accum=cfg.fprop[1], backend=cfg.fprop[2])
-        else:
-            y = torch.nn.functional.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        y = gemm_fprop(xq, x_inv, x, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if not need_xt:
-            xq_t, x_inv_t = empty(), empty()
-        if not need_wt or cfg.use_cache:
-            wq_t, w_inv_t = empty(), empty()
-        return y, x_amax, w_amax, xq_t, x_inv_t, wq_t, w_inv_t
+            xq_t = x_inv_t = None
+        if not need_wt:
+            wq_t = w_inv_t = None
+        return (y, x_amax, w_amax, _or_empty(xq_t, x), _or_empty(x_inv_t, x), _or_empty(wq_t, x),
+                _or_empty(w_inv_t, x))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg = inputs
         ctx.mark_non_differentiable(*output[1:])
-        _, x_amax, w_amax, xq_t, x_inv_t, wq_t, w_inv_t = output
+        _, _, _, xq_t, x_inv_t, wq_t, w_inv_t = output
         if cfg.use_cache:
             wq_t, w_inv_t = c_data_t, (c_inv_t if c_inv_t is not None else c_inv)
         keep_x = cfg.need_dw and cfg.wgrad[0] != "fp8"
@@ -217,31 +264,18 @@ class _FP8Linear(torch.autograd.Function):
         cfg: _Cfg = ctx.cfg
         with torch.no_grad():
             dy = dy.contiguous()
-            # Without a probe the gradient is quantized with current scaling (nothing is recorded).
-            g_spec = cfg.g_spec if cfg.has_probe else cfg.g_spec._replace(calibrated=False)
             fp8_dgrad = cfg.need_dx and cfg.dgrad[0] == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad[0] == "fp8"
             # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
-            if fp8_dgrad or fp8_wgrad:
-                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = _quantize_pair(
-                    dy, g_scale if cfg.has_probe else None, g_spec, fp8_wgrad
-                )
-            else:
-                dy_amax = torch.ops.fp8ops.amax(dy)
+            dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = _quantize_grad(
+                dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
+            )
             # Step 2: dgrad and wgrad.
             dx = dw = db = None
             if cfg.need_dx:
-                if fp8_dgrad:
-                    dx = scaled_mm(dyq, wq_t, dy_inv, w_inv_t, out_dtype=ctx.x_dtype,
-                                   fast_accum=cfg.dgrad[1], backend=cfg.dgrad[2])
-                else:
-                    dx = (dy @ w.to(dy.dtype)).to(ctx.x_dtype)
+                dx = gemm_dgrad(dyq, dy_inv, dy, wq_t, w_inv_t, w, cfg.dgrad, ctx.x_dtype)
             if cfg.need_dw:
-                if fp8_wgrad:
-                    dw = scaled_mm(dyq_t, xq_t, dy_inv_t, x_inv_t, out_dtype=cfg.wgrad_dtype,
-                                   fast_accum=cfg.wgrad[1], backend=cfg.wgrad[2])
-                else:
-                    dw = (dy.t() @ x.to(dy.dtype)).to(cfg.wgrad_dtype)
+                dw = gemm_wgrad(dyq_t, dy_inv_t, dy, xq_t, x_inv_t, x, cfg.wgrad, cfg.wgrad_dtype)
             if cfg.need_db:
                 db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         probe_grad = dy_amax if cfg.has_probe else None

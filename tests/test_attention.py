@@ -757,3 +757,14 @@ def test_fused_path_traces_with_fullgraph_and_no_graph_break(tmp_path):
     script.write_text(_TRACE_SCRIPT)
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert "TRACED" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_deterministic_flag_is_validated_and_masks_choose_the_dq_scheme():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        fp8ops.attention(q, q, q, deterministic="yes")
+    out, _ = fp8ops.attention(q, q, q, causal=True, deterministic=True)  # CPU: the reference path
+    torch.testing.assert_close(out, fp8ops.attention(q, q, q, causal=True)[0])
+    assert A._dq_mode(False, masked=True) == "atomic"
+    assert A._dq_mode(True, masked=True) == "separate"
+    assert A._dq_mode(False, masked=False) == "separate"

@@ -257,6 +257,20 @@ def test_atomic_dq_variant_and_determinism():
         assert (x.float() - y.float()).abs().max() <= 2e-2 * float(x.abs().max())
 
 
+def test_public_op_dq_scheme_and_deterministic_flag():
+    q, k, v = _qkv(2, 8, 2, 768, 768, 128, BF16)
+    runs = {}
+    for det in (True, True, False):
+        out = A.attention(q, k, v, causal=True, deterministic=det)[0]
+        runs.setdefault(det, []).append(_grads(out, None, [q, k, v], 3))
+    for x, y in zip(*runs[True]):
+        assert torch.equal(x, y)
+    for x, y in zip(runs[True][0], runs[False][0]):
+        assert (x.float() - y.float()).abs().max() <= 2e-2 * float(x.abs().max())
+    assert A._dq_mode(False, masked=True) == "atomic" and A._dq_mode(True, masked=True) == "separate"
+    assert A._dq_mode(False, masked=False) == "separate"
+
+
 def test_compile_fullgraph_backward_equals_eager():
     q, k, v = _qkv(2, 8, 2, 512, 512, 128, BF16)
     table = (torch.randn(8, 63, device=DEV) * 0.3).requires_grad_()

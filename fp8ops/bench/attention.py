@@ -89,7 +89,7 @@ def _visible_fraction(variant: str, S: int, docs: torch.Tensor | None) -> float:
     return float((counts * (counts + 1) / 2).sum() / (S * S))
 
 
-def _fp8ops_fn(variant: str, S: int, H: int, docs: torch.Tensor | None, dq_mode: str = "separate",
+def _fp8ops_fn(variant: str, S: int, H: int, docs: torch.Tensor | None, dq_mode: str | None = None,
                fwd_config: dict[str, int] | None = None, bwd_config: dict[str, int] | None = None) -> Any:
     A = importlib.import_module("fp8ops.attention")
     R = importlib.import_module("fp8ops.reference.attention")
@@ -104,8 +104,10 @@ def _fp8ops_fn(variant: str, S: int, H: int, docs: torch.Tensor | None, dq_mode:
         assert docs is not None
         mm = A.and_masks(A.causal_mask(), A.document_mask(docs.cuda()))
         kw = dict(block_mask=A.create_block_mask(mm, None, None, S, S, device="cuda"))
-    if dq_mode == "separate" and fwd_config is None and bwd_config is None:
-        return lambda q, k, v: A.attention(q, k, v, **kw)[0]
+    if fwd_config is None and bwd_config is None and dq_mode in (None, "separate"):
+        # the public op: its default dQ scheme, or deterministic=True for the separate dQ kernel
+        return lambda q, k, v: A.attention(q, k, v, deterministic=dq_mode == "separate", **kw)[0]
+    dq_mode = dq_mode or "separate"
     left, right = R.normalize_window(kw.get("window"), kw.get("causal", False))
     bm = kw.get("block_mask")
     sm = kw.get("score_mod")
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = common.environment()
     print(common.describe_environment(env))
 
-    impl_names = ["fp8ops", "fp8ops (atomic dQ)", "SDPA cuDNN", "SDPA flash"]
+    impl_names = ["fp8ops", "fp8ops (deterministic)", "SDPA cuDNN", "SDPA flash"]
     if use_flex:
         impl_names.append("Flex (compiled)")
     progress = common.Progress(len(seqlens) * len(variants) * len(impl_names), prefix="attention")
@@ -262,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             vis = _visible_fraction(variant, S, docs)
             makers: dict[str, Any] = {
                 "fp8ops": lambda: _fp8ops_fn(variant, S, H, docs),
-                "fp8ops (atomic dQ)": lambda: _fp8ops_fn(variant, S, H, docs, dq_mode="atomic"),
+                "fp8ops (deterministic)": lambda: _fp8ops_fn(variant, S, H, docs, dq_mode="separate"),
             }
             if variant in ("none", "causal"):
                 makers["SDPA cuDNN"] = lambda: _sdpa_fn(variant, "cudnn")
@@ -276,10 +278,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 try:
                     fn = makers[name]()
-                    if si == 0 and name != "fp8ops (atomic dQ)":
+                    if si == 0 and name != "fp8ops (deterministic)":
                         with torch.no_grad():
                             outputs[name] = fn(*fwd_sets[0]).float()
-                    fwd_us = None if name == "fp8ops (atomic dQ)" else _time(fn, fwd_sets, samples, notes, name)
+                    fwd_us = None if name == "fp8ops (deterministic)" else _time(fn, fwd_sets, samples, notes, name)
                     fb_us = _time(_fwd_bwd(fn), sets, samples, notes, name)
                 except Exception as exc:
                     msg = f"{name} {variant} S={S}: {type(exc).__name__}: {str(exc)[:300]}"
