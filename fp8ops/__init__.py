@@ -27,9 +27,13 @@ from .attention import (
 )
 from .fake_quantize import FakeQuantState, fake_quantize
 from .formats import E4M3_MAX, E5M2_MAX, Format, Role
+from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .linear import LinearState, WeightCache, fp8_linear, quantize_weight
+from .mlp import LayerNormMLPState, fused_ln_mlp
+from .norm import layer_norm, rms_norm
 from .quantize import Float8Value, dequantize, quantize
 from .recipes import CurrentScaling, DelayedScaling, GemmSpec, Recipe, compute_scale
+from . import nn
 from .state import (
     SCHEMA_VERSION,
     OpState,
@@ -40,6 +44,14 @@ from .state import (
     merge_batched,
     state_dict,
     update,
+)
+
+from .transformer import (
+    TransformerConfig,
+    init_transformer_params,
+    init_transformer_state,
+    params_from_basic_layer,
+    transformer_layer,
 )
 
 __version__ = "0.1.0"
@@ -56,6 +68,8 @@ __all__ = [
     "Float8Value",
     "Format",
     "GemmSpec",
+    "LayerNormLinearState",
+    "LayerNormMLPState",
     "LinearState",
     "MaskMod",
     "OpState",
@@ -63,6 +77,7 @@ __all__ = [
     "Role",
     "ScalingState",
     "ScoreMod",
+    "TransformerConfig",
     "WeightCache",
     "alibi",
     "and_masks",
@@ -74,20 +89,29 @@ __all__ = [
     "document_mask",
     "fake_quantize",
     "fp8_linear",
+    "fused_ln_mlp",
+    "init_transformer_params",
+    "init_transformer_state",
+    "layer_norm",
+    "layernorm_linear",
     "load_state_dict",
     "make_probes",
     "mask_mod",
     "merge",
     "merge_batched",
     "modmath",
+    "nn",
     "or_masks",
+    "params_from_basic_layer",
     "prefix_lm_mask",
     "quantize",
     "quantize_weight",
     "relative_position_bias",
+    "rms_norm",
     "score_mod",
     "sliding_window_mask",
     "softcap",
     "state_dict",
+    "transformer_layer",
     "update",
 ]

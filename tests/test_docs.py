@@ -34,6 +34,12 @@ _DOCTEST_MODULES = [
     "fp8ops.quantize",
     "fp8ops.fake_quantize",
     "fp8ops.linear",
+    "fp8ops.norm",
+    "fp8ops.layernorm_linear",
+    "fp8ops.mlp",
+    "fp8ops.transformer",
+    "fp8ops.nn",
+    "fp8ops.reference.transformer",
     "fp8ops.attention",
     "fp8ops.reference.gemm",
 ]

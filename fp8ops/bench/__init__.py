@@ -22,5 +22,8 @@ SUITES: dict[str, str] = {
     "quantize": "fp8ops.bench.quantize",
     "linear": "fp8ops.bench.linear",
     "attention": "fp8ops.bench.attention",
+    "norm": "fp8ops.bench.norm",
+    "mlp": "fp8ops.bench.mlp",
+    "layer": "fp8ops.bench.layer",
 }
 """Suite name -> module implementing it (``add_arguments(parser)`` and ``run(args)``)."""

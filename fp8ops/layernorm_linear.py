@@ -1,0 +1,396 @@
+"""layernorm_linear: LayerNorm (or RMSNorm) fused with the FP8 linear layer that follows it.
+
+Forward::
+
+    ln  = norm(x) * g + beta                  one kernel: statistics in fp32, and the normalised
+    lnq = q(ln), lnq^T                        output written directly as FP8 (+ its transposed copy
+                                              for the wgrad GEMM) with amax(ln) in the same pass
+    y   = dq(lnq . q(W)^T) + b                fprop GEMM
+
+Backward::
+
+    dln = dq(q(dy) . q(W))                    dgrad GEMM (E5M2 x E4M3)
+    dW  = dq(q(dy)^T . lnq)                   wgrad GEMM, from the saved FP8 lnq^T
+    dx, dg, dbeta = norm_backward(dln)        one pass for dx, persistent partial sums for dg/dbeta
+
+No high-precision copy of the normalised output is written unless it is asked for
+(``return_layernorm_output=True``) or a GEMM runs in high precision. With ``state=None`` and
+``recipe=None`` the same fused norm kernels run with high-precision GEMMs (no FP8).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
+from ._checks import check_float_tensor, check_probe, check_recipe
+from .formats import Role
+from .linear import (
+    _g,
+    _or_empty,
+    _quantize_grad,
+    _quantize_pair,
+    gemm_dgrad,
+    gemm_fprop,
+    gemm_wgrad,
+    quantize_weight_operands,
+)
+from .quantize import QuantSpec
+from .recipes import Recipe
+from .state import OpState, ScalingState, validate_state
+
+__all__ = ["LayerNormLinearState", "layernorm_linear"]
+
+_ops = torch.ops.fp8ops
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_HIGH = ("high", False, "auto")
+
+
+class LayerNormLinearState(OpState):
+    """State of one :func:`layernorm_linear` call site: ``input`` (the normalised output, the
+    GEMM's input), ``weight`` and ``grad_output``.
+
+    Example:
+        >>> import fp8ops
+        >>> st = fp8ops.LayerNormLinearState.init(fp8ops.DelayedScaling())
+        >>> [st.input.role, st.weight.role, st.grad_output.role]
+        ['forward', 'forward', 'backward']
+    """
+
+    ROLES: ClassVar[dict[str, Role]] = {"input": "forward", "weight": "forward", "grad_output": "backward"}
+    PROBE_ROLES: ClassVar[tuple[str, ...]] = ("grad_output",)
+    input: ScalingState
+    weight: ScalingState
+    grad_output: ScalingState
+
+
+class NormCfg(NamedTuple):
+    """Static description of the normalisation in front of a GEMM."""
+
+    rms: bool
+    eps: float
+    zero_centered: bool
+    has_bias: bool
+
+
+def norm_operands(
+    x: Tensor, w: Tensor, b: Tensor | None, ncfg: NormCfg, scale: Tensor | None, spec: QuantSpec | None,
+    *, need_q: bool, need_t: bool, need_hp: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]:
+    """Normalise ``x`` (M, K) into the forms the following GEMMs need, in one kernel where it can.
+
+    Returns ``(hp, q, inv, q_t, inv_t, amax, mean, rstd)``: ``hp`` the normalised output in
+    ``x.dtype`` (when ``need_hp``), ``q`` / ``q_t`` its FP8 copy (M, K) / (K, M) with inverse
+    scales, ``amax`` of the normalised output, ``mean`` / ``rstd`` the saved statistics.
+    Row-wise scaling writes the high-precision output and quantizes it separately (per-row
+    scales need the whole row's amax before the cast).
+    """
+    fp8 = need_q or need_t
+    if not fp8 or spec is None or spec.mode == "rowwise":
+        y, _, _, _, amax, _, mean, rstd = _ops.norm_fwd(
+            x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, True, None, None, 0, False, None, False
+        )
+        if not fp8 or spec is None:
+            return y, None, None, None, None, amax, mean, rstd
+        q, inv, q_t, inv_t, amax = _quantize_pair(y, None, spec, need_t)
+        return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, mean, rstd
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=x.device)
+    amax_in = None
+    if spec.mode != "delayed" or not spec.calibrated:
+        amax_in = _ops.norm_amax(x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered)
+    y, _, q, q_t, amax, inv, mean, rstd = _ops.norm_fwd(
+        x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, need_hp, scale, amax_in,
+        spec.margin, spec.power_2, spec.dtype, need_t,
+    )
+    return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax, mean, rstd
+
+
+def norm_backward(dln: Tensor, x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, ncfg: NormCfg
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(dx, dweight, dbias)`` of the normalisation for the gradient ``dln`` of its output."""
+    dx, dw, db = _ops.norm_bwd(dln.contiguous(), x, w, mean, rstd, None, ncfg.rms, ncfg.zero_centered, ncfg.has_bias)
+    return dx, dw, (db if ncfg.has_bias else None)
+
+
+class _Cfg(NamedTuple):
+    """Static configuration of one layernorm_linear call (plain constants)."""
+
+    norm: NormCfg
+    fp8: bool
+    x_spec: QuantSpec | None
+    w_spec: QuantSpec | None
+    g_spec: QuantSpec | None
+    fprop: tuple[str, bool, str]
+    dgrad: tuple[str, bool, str]
+    wgrad: tuple[str, bool, str]
+    has_probe: bool
+    return_ln: bool
+    need_dx: bool  # any gradient through the norm: x, its weight or its bias
+    need_dw: bool
+    need_db: bool
+
+
+class _LayerNormLinear(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        x: Tensor,  # (M, K)
+        ln_w: Tensor,  # (K,)
+        ln_b: Tensor | None,  # (K,)
+        w: Tensor,  # (N, K)
+        bias: Tensor | None,  # (N,)
+        x_scale: Tensor | None,
+        w_scale: Tensor | None,
+        g_scale: Tensor | None,
+        probe: Tensor | None,
+        cfg: _Cfg,
+    ) -> tuple[Tensor, ...]:
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            torch.ops.fp8ops.guard([x, ln_w, ln_b, w, bias, probe])  # see fp8ops::guard
+        fp8_fwd = cfg.fprop[0] == "fp8"
+        need_xt = cfg.need_dw and cfg.wgrad[0] == "fp8"
+        need_wt = cfg.need_dx and cfg.dgrad[0] == "fp8"
+        need_hp = cfg.return_ln or not fp8_fwd or (cfg.need_dw and cfg.wgrad[0] != "fp8")
+        # Step 1: the norm, writing the FP8 GEMM operand (and its transpose) directly.
+        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd = norm_operands(
+            x, ln_w, ln_b, cfg.norm, x_scale, cfg.x_spec, need_q=fp8_fwd, need_t=need_xt, need_hp=need_hp
+        )
+        # Step 2: the weight (and its transpose for dgrad).
+        if cfg.fp8:
+            wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
+        else:
+            wq = w_inv = wq_t = w_inv_t = None
+            w_amax = x.new_empty(0, dtype=torch.float32)
+        # Step 3: the forward GEMM.
+        y = gemm_fprop(lnq, ln_inv, ln, wq, w_inv, w, bias, cfg.fprop, x.dtype)
+        if not need_wt:
+            wq_t = w_inv_t = None
+        return (y, _or_empty(ln, x), ln_amax, w_amax, mean, rstd, _or_empty(lnq_t, x), _or_empty(ln_inv_t, x),
+                _or_empty(wq_t, x), _or_empty(w_inv_t, x))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, ln_w, _, w, bias, _, _, g_scale, _, cfg = inputs
+        _, ln, _, _, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t = output
+        # one call: a second mark_non_differentiable replaces the first set
+        ctx.mark_non_differentiable(*output[2:], *(() if cfg.return_ln else (ln,)))
+        keep_ln = cfg.need_dw and cfg.wgrad[0] != "fp8"
+        keep_w = cfg.need_dx and cfg.dgrad[0] != "fp8"
+        ctx.save_for_backward(
+            x if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t, g_scale,
+            ln if keep_ln else None, w if keep_w else None,
+        )
+        ctx.cfg = cfg
+        ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor, dln_out: Tensor | None, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        x, ln_w, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t, g_scale, ln, w = ctx.saved_tensors
+        cfg: _Cfg = ctx.cfg
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dx = dln_w = dln_b = dw = db = None
+        with torch.no_grad():
+            dy = dy.contiguous()
+            fp8_dgrad = cfg.need_dx and cfg.dgrad[0] == "fp8"
+            fp8_wgrad = cfg.need_dw and cfg.wgrad[0] == "fp8"
+            # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
+            if cfg.fp8:
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = _quantize_grad(
+                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
+                )
+            else:
+                dyq = dy_inv = dyq_t = dy_inv_t = dy_amax = None
+            # Step 2: wgrad and the bias gradient.
+            if cfg.need_dw:
+                dw = gemm_wgrad(dyq_t, dy_inv_t, dy, lnq_t, ln_inv_t, ln, cfg.wgrad, w_dtype)
+            if cfg.need_db:
+                db = dy.sum(0, dtype=torch.float32).to(b_dtype)
+            # Step 3: dgrad into the norm's output, then the norm's backward.
+            if cfg.need_dx:
+                dln = gemm_dgrad(dyq, dy_inv, dy, wq_t, w_inv_t, w, cfg.dgrad, x_dtype)
+                if cfg.return_ln and dln_out is not None:
+                    dln = dln + dln_out
+                dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm)
+        probe_grad = dy_amax if cfg.has_probe else None
+        return dx, dln_w, dln_b, dw, db, None, None, None, probe_grad, None
+
+
+_LayerNormLinear.forward.__signature__ = inspect.signature(_LayerNormLinear.forward)  # type: ignore[attr-defined]
+
+
+def check_norm_args(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, normalization: str, eps: float,
+                    where: str) -> int:
+    """Validate the norm's arguments; returns K (x's last dimension)."""
+    check_float_tensor(x, "x", where)
+    if x.dim() < 1:
+        raise ValueError(f"{where}: x must be (..., K), got a 0-d tensor")
+    K = x.shape[-1]
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"{where}: normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    check_float_tensor(ln_weight, "ln_weight", where)
+    if tuple(ln_weight.shape) != (K,):
+        raise ValueError(f"{where}: ln_weight must have shape (K,) = ({K},) like x's last dimension, got {tuple(ln_weight.shape)}")
+    if ln_bias is not None:
+        if normalization == "RMSNorm":
+            raise ValueError(f"{where}: RMSNorm has no bias; pass ln_bias=None")
+        check_float_tensor(ln_bias, "ln_bias", where)
+        if tuple(ln_bias.shape) != (K,):
+            raise ValueError(f"{where}: ln_bias must have shape (K,) = ({K},), got {tuple(ln_bias.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{where}: eps must be a positive number, got {eps!r}")
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but x is on {x.device}")
+    return K
+
+
+def check_weight(weight: Tensor, bias: Tensor | None, K: int, x: Tensor, name: str, where: str) -> int:
+    """Validate a (N, K) weight and its (N,) bias; returns N."""
+    check_float_tensor(weight, name, where)
+    if weight.dim() != 2:
+        raise ValueError(f"{where}: {name} must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"{where}: {name} is {tuple(weight.shape)} but its input has K={K} in the last dimension")
+    if weight.device != x.device:
+        raise ValueError(f"{where}: {name} is on {weight.device} but x is on {x.device}")
+    bname = name.replace("weight", "bias")
+    if bias is not None:
+        check_float_tensor(bias, bname, where)
+        if tuple(bias.shape) != (N,):
+            raise ValueError(f"{where}: {bname} must have shape (N,) = ({N},), got {tuple(bias.shape)}")
+    return N
+
+
+def check_state_recipe(state: Any, recipe: Any, cls: type, x: Tensor, where: str) -> bool:
+    """Validate ``(state, recipe)``: both given (FP8) or both None (high precision); returns fp8."""
+    if state is None and recipe is None:
+        return False
+    if recipe is None:
+        raise ValueError(f"{where}: a state was given without a recipe; pass recipe=... (the one the state was built with)")
+    check_recipe(recipe, where)
+    if state is None:
+        raise ValueError(f"{where}: recipe given without a state; pass state={cls.__name__}.init(recipe) (or both None for no FP8)")
+    if not isinstance(state, cls):
+        raise TypeError(f"{where}: state must be a {cls.__name__} ({cls.__name__}.init(recipe)), got {type(state).__name__}")
+    for role in cls.ROLES:  # type: ignore[attr-defined]
+        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device)
+    return True
+
+
+def layernorm_linear(
+    x: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    state: LayerNormLinearState | None,
+    *,
+    recipe: Recipe | None,
+    normalization: str = "LayerNorm",
+    eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+    return_layernorm_output: bool = False,
+    grad_probe: Tensor | None = None,
+) -> tuple[Any, LayerNormLinearState | None]:
+    """LayerNorm / RMSNorm followed by an FP8 linear layer, with the norm writing the FP8 operand.
+
+    Math::
+
+        ln = (x - mean(x)) * rstd * g + beta        LayerNorm (RMSNorm: x * rstd * g, rstd = 1/rms(x))
+        y  = dq(q(ln) . q(W)^T) + b                 g = ln_weight (+ 1 with zero_centered_gamma)
+
+    Gradients of x, ln_weight, ln_bias, weight and bias; the grad of ``grad_probe`` is amax(dy).
+    The GEMMs follow ``recipe.fprop/dgrad/wgrad`` as in :func:`fp8ops.fp8_linear`.
+
+    Args:
+        x: (..., K) float32, bfloat16 or float16; y has the same dtype.
+        ln_weight: (K,) the norm's scale g; ln_bias: (K,) or None (None for RMSNorm).
+        weight: (N, K); bias: (N,) or None.
+        state: the :class:`LayerNormLinearState` of this call site, or None together with
+            ``recipe=None`` for no FP8 (the fused norm kernels with high-precision GEMMs).
+        recipe: the recipe the state was built with.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        eps: added to the variance (mean square for RMSNorm).
+        zero_centered_gamma: the norm multiplies by ``1 + ln_weight``.
+        return_layernorm_output: also return the normalised output (differentiable).
+        grad_probe: a 0-d float32 zero whose gradient becomes amax(dy); without one, dy is
+            quantized with current scaling.
+
+    Returns:
+        ``(y, new_state)`` with y (..., N), or ``((y, ln_out), new_state)`` with
+        ``return_layernorm_output``; ``new_state`` has amax(ln) and amax(W) recorded (None
+        without FP8).
+
+    Raises:
+        TypeError, ValueError: bad input (the message names the argument and the fix).
+
+    Example:
+        >>> import torch, fp8ops
+        >>> r = fp8ops.DelayedScaling()
+        >>> st = fp8ops.LayerNormLinearState.init(r)
+        >>> x = torch.randn(4, 32, requires_grad=True)
+        >>> g, beta, w = torch.ones(32), torch.zeros(32), torch.randn(48, 32, requires_grad=True)
+        >>> probe = torch.zeros((), requires_grad=True)
+        >>> y, st = fp8ops.layernorm_linear(x, g, beta, w, None, st, recipe=r, grad_probe=probe)
+        >>> y.shape
+        torch.Size([4, 48])
+        >>> y.sum().backward()
+        >>> bool(probe.grad == 1.0)
+        True
+
+    References:
+        Ba et al., "Layer Normalization" (2016); Zhang & Sennrich, "Root Mean Square Layer
+        Normalization" (2019); NVIDIA Transformer Engine ``LayerNormLinear``.
+    """
+    where = "layernorm_linear"
+    K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, where)
+    N = check_weight(weight, bias, K, x, "weight", where)
+    fp8 = check_state_recipe(state, recipe, LayerNormLinearState, x, where)
+    check_probe(grad_probe, where)
+    if grad_probe is not None and not fp8:
+        raise ValueError(f"{where}: grad_probe is only meaningful with FP8 (a state and a recipe); pass grad_probe=None")
+    grad_on = torch.is_grad_enabled()
+    need_norm_grad = grad_on and (x.requires_grad or ln_weight.requires_grad
+                                  or (ln_bias is not None and ln_bias.requires_grad))
+    if fp8:
+        assert state is not None and recipe is not None
+        specs = (QuantSpec.of(recipe, "forward", state.input.calibrated),
+                 QuantSpec.of(recipe, "forward", state.weight.calibrated),
+                 QuantSpec.of(recipe, "backward", state.grad_output.calibrated))
+        gemms = (_g(recipe.fprop), _g(recipe.dgrad), _g(recipe.wgrad))
+        scales = (state.input.scale, state.weight.scale, state.grad_output.scale)
+    else:
+        specs, gemms, scales = (None, None, None), (_HIGH, _HIGH, _HIGH), (None, None, None)
+    cfg = _Cfg(
+        norm=NormCfg(normalization == "RMSNorm", float(eps), bool(zero_centered_gamma), ln_bias is not None),
+        fp8=fp8, x_spec=specs[0], w_spec=specs[1], g_spec=specs[2],
+        fprop=gemms[0], dgrad=gemms[1], wgrad=gemms[2],
+        has_probe=grad_probe is not None, return_ln=bool(return_layernorm_output),
+        need_dx=need_norm_grad, need_dw=grad_on and weight.requires_grad,
+        need_db=grad_on and bias is not None and bias.requires_grad,
+    )
+    x_scale, w_scale, g_scale = scales
+    if fp8:  # autograd.Function under torch.compile rejects one tensor passed twice
+        if w_scale is x_scale:
+            w_scale = w_scale.clone()
+        if g_scale is x_scale or g_scale is w_scale:
+            g_scale = g_scale.clone()
+    lead = x.shape[:-1]
+    y, ln, ln_amax, w_amax, *_ = _LayerNormLinear.apply(
+        x.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe, cfg
+    )
+    y = y.reshape(*lead, N)
+    new_state = None
+    if fp8:
+        assert state is not None
+        new_state = state.replace(input=state.input.observe(ln_amax), weight=state.weight.observe(w_amax))
+    if return_layernorm_output:
+        return (y, ln.reshape(*lead, K)), new_state
+    return y, new_state

@@ -1,0 +1,435 @@
+"""fused_ln_mlp: LayerNorm -> fc1 -> activation -> fc2 with FP8 GEMMs and fused producers.
+
+Forward (M tokens, K hidden, F ffn; C = F, or 2F for gated activations)::
+
+    lnq, lnq^T = q(norm(x))                   norm kernel writes the FP8 operand of fc1
+    h          = dq(lnq . q(W1)^T) + b1       (M, C), input precision
+    aq, aq^T   = q(act(h))                    activation kernel writes the FP8 operand of fc2
+    y          = dq(aq . q(W2)^T) + b2        (M, K2)
+
+Backward::
+
+    dyq, dyq^T = q(dy)                        (E5M2)
+    da  = dq(dyq . q(W2));  dW2 = dq(dyq^T . aq^T);  db2 = sum(dy)
+    dhq, dhq^T = q(da * act'(h)), db1         dact kernel writes the FP8 gradient of fc1 and db1
+    dln = dq(dhq . q(W1));  dW1 = dq(dhq^T . lnq^T)
+    dx, dg, dbeta = norm_backward(dln)
+
+Saved for the backward: x, the norm statistics, lnq^T, the FP8 weights' transposed copies, h and
+aq^T. ``recompute="activation"`` drops aq^T and recomputes it from h in the backward (same scale,
+same bits). Six tensor roles are quantized, each with its own scaling state; the two gradient roles
+report through one probe of shape (2,) (``make_probes``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import activation as _activation
+from ._checks import check_probe
+from .formats import Role
+from .layernorm_linear import (
+    _HIGH,
+    NormCfg,
+    check_norm_args,
+    check_state_recipe,
+    check_weight,
+    norm_backward,
+    norm_operands,
+)
+from .linear import (
+    _g,
+    _or_empty,
+    _quantize_grad,
+    _quantize_pair,
+    gemm_dgrad,
+    gemm_fprop,
+    gemm_wgrad,
+    quantize_weight_operands,
+)
+from .quantize import QuantSpec
+from .recipes import Recipe
+from .state import OpState, ScalingState
+
+__all__ = ["LayerNormMLPState", "fused_ln_mlp"]
+
+_ops = torch.ops.fp8ops
+
+
+class LayerNormMLPState(OpState):
+    """State of one :func:`fused_ln_mlp` call site: input, weight and output gradient of fc1 and fc2.
+
+    ``fc1_input`` is the normalised input, ``fc2_input`` the activation's output. The probe of a
+    ``LayerNormMLPState`` (from :func:`fp8ops.make_probes`) has shape (2,): amax of fc1's and of
+    fc2's output gradient.
+
+    Example:
+        >>> import fp8ops
+        >>> st = fp8ops.LayerNormMLPState.init(fp8ops.DelayedScaling())
+        >>> fp8ops.make_probes(st).shape
+        torch.Size([2])
+    """
+
+    ROLES: ClassVar[dict[str, Role]] = {
+        "fc1_input": "forward", "fc1_weight": "forward", "fc1_grad_output": "backward",
+        "fc2_input": "forward", "fc2_weight": "forward", "fc2_grad_output": "backward",
+    }
+    PROBE_ROLES: ClassVar[tuple[str, ...]] = ("fc1_grad_output", "fc2_grad_output")
+    fc1_input: ScalingState
+    fc1_weight: ScalingState
+    fc1_grad_output: ScalingState
+    fc2_input: ScalingState
+    fc2_weight: ScalingState
+    fc2_grad_output: ScalingState
+
+
+def act_operands(
+    h: Tensor, act: str, scale: Tensor | None, spec: QuantSpec | None, *, need_q: bool, need_t: bool,
+    need_hp: bool, amax_in: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
+    """``act(h)`` in the forms fc2 needs: ``(hp, q, inv, q_t, inv_t, amax, amax_in)``.
+
+    ``amax_in`` (current scaling, or a first uncalibrated step) is the amax the scale was computed
+    from; passing it back in reproduces the same scale, so a recomputation writes the same bits.
+    """
+    fp8 = need_q or need_t
+    if not fp8 or spec is None or spec.mode == "rowwise":
+        y, _, _, amax, _ = _ops.act_fwd(h, act, True, None, None, 0, False, None, False, False)
+        if not fp8 or spec is None:
+            return y, None, None, None, None, amax, None
+        q, inv, q_t, inv_t, amax = _quantize_pair(y, None, spec, need_t)
+        return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, None
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=h.device)
+    if amax_in is None and (spec.mode != "delayed" or not spec.calibrated):
+        amax_in = _ops.act_amax(h, act)
+    y, q, q_t, amax, inv = _ops.act_fwd(
+        h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_q, need_t
+    )
+    return ((y if need_hp else None), (q if need_q else None), inv, (q_t if need_t else None),
+            (inv if need_t else None), amax, amax_in)
+
+
+def dact_operands(
+    da: Tensor, h: Tensor, act: str, g_scale: Tensor | None, spec: QuantSpec | None, has_probe: bool, *,
+    need_q: bool, need_t: bool, need_hp: bool, dbias: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
+    """``dh = da * act'(h)`` in the forms fc1's backward GEMMs need:
+    ``(hp, q, inv, q_t, inv_t, amax, dbias)``; without a probe, current scaling."""
+    fp8 = need_q or need_t
+    if not fp8 or spec is None or spec.mode == "rowwise":
+        dh, _, _, amax, _, db = _ops.act_bwd(da, h, act, True, None, None, 0, False, None, False, dbias)
+        db = db if dbias else None
+        if not fp8 or spec is None:
+            return dh, None, None, None, None, amax, db
+        q, inv, q_t, inv_t, amax = _quantize_grad(dh, g_scale, spec, has_probe, need_q, need_t)
+        return (dh if need_hp else None), q, inv, q_t, inv_t, amax, db
+    scale = g_scale
+    if not has_probe or scale is None:  # nothing is recorded: the scale comes from this gradient
+        spec = spec._replace(calibrated=False)
+        scale = torch.ones((), dtype=torch.float32, device=h.device)
+    amax_in = None
+    if spec.mode != "delayed" or not spec.calibrated:
+        amax_in = _ops.act_bwd_amax(da, h, act)
+    dh, q, q_t, amax, inv, db = _ops.act_bwd(
+        da, h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_t, dbias
+    )
+    return ((dh if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax,
+            (db if dbias else None))
+
+
+class _Cfg(NamedTuple):
+    """Static configuration of one fused_ln_mlp call (plain constants)."""
+
+    norm: NormCfg
+    act: str
+    fp8: bool
+    recompute: bool
+    specs: tuple[QuantSpec | None, ...]  # fc1_input, fc1_weight, fc1_grad, fc2_input, fc2_weight, fc2_grad
+    fprop: tuple[str, bool, str]
+    dgrad: tuple[str, bool, str]
+    wgrad: tuple[str, bool, str]
+    has_probe: bool
+    need_dx: bool  # any gradient through the norm: x, its weight or its bias
+    need_dw1: bool
+    need_db1: bool
+    need_dw2: bool
+    need_db2: bool
+
+    @property
+    def need_dh(self) -> bool:
+        """Whether the gradient must flow back through the activation into fc1's output."""
+        return self.need_dx or self.need_dw1 or self.need_db1
+
+
+class _FusedLNMLP(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        x: Tensor,  # (M, K)
+        ln_w: Tensor,  # (K,)
+        ln_b: Tensor | None,  # (K,)
+        w1: Tensor,  # (C, K)
+        b1: Tensor | None,  # (C,)
+        w2: Tensor,  # (K2, F)
+        b2: Tensor | None,  # (K2,)
+        s_x1: Tensor | None,  # () scales of the six roles (None without FP8)
+        s_w1: Tensor | None,
+        s_g1: Tensor | None,
+        s_x2: Tensor | None,
+        s_w2: Tensor | None,
+        s_g2: Tensor | None,
+        probes: Tensor | None,  # (2,)
+        cfg: _Cfg,
+    ) -> tuple[Tensor, ...]:
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            torch.ops.fp8ops.guard([x, ln_w, ln_b, w1, b1, w2, b2, probes])  # see fp8ops::guard
+        sp_x1, sp_w1, _, sp_x2, sp_w2, _ = cfg.specs
+        fp8_fwd = cfg.fprop[0] == "fp8"
+        fp8_wgrad, fp8_dgrad = cfg.wgrad[0] == "fp8", cfg.dgrad[0] == "fp8"
+        # Step 1: the norm writes fc1's FP8 operand (and its transpose for fc1's wgrad).
+        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd = norm_operands(
+            x, ln_w, ln_b, cfg.norm, s_x1, sp_x1, need_q=fp8_fwd, need_t=cfg.need_dw1 and fp8_wgrad,
+            need_hp=not fp8_fwd or (cfg.need_dw1 and not fp8_wgrad),
+        )
+        # Step 2: fc1.
+        if cfg.fp8:
+            w1q, w1_inv, w1q_t, w1_inv_t, w1_amax = quantize_weight_operands(
+                w1, s_w1, sp_w1, fp8_fwd, cfg.need_dx and fp8_dgrad)
+        else:
+            w1q = w1_inv = w1q_t = w1_inv_t = None
+            w1_amax = x.new_empty(0, dtype=torch.float32)
+        h = gemm_fprop(lnq, ln_inv, ln, w1q, w1_inv, w1, b1, cfg.fprop, x.dtype)  # (M, C)
+        # Step 3: the activation writes fc2's FP8 operand (and, unless recomputed, its transpose).
+        keep_a_t = cfg.need_dw2 and fp8_wgrad and not cfg.recompute
+        keep_a_hp = cfg.need_dw2 and not fp8_wgrad and not cfg.recompute
+        a, aq, a_inv, aq_t, a_inv_t, a_amax, a_amax_in = act_operands(
+            h, cfg.act, s_x2, sp_x2, need_q=fp8_fwd, need_t=keep_a_t, need_hp=not fp8_fwd or keep_a_hp,
+        )
+        # Step 4: fc2.
+        if cfg.fp8:
+            w2q, w2_inv, w2q_t, w2_inv_t, w2_amax = quantize_weight_operands(
+                w2, s_w2, sp_w2, fp8_fwd, cfg.need_dh and fp8_dgrad)
+        else:
+            w2q = w2_inv = w2q_t = w2_inv_t = None
+            w2_amax = x.new_empty(0, dtype=torch.float32)
+        y = gemm_fprop(aq, a_inv, a, w2q, w2_inv, w2, b2, cfg.fprop, x.dtype)
+        if not (cfg.need_dx and fp8_dgrad):
+            w1q_t = w1_inv_t = None
+        if not (cfg.need_dh and fp8_dgrad):
+            w2q_t = w2_inv_t = None
+        e = x
+        return (
+            y, ln_amax, w1_amax, a_amax, w2_amax, mean, rstd,
+            _or_empty(lnq_t, e), _or_empty(ln_inv_t, e), _or_empty(ln if cfg.need_dw1 and not fp8_wgrad else None, e),
+            _or_empty(w1q_t, e), _or_empty(w1_inv_t, e), h,
+            _or_empty(aq_t, e), _or_empty(a_inv_t, e), _or_empty(a if keep_a_hp else None, e),
+            _or_empty(a_amax_in, e), _or_empty(w2q_t, e), _or_empty(w2_inv_t, e),
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, cfg = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        (_, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, aq_t, a_inv_t, a, a_amax_in,
+         w2q_t, w2_inv_t) = output
+        fp8_dgrad = cfg.dgrad[0] == "fp8"
+        ctx.save_for_backward(
+            x if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t,
+            w1 if cfg.need_dx and not fp8_dgrad else None,
+            h, aq_t, a_inv_t, a, a_amax_in, w2q_t, w2_inv_t,
+            w2 if cfg.need_dh and not fp8_dgrad else None,
+            s_g1, s_x2, s_g2,
+        )
+        ctx.cfg = cfg
+        ctx.dtypes = (x.dtype, w1.dtype, None if b1 is None else b1.dtype, w2.dtype, None if b2 is None else b2.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        (x, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, w1, h, aq_t, a_inv_t, a, a_amax_in,
+         w2q_t, w2_inv_t, w2, s_g1, s_x2, s_g2) = ctx.saved_tensors
+        cfg: _Cfg = ctx.cfg
+        x_dtype, w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
+        _, _, sp_g1, sp_x2, _, sp_g2 = cfg.specs
+        fp8_dgrad, fp8_wgrad = cfg.dgrad[0] == "fp8", cfg.wgrad[0] == "fp8"
+        dx = dln_w = dln_b = dw1 = db1 = dw2 = db2 = None
+        dh_amax = None
+        with torch.no_grad():
+            dy = dy.contiguous()
+            # Step 1: quantize dy (and its transpose) in one pass; its amax is fc2's observation.
+            if cfg.fp8:
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = _quantize_grad(
+                    dy, s_g2, sp_g2, cfg.has_probe, cfg.need_dh and fp8_dgrad, cfg.need_dw2 and fp8_wgrad
+                )
+            else:
+                dyq = dy_inv = dyq_t = dy_inv_t = dy_amax = None
+            # Step 2: fc2's wgrad (recomputing the activation's operand if it was not kept) and db2.
+            if cfg.need_dw2:
+                if cfg.recompute:
+                    a, _, _, aq_t, a_inv_t, _, _ = act_operands(
+                        h, cfg.act, s_x2, sp_x2, need_q=False, need_t=fp8_wgrad, need_hp=not fp8_wgrad,
+                        amax_in=a_amax_in if a_amax_in.numel() else None,
+                    )
+                dw2 = gemm_wgrad(dyq_t, dy_inv_t, dy, aq_t, a_inv_t, a, cfg.wgrad, w2_dtype)
+            if cfg.need_db2:
+                db2 = dy.sum(0, dtype=torch.float32).to(b2_dtype)
+            if cfg.need_dh:
+                # Step 3: fc2's dgrad, then dact fused with the FP8 cast of fc1's output gradient.
+                da = gemm_dgrad(dyq, dy_inv, dy, w2q_t, w2_inv_t, w2, cfg.dgrad, x_dtype)  # (M, F)
+                q1, q1_t = cfg.need_dx and fp8_dgrad, cfg.need_dw1 and fp8_wgrad
+                dh, dhq, dh_inv, dhq_t, dh_inv_t, dh_amax, db1_32 = dact_operands(
+                    da, h, cfg.act, s_g1, sp_g1, cfg.has_probe, need_q=q1, need_t=q1_t,
+                    need_hp=(cfg.need_dx and not q1) or (cfg.need_dw1 and not q1_t), dbias=cfg.need_db1,
+                )
+                if cfg.need_db1:
+                    db1 = db1_32.to(b1_dtype)
+                # Step 4: fc1's wgrad and dgrad, then the norm's backward.
+                if cfg.need_dw1:
+                    dw1 = gemm_wgrad(dhq_t, dh_inv_t, dh, lnq_t, ln_inv_t, ln, cfg.wgrad, w1_dtype)
+                if cfg.need_dx:
+                    dln = gemm_dgrad(dhq, dh_inv, dh, w1q_t, w1_inv_t, w1, cfg.dgrad, x_dtype)
+                    dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm)
+        probe_grad = None
+        if cfg.has_probe:
+            assert dy_amax is not None
+            if dh_amax is None:
+                dh_amax = torch.zeros_like(dy_amax)
+            probe_grad = torch.stack([dh_amax.reshape(()), dy_amax.reshape(())])
+        return (dx, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None, None, None, None, probe_grad, None)
+
+
+_FusedLNMLP.forward.__signature__ = inspect.signature(_FusedLNMLP.forward)  # type: ignore[attr-defined]
+
+
+def fused_ln_mlp(
+    x: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Tensor | None,
+    fc1_weight: Tensor,
+    fc1_bias: Tensor | None,
+    fc2_weight: Tensor,
+    fc2_bias: Tensor | None,
+    state: LayerNormMLPState | None,
+    *,
+    recipe: Recipe | None,
+    normalization: str = "LayerNorm",
+    activation: str = "gelu_tanh",
+    eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+    recompute: str | None = None,
+    grad_probes: Tensor | None = None,
+) -> tuple[Tensor, LayerNormMLPState | None]:
+    """LayerNorm (or RMSNorm) -> fc1 -> activation -> fc2, with FP8 GEMMs and fused FP8 producers.
+
+    Math::
+
+        y = fc2(act(fc1(norm(x))))          fc(t) = dq(q(t) . q(W)^T) + b
+        gated activations split fc1's output h = [a | b] (first half a): swiglu = silu(a) * b,
+        geglu = gelu_tanh(a) * b, reglu = relu(a) * b
+
+    The norm kernel writes fc1's FP8 input, the activation kernel writes fc2's FP8 input (and its
+    amax), and in the backward the dact kernel writes fc1's FP8 output gradient and fc1's bias
+    gradient; no high-precision copy of the normalised input, the activation or dh is written.
+
+    Args:
+        x: (..., K) float32, bfloat16 or float16; y has the same dtype.
+        ln_weight: (K,); ln_bias: (K,) or None (None for RMSNorm).
+        fc1_weight: (C, K) with C = F, or 2F for gated activations; fc1_bias: (C,) or None.
+        fc2_weight: (K2, F); fc2_bias: (K2,) or None.
+        state: the :class:`LayerNormMLPState` of this call site, or None with ``recipe=None``
+            for no FP8 (fused norm and activation kernels, high-precision GEMMs).
+        recipe: the recipe the state was built with.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        activation: one of gelu, gelu_tanh, relu, squared_relu, silu, qgelu, swiglu, geglu, reglu.
+        eps, zero_centered_gamma: as in :func:`fp8ops.layer_norm`.
+        recompute: None, or ``"activation"`` to save fc1's output h only and recompute the
+            activation's FP8 copy in the backward (saves M x F bytes of FP8 per call).
+        grad_probes: a (2,) float32 zero (``make_probes(state)``) whose gradient becomes
+            ``[amax(dh), amax(dy)]`` (fc1's and fc2's output gradients); without it the output
+            gradients are quantized with current scaling.
+
+    Returns:
+        ``(y, new_state)``: y (..., K2); ``new_state`` with the amaxes of the normalised input,
+        W1, the activation output and W2 recorded (None without FP8).
+
+    Raises:
+        TypeError, ValueError: bad input (the message names the argument and the fix).
+
+    Example:
+        >>> import torch, fp8ops
+        >>> r = fp8ops.DelayedScaling()
+        >>> st = fp8ops.LayerNormMLPState.init(r)
+        >>> x = torch.randn(8, 32, requires_grad=True)
+        >>> g, beta = torch.ones(32), torch.zeros(32)
+        >>> w1, w2 = torch.randn(128, 32) / 6, torch.randn(32, 64) / 8   # swiglu: fc1 writes 2 x 64
+        >>> probes = fp8ops.make_probes(st)
+        >>> y, st = fp8ops.fused_ln_mlp(x, g, beta, w1, None, w2, None, st, recipe=r,
+        ...                             activation="swiglu", grad_probes=probes)
+        >>> y.shape
+        torch.Size([8, 32])
+        >>> y.sum().backward()
+        >>> probes.grad.shape
+        torch.Size([2])
+
+    References:
+        Shazeer, "GLU Variants Improve Transformer" (2020); NVIDIA Transformer Engine ``LayerNormMLP``.
+    """
+    where = "fused_ln_mlp"
+    K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, where)
+    _activation.check_activation(activation, where)
+    C = check_weight(fc1_weight, fc1_bias, K, x, "fc1_weight", where)
+    gated = activation in _activation.GATED
+    if gated and C % 2:
+        raise ValueError(
+            f"{where}: activation {activation!r} is gated and splits fc1's output in two halves, "
+            f"but fc1_weight has an odd number of rows ({C}); use 2 x ffn rows"
+        )
+    F = C // 2 if gated else C
+    K2 = check_weight(fc2_weight, fc2_bias, F, x, "fc2_weight", where)
+    fp8 = check_state_recipe(state, recipe, LayerNormMLPState, x, where)
+    if recompute not in (None, "activation"):
+        raise ValueError(f"{where}: recompute must be None or 'activation', got {recompute!r}")
+    check_probe(grad_probes, where, shape=(2,), name="grad_probes")
+    if grad_probes is not None and not fp8:
+        raise ValueError(f"{where}: grad_probes are only meaningful with FP8 (a state and a recipe); pass None")
+    grad_on = torch.is_grad_enabled()
+
+    def needs(t: Tensor | None) -> bool:
+        return grad_on and t is not None and t.requires_grad
+
+    if fp8:
+        assert state is not None and recipe is not None
+        roles = tuple(LayerNormMLPState.ROLES)
+        specs = tuple(QuantSpec.of(recipe, LayerNormMLPState.ROLES[n], getattr(state, n).calibrated) for n in roles)
+        gemms = (_g(recipe.fprop), _g(recipe.dgrad), _g(recipe.wgrad))
+        scales: list[Tensor | None] = []
+        for n in roles:  # autograd.Function under torch.compile rejects one tensor passed twice
+            s = getattr(state, n).scale
+            scales.append(s.clone() if any(s is o for o in scales) else s)
+    else:
+        specs, gemms, scales = (None,) * 6, (_HIGH, _HIGH, _HIGH), [None] * 6
+    cfg = _Cfg(
+        norm=NormCfg(normalization == "RMSNorm", float(eps), bool(zero_centered_gamma), ln_bias is not None),
+        act=activation, fp8=fp8, recompute=recompute == "activation", specs=specs,
+        fprop=gemms[0], dgrad=gemms[1], wgrad=gemms[2], has_probe=grad_probes is not None,
+        need_dx=needs(x) or needs(ln_weight) or needs(ln_bias),
+        need_dw1=needs(fc1_weight), need_db1=needs(fc1_bias),
+        need_dw2=needs(fc2_weight), need_db2=needs(fc2_bias),
+    )
+    lead = x.shape[:-1]
+    y, ln_amax, w1_amax, a_amax, w2_amax, *_ = _FusedLNMLP.apply(
+        x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, grad_probes, cfg
+    )
+    new_state = None
+    if fp8:
+        assert state is not None
+        new_state = state.replace(
+            fc1_input=state.fc1_input.observe(ln_amax), fc1_weight=state.fc1_weight.observe(w1_amax),
+            fc2_input=state.fc2_input.observe(a_amax), fc2_weight=state.fc2_weight.observe(w2_amax),
+        )
+    return y.reshape(*lead, K2), new_state

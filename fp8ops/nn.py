@@ -1,0 +1,427 @@
+"""Thin ``torch.nn`` modules over the functional ops: parameters as ``nn.Parameter``, FP8 state inside.
+
+Each module holds its parameters and the scaling state of its op (``module.fp8_state``, a plain
+attribute replaced by the op's new state on every forward: the functional API's
+``y, state = op(..., state)`` done for you). A forward with gradients enabled makes fresh probes
+and keeps them; after ``backward``, once per optimizer step, ``module.update_scaling()`` (or
+:func:`update_scaling` on a whole model) folds their gradients and the pending forward amaxes
+into the state with :func:`fp8ops.update`::
+
+    layer = fp8ops.nn.TransformerLayer(1024, 4096, 16, recipe=fp8ops.DelayedScaling())
+    for batch in data:
+        for micro in batch:                     # gradient accumulation: observations merge by max
+            layer(micro).float().square().mean().backward()
+        optimizer.step(); optimizer.zero_grad()
+        fp8ops.nn.update_scaling(layer)         # once per optimizer step, after the backward(s)
+
+``recipe=None`` disables FP8 (the ops run in the inputs' precision; there is no state).
+``module.state_dict()`` holds the parameters; the scaling state has its own flat dict
+(:meth:`scaling_state_dict` / :meth:`load_scaling_state_dict`, via :func:`fp8ops.state_dict`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from ._checks import check_recipe
+from .layernorm_linear import LayerNormLinearState, layernorm_linear
+from .linear import LinearState, fp8_linear
+from .mlp import LayerNormMLPState, fused_ln_mlp
+from .state import load_state_dict, make_probes, merge, state_dict, update
+from .transformer import (
+    TransformerConfig,
+    init_transformer_params,
+    init_transformer_state,
+    transformer_layer,
+)
+
+__all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "TransformerLayer", "update_scaling"]
+
+
+class FP8Module(torch.nn.Module):
+    """Base of the fp8ops modules: a recipe, the scaling state and the probes of past forwards.
+
+    Attributes:
+        recipe: the FP8 recipe, or None (no FP8).
+        fp8_state: the op's scaling state (None without a recipe); replaced on every forward.
+    """
+
+    def __init__(self, recipe: Any) -> None:
+        super().__init__()
+        if recipe is not None:
+            check_recipe(recipe, type(self).__name__)
+        self.recipe = recipe
+        self.fp8_state: Any = None
+        self._probes: list[Any] = []
+
+    def _init_state(self, device: torch.device | str | None) -> Any:
+        raise NotImplementedError
+
+    def _state_device(self) -> torch.device | None:
+        p = next(iter(self.parameters()), None)
+        return None if p is None else p.device
+
+    def reset_scaling(self) -> None:
+        """A fresh scaling state (uncalibrated) on the parameters' device; forget kept probes."""
+        self.fp8_state = None if self.recipe is None else self._init_state(self._state_device())
+        self._probes = []
+
+    def _next_probes(self) -> Any:
+        """Probes for this forward (kept for :meth:`update_scaling`), or None when no gradient
+        can reach them (no recipe, or gradients disabled)."""
+        if self.recipe is None or not torch.is_grad_enabled():
+            return None
+        probes = make_probes(self.fp8_state)
+        self._probes.append(probes)
+        return probes
+
+    def _probe_grads(self) -> Any:
+        """The max over the kept probes' gradients (zeros where a backward did not reach)."""
+        grads = [pytree.tree_map(lambda p: p.grad if p.grad is not None else torch.zeros_like(p.detach()), probes)
+                 for probes in self._probes]
+        if not grads:
+            return pytree.tree_map(lambda p: torch.zeros_like(p), make_probes(self.fp8_state, requires_grad=False))
+        return merge(*grads)
+
+    def update_scaling(self, *, group: Any = None) -> None:
+        """Fold this module's observations into its scaling state: once per optimizer step.
+
+        Call after the step's backward pass(es): the kept probes' gradients (max over the
+        forwards since the last call) and the pending forward amaxes go through
+        :func:`fp8ops.update` (the history rolls, scales are recomputed); the probes are dropped.
+        A no-op without a recipe. For a model of several modules use :func:`update_scaling`
+        (one call, one ``all_reduce`` with ``group``).
+        """
+        update_scaling(self, group=group)
+
+    def scaling_state_dict(self) -> dict[str, Tensor]:
+        """The scaling state as a flat ``dict[str, Tensor]`` (:func:`fp8ops.state_dict`); {} without a recipe."""
+        return {} if self.fp8_state is None else state_dict(self.fp8_state)
+
+    def load_scaling_state_dict(self, flat: dict[str, Tensor]) -> None:
+        """Load a dict written by :meth:`scaling_state_dict` (of a module of the same kind and recipe).
+
+        Raises:
+            ValueError: the dict does not match this module's state (see :func:`fp8ops.load_state_dict`).
+        """
+        if self.fp8_state is None:
+            if flat:
+                raise ValueError(f"{type(self).__name__}.load_scaling_state_dict: this module has no recipe "
+                                 f"(no FP8 state), got a non-empty scaling state dict")
+            return
+        self.fp8_state = load_state_dict(self.fp8_state, flat)
+        self._probes = []
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # .to()/.cuda() move the parameters; the state follows their device (it stays float32).
+        out = super()._apply(fn, recurse)
+        dev = self._state_device()
+        if self.fp8_state is not None and dev is not None:
+            self.fp8_state = pytree.tree_map(lambda t: t.to(dev), self.fp8_state)
+            self._probes = []
+        return out
+
+
+def update_scaling(modules: torch.nn.Module | Iterable[torch.nn.Module], *, group: Any = None) -> None:
+    """Run :meth:`FP8Module.update_scaling` for every fp8ops module in ``modules`` at once.
+
+    Once per optimizer step, after the backward pass(es). Modules are found with ``.modules()``;
+    those sharing a recipe are updated in one :func:`fp8ops.update` call (one batched
+    ``all_reduce(MAX)`` over ``group`` when given).
+
+    Args:
+        modules: a module (searched recursively) or an iterable of modules.
+        group: a ``torch.distributed`` process group to max-reduce the observations over, or None.
+
+    Example:
+        >>> import torch, fp8ops
+        >>> r = fp8ops.DelayedScaling()
+        >>> model = torch.nn.Sequential(fp8ops.nn.Linear(16, 32, recipe=r), fp8ops.nn.Linear(32, 8, recipe=r))
+        >>> model(torch.randn(4, 16)).sum().backward()
+        >>> fp8ops.nn.update_scaling(model)
+        >>> bool(model[1].fp8_state.grad_output.calibrated)
+        True
+    """
+    roots = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+    found: dict[int, FP8Module] = {}
+    for root in roots:
+        for m in root.modules():
+            if isinstance(m, FP8Module) and m.recipe is not None:
+                found.setdefault(id(m), m)
+    by_recipe: dict[Any, list[FP8Module]] = {}
+    for m in found.values():
+        by_recipe.setdefault(m.recipe, []).append(m)
+    for recipe, mods in by_recipe.items():
+        states = [m.fp8_state for m in mods]
+        grads = [m._probe_grads() for m in mods]
+        new = update(states, recipe=recipe, grad_amax=grads, group=group)
+        for m, s in zip(mods, new):
+            m.fp8_state = s
+            m._probes = []
+
+
+def _factory(device: Any, dtype: Any) -> dict[str, Any]:
+    return {"device": device, "dtype": dtype if dtype is not None else torch.get_default_dtype()}
+
+
+def _init_linear(weight: Tensor, bias: Tensor | None) -> None:
+    # torch.nn.Linear's initialisation
+    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1.0 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
+        torch.nn.init.uniform_(bias, -bound, bound)
+
+
+class Linear(FP8Module):
+    """``y = x W^T + b`` through :func:`fp8ops.fp8_linear` (FP8 GEMMs forward and backward).
+
+    Args:
+        in_features: K.
+        out_features: N.
+        bias: whether to learn a bias (N,).
+        recipe: FP8 recipe, or None for ``torch.nn.functional.linear``.
+        device, dtype: of the parameters (initialised as ``torch.nn.Linear``'s).
+
+    Shapes: x (..., K) -> y (..., N). Parameters ``weight`` (N, K), ``bias`` (N,).
+
+    Example:
+        >>> import torch, fp8ops
+        >>> lin = fp8ops.nn.Linear(32, 16, recipe=fp8ops.DelayedScaling())
+        >>> y = lin(torch.randn(4, 32))
+        >>> y.sum().backward(); lin.update_scaling()
+        >>> y.shape, bool(lin.fp8_state.input.calibrated)
+        (torch.Size([4, 16]), True)
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Any = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(recipe)
+        fk = _factory(device, dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **fk))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, **fk)) if bias else None
+        _init_linear(self.weight, self.bias)
+        self.reset_scaling()
+
+    def _init_state(self, device: Any) -> Any:
+        return LinearState.init(self.recipe, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.recipe is None:
+            return F.linear(x, self.weight, self.bias)
+        y, self.fp8_state = fp8_linear(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe,
+                                       grad_probe=self._next_probes())
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"recipe={self.recipe!r}"
+
+
+def _norm_params(module: torch.nn.Module, size: int, normalization: str, bias: bool, zero_centered_gamma: bool,
+                 fk: dict[str, Any]) -> None:
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"{type(module).__name__}: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+    fill = 0.0 if zero_centered_gamma else 1.0
+    module.layer_norm_weight = torch.nn.Parameter(torch.full((size,), fill, **fk))
+    has_bias = bias and normalization == "LayerNorm"
+    module.layer_norm_bias = torch.nn.Parameter(torch.zeros(size, **fk)) if has_bias else None
+
+
+class LayerNormLinear(FP8Module):
+    """LayerNorm (or RMSNorm) then a linear layer, through :func:`fp8ops.layernorm_linear`.
+
+    Args:
+        in_features: K.
+        out_features: N.
+        eps: norm epsilon.
+        bias: biases for the linear layer and the LayerNorm.
+        normalization: "LayerNorm" or "RMSNorm".
+        zero_centered_gamma: the norm scales by ``1 + layer_norm_weight``.
+        return_layernorm_output: forward returns ``(y, ln_out)``.
+        recipe: FP8 recipe, or None (no FP8).
+        device, dtype: of the parameters.
+
+    Parameters: ``layer_norm_weight`` (K,), ``layer_norm_bias`` (K,) (LayerNorm with bias),
+    ``weight`` (N, K), ``bias`` (N,).
+
+    Example:
+        >>> import torch, fp8ops
+        >>> m = fp8ops.nn.LayerNormLinear(32, 96, recipe=fp8ops.CurrentScaling())
+        >>> m(torch.randn(8, 2, 32)).shape
+        torch.Size([8, 2, 96])
+    """
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True, *,
+                 normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
+                 return_layernorm_output: bool = False, recipe: Any = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(recipe)
+        fk = _factory(device, dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        _norm_params(self, in_features, normalization, bias, zero_centered_gamma, fk)
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **fk))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, **fk)) if bias else None
+        _init_linear(self.weight, self.bias)
+        self.reset_scaling()
+
+    def _init_state(self, device: Any) -> Any:
+        return LayerNormLinearState.init(self.recipe, device=device)
+
+    def forward(self, x: Tensor) -> Any:
+        out, new_state = layernorm_linear(
+            x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, self.fp8_state,
+            recipe=self.recipe, normalization=self.normalization, eps=self.eps,
+            zero_centered_gamma=self.zero_centered_gamma, return_layernorm_output=self.return_layernorm_output,
+            grad_probe=self._next_probes())
+        if self.recipe is not None:
+            self.fp8_state = new_state
+        return out
+
+
+class LayerNormMLP(FP8Module):
+    """LayerNorm (or RMSNorm) -> fc1 -> activation -> fc2, through :func:`fp8ops.fused_ln_mlp`.
+
+    Args:
+        hidden_size: H (input and output width).
+        ffn_hidden_size: F (fc1 has 2F outputs for gated activations).
+        eps: norm epsilon.
+        bias: biases for fc1, fc2 and the LayerNorm.
+        normalization: "LayerNorm" or "RMSNorm".
+        activation: one of ``fp8ops.activation.ACTIVATIONS`` (default "gelu_tanh").
+        zero_centered_gamma: the norm scales by ``1 + layer_norm_weight``.
+        recompute: None, or "activation" (see :func:`fp8ops.fused_ln_mlp`).
+        recipe: FP8 recipe, or None (no FP8).
+        device, dtype: of the parameters.
+
+    Parameters: ``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight`` (C, H), ``fc1_bias``,
+    ``fc2_weight`` (H, F), ``fc2_bias``.
+
+    Example:
+        >>> import torch, fp8ops
+        >>> m = fp8ops.nn.LayerNormMLP(32, 64, activation="swiglu", recipe=fp8ops.DelayedScaling())
+        >>> m.fc1_weight.shape, m(torch.randn(8, 32)).shape
+        (torch.Size([128, 32]), torch.Size([8, 32]))
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
+                 normalization: str = "LayerNorm", activation: str = "gelu_tanh", zero_centered_gamma: bool = False,
+                 recompute: str | None = None, recipe: Any = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(recipe)
+        from .activation import GATED, check_activation
+
+        check_activation(activation, "LayerNormMLP")
+        fk = _factory(device, dtype)
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.eps, self.normalization, self.activation = eps, normalization, activation
+        self.zero_centered_gamma, self.recompute = zero_centered_gamma, recompute
+        C = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
+        _norm_params(self, hidden_size, normalization, bias, zero_centered_gamma, fk)
+        self.fc1_weight = torch.nn.Parameter(torch.empty(C, hidden_size, **fk))
+        self.fc1_bias = torch.nn.Parameter(torch.empty(C, **fk)) if bias else None
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **fk))
+        self.fc2_bias = torch.nn.Parameter(torch.empty(hidden_size, **fk)) if bias else None
+        _init_linear(self.fc1_weight, self.fc1_bias)
+        _init_linear(self.fc2_weight, self.fc2_bias)
+        self.reset_scaling()
+
+    def _init_state(self, device: Any) -> Any:
+        return LayerNormMLPState.init(self.recipe, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y, new_state = fused_ln_mlp(
+            x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
+            self.fc2_bias, self.fp8_state, recipe=self.recipe, normalization=self.normalization,
+            activation=self.activation, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
+            recompute=self.recompute, grad_probes=self._next_probes())
+        if self.recipe is not None:
+            self.fp8_state = new_state
+        return y
+
+
+class _Group(torch.nn.Module):
+    """Holds the parameters of one prefix ("ln1", "qkv", ...) so that names match the functional keys."""
+
+
+class TransformerLayer(FP8Module):
+    """The transformer encoder layer of :func:`fp8ops.transformer_layer` as a module.
+
+    Parameter names are exactly the keys of :func:`fp8ops.init_transformer_params`
+    (``ln1.weight``, ``qkv.weight``, ``proj.weight``, ``ln2.weight``, ``fc1.weight``, ...), so
+    ``dict(module.named_parameters())`` is the functional ``params`` and
+    ``module.load_state_dict(fp8ops.params_from_basic_layer(seed.state_dict(), module.config))``
+    loads the seed layer's weights. Dropout follows ``module.training``.
+
+    Args:
+        hidden_size, ffn_hidden_size, num_attention_heads: as :class:`fp8ops.TransformerConfig`.
+        recipe: FP8 recipe, or None (no FP8).
+        device, dtype: of the parameters.
+        generator: for reproducible initial weights (:func:`fp8ops.init_transformer_params`).
+        **config: the other :class:`fp8ops.TransformerConfig` fields (``num_gqa_groups``,
+            ``normalization``, ``activation``, ``self_attn_mask_type``, dropouts, ...).
+
+    Shapes (forward): x (S, B, H) -> (S, B, H), or packed (T, H) with ``cu_seqlens``.
+
+    Example:
+        >>> import torch, fp8ops
+        >>> layer = fp8ops.nn.TransformerLayer(32, 64, 4, recipe=fp8ops.DelayedScaling(), hidden_dropout=0.0)
+        >>> y = layer(torch.randn(8, 2, 32))
+        >>> y.square().mean().backward()
+        >>> layer.update_scaling()
+        >>> y.shape, sorted(layer.fp8_state)
+        (torch.Size([8, 2, 32]), ['mlp', 'proj', 'qkv'])
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *, recipe: Any = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 generator: torch.Generator | None = None, **config: Any) -> None:
+        cfg = TransformerConfig(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                                num_attention_heads=num_attention_heads, **config)
+        super().__init__(recipe)
+        self.config = cfg
+        params = init_transformer_params(cfg, dtype=_factory(device, dtype)["dtype"], device=device,
+                                         generator=generator)
+        for key, t in params.items():
+            group, name = key.split(".")
+            if not hasattr(self, group):
+                self.add_module(group, _Group())
+            getattr(self, group).register_parameter(name, torch.nn.Parameter(t))
+        self.reset_scaling()
+
+    @classmethod
+    def from_config(cls, config: TransformerConfig, *, recipe: Any = None, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None, generator: torch.Generator | None = None) -> TransformerLayer:
+        """A layer for an existing :class:`fp8ops.TransformerConfig`."""
+        fields = {f.name: getattr(config, f.name) for f in config.__attrs_attrs__}  # type: ignore[attr-defined]
+        return cls(recipe=recipe, device=device, dtype=dtype, generator=generator, **fields)
+
+    def _init_state(self, device: Any) -> Any:
+        return init_transformer_state(self.config, self.recipe, device=device)
+
+    def params(self) -> dict[str, Tensor]:
+        """The functional ``params`` dict: ``{"ln1.weight": Parameter, ...}``."""
+        return dict(self.named_parameters())
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None, *, block_mask: Any = None,
+                cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
+                dropout_seed: int | Tensor | None = None) -> Tensor:
+        y, new_state = transformer_layer(
+            self.params(), x, self.fp8_state, config=self.config, recipe=self.recipe, probes=self._next_probes(),
+            attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            training=self.training, dropout_seed=dropout_seed)
+        if self.recipe is not None:
+            self.fp8_state = new_state
+        return y
+
+    def extra_repr(self) -> str:
+        return f"config={self.config!r}, recipe={self.recipe!r}"

@@ -1,0 +1,240 @@
+"""LayerNorm and RMSNorm with an optional fused residual add: ``layer_norm`` and ``rms_norm``.
+
+Both run on the ``fp8ops::norm_fwd`` / ``fp8ops::norm_bwd`` library ops (Triton kernels on CUDA,
+the FP32 reference math on CPU), with statistics in float32, and are differentiable in the input,
+the weight, the bias and the residual. The FP8 output of the forward kernel (cast + transposed
+copy + amax in the same pass) is used by the fused LayerNorm+Linear and LayerNorm+MLP ops.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._checks import check_float_tensor
+from .kernels import norm as _kernels_norm  # noqa: F401  (registers the fp8ops::norm_* library ops)
+from .quantize import _loop_vmap
+from .reference import norm as _ref
+
+__all__ = ["layer_norm", "rms_norm"]
+
+_ops = torch.ops.fp8ops
+
+
+class _Norm(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        x: Tensor,  # (M, K)
+        residual: Tensor | None,  # (M, K)
+        weight: Tensor,  # (K,)
+        bias: Tensor | None,  # (K,)
+        eps: float,
+        rms: bool,
+        zero_centered_gamma: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            torch.ops.fp8ops.guard([x, residual, weight, bias])  # makes torch.compile(torch.func.grad(...)) raise
+        y, s, _, _, _, _, mean, rstd = _ops.norm_fwd(
+            x, residual, weight, bias, eps, rms, zero_centered_gamma, True, None, None, 0, False, None, False
+        )
+        return y, s, mean, rstd
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, residual, weight, bias, _, rms, zero_centered_gamma = inputs
+        _, s, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
+        # The backward needs the normalised input: x, or the sum output s = x + residual.
+        ctx.save_for_backward(s if residual is not None else x, weight, mean, rstd)
+        ctx.rms = rms
+        ctx.zero_centered_gamma = zero_centered_gamma
+        ctx.has_residual = residual is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor, ds: Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        s, weight, mean, rstd = ctx.saved_tensors
+        has_bias = ctx.bias_dtype is not None
+        with torch.no_grad():
+            # dx includes ds (the gradient of the sum output); x and residual share it.
+            dx, dw, db = _ops.norm_bwd(
+                dy.contiguous(), s, weight, mean, rstd, ds.contiguous() if ctx.has_residual else None,
+                ctx.rms, ctx.zero_centered_gamma, has_bias,
+            )
+            db = db.to(ctx.bias_dtype) if has_bias else None
+        need = ctx.needs_input_grad
+        return (
+            dx if need[0] else None,
+            dx if ctx.has_residual and need[1] else None,
+            dw if need[2] else None,
+            db if need[3] else None,
+            None, None, None,
+        )
+
+
+# autograd.Function.apply binds arguments with inspect.signature(forward) on every call; a stored
+# signature makes that lookup immediate.
+_Norm.forward.__signature__ = inspect.signature(_Norm.forward)  # type: ignore[attr-defined]
+
+
+def _check(where: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, zero_centered_gamma: Any) -> int:
+    """Validate the public arguments; return K."""
+    check_float_tensor(x, "x", where, min_dim=1)
+    K = x.shape[-1]
+    if K < 1:
+        raise ValueError(f"{where}: x must have a non-empty last dimension (..., K), got shape {tuple(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        check_float_tensor(t, name, where)
+        if tuple(t.shape) != (K,):
+            raise ValueError(f"{where}: {name} must have shape (K,) = ({K},) to match x's last dimension, "
+                             f"got {tuple(t.shape)}")
+        if t.dtype not in (torch.float32, x.dtype):
+            raise ValueError(f"{where}: {name} must be float32 or x's dtype {x.dtype}, got {t.dtype}; "
+                             f"cast it with .to(torch.float32)")
+        if t.device != x.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but x is on {x.device}; move it with .to(x.device)")
+    if residual is not None:
+        check_float_tensor(residual, "residual", where)
+        if residual.shape != x.shape:
+            raise ValueError(f"{where}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"{where}: residual must have x's dtype {x.dtype}, got {residual.dtype}; "
+                             f"cast it with .to(x.dtype)")
+        if residual.device != x.device:
+            raise ValueError(f"{where}: residual is on {residual.device} but x is on {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{where}: eps must be a finite number > 0 (e.g. 1e-5), got {eps!r}")
+    if not isinstance(zero_centered_gamma, bool):
+        raise TypeError(f"{where}: zero_centered_gamma must be a bool, got {type(zero_centered_gamma).__name__}")
+    return K
+
+
+def _apply(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
+           zero_centered_gamma: bool) -> Tensor | tuple[Tensor, Tensor]:
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)  # (M, K)
+    r2 = None if residual is None else residual.reshape(-1, K)
+    y, s, _, _ = _Norm.apply(x2, r2, weight, bias, float(eps), rms, zero_centered_gamma)
+    if residual is None:
+        return y.reshape(x.shape)
+    return y.reshape(x.shape), s.reshape(x.shape)
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+    residual: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """LayerNorm over the last dimension, with an optional fused residual add.
+
+    Math (per row of K elements, statistics in float32)::
+
+        s    = x + residual                          # when given: added in fp32, rounded to x.dtype
+        mean = sum(s) / K,   var = sum((s - mean)^2) / K   (biased)
+        y    = (s - mean) / sqrt(var + eps) * g + bias,   g = weight (+ 1 if zero_centered_gamma)
+
+    One kernel reads x (and the residual) once and writes y (and s); the backward computes dx in
+    one pass per row and reduces the weight and bias gradients deterministically.
+
+    Args:
+        x: (..., K) float32, bfloat16 or float16; y has the same shape and dtype.
+        weight: (K,) float32 or x's dtype.
+        bias: (K,) float32 or x's dtype, or None.
+        eps: added to the variance; a finite number > 0.
+        zero_centered_gamma: the weight is stored centred on 0 (g = weight + 1), as in
+            Transformer Engine's ``zero_centered_gamma``.
+        residual: (..., K) of x's shape and dtype, or None.
+
+    Returns:
+        y (..., K); with a residual ``(y, s)`` where ``s = x + residual`` (the next residual
+        stream). Differentiable in x, weight, bias and residual.
+
+    Raises:
+        TypeError, ValueError: bad input (the message names the argument and the fix).
+
+    Example:
+        >>> import torch
+        >>> from fp8ops.norm import layer_norm
+        >>> x = torch.tensor([[1.0, 2.0, 3.0, 6.0]])
+        >>> layer_norm(x, torch.ones(4), torch.zeros(4))
+        tensor([[-1.0690, -0.5345,  0.0000,  1.6036]])
+        >>> y, s = layer_norm(x, torch.ones(4), None, residual=torch.ones(1, 4))
+        >>> s
+        tensor([[2., 3., 4., 7.]])
+
+    References:
+        Ba, Kiros & Hinton, "Layer Normalization" (2016); NVIDIA Transformer Engine LayerNorm.
+    """
+    where = "layer_norm"
+    if weight is None:
+        raise TypeError(f"{where}: weight must be a (K,) tensor (use torch.ones(K) for no scaling), got None")
+    _check(where, x, weight, bias, residual, eps, zero_centered_gamma)
+    return _apply(x, residual, weight, bias, eps, False, zero_centered_gamma)
+
+
+def rms_norm(
+    x: Tensor,
+    weight: Tensor,
+    *,
+    eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+    residual: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm over the last dimension, with an optional fused residual add.
+
+    Math (per row of K elements, statistics in float32)::
+
+        s = x + residual                             # when given: added in fp32, rounded to x.dtype
+        y = s / sqrt(sum(s^2) / K + eps) * g,        g = weight (+ 1 if zero_centered_gamma)
+
+    Args:
+        x: (..., K) float32, bfloat16 or float16; y has the same shape and dtype.
+        weight: (K,) float32 or x's dtype.
+        eps: added to the mean square; a finite number > 0.
+        zero_centered_gamma: g = weight + 1.
+        residual: (..., K) of x's shape and dtype, or None.
+
+    Returns:
+        y (..., K); with a residual ``(y, s)`` where ``s = x + residual``. Differentiable in x,
+        weight and residual.
+
+    Raises:
+        TypeError, ValueError: bad input (the message names the argument and the fix).
+
+    Example:
+        >>> import torch
+        >>> from fp8ops.norm import rms_norm
+        >>> rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), eps=1e-6)
+        tensor([[0.8485, 1.1314]])
+
+    References:
+        Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
+    """
+    where = "rms_norm"
+    if weight is None:
+        raise TypeError(f"{where}: weight must be a (K,) tensor (use torch.ones(K) for no scaling), got None")
+    _check(where, x, weight, None, residual, eps, zero_centered_gamma)
+    return _apply(x, residual, weight, None, eps, True, zero_centered_gamma)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU kernels (the reference math) and vmap rules of the library ops.
+
+torch.library.register_kernel("fp8ops::norm_fwd", "cpu", _ref.norm_fwd)
+torch.library.register_kernel("fp8ops::norm_amax", "cpu", _ref.norm_amax)
+torch.library.register_kernel("fp8ops::norm_bwd", "cpu", _ref.norm_bwd)
+
+for _name in ("norm_fwd", "norm_amax", "norm_bwd"):
+    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))

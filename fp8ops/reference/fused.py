@@ -1,0 +1,155 @@
+"""FP32 references for :func:`fp8ops.layernorm_linear` and :func:`fp8ops.fused_ln_mlp`.
+
+Written from the equations, forward and backward by hand: the norm and the activation are plain
+float32 PyTorch (their derivatives through ``torch.autograd.grad`` of the float32 formula), every
+GEMM operand is quantized-dequantized with the op's rule (:func:`fp8ops.reference.linear.qdq`) and
+multiplied in float32. Intermediates the op stores in the input precision (fc1's output h, the
+dgrad outputs) are rounded to it here too, so that the comparison isolates the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..recipes import Recipe
+from .linear import qdq
+from .quantize import amax
+
+__all__ = ["activation", "fused_ln_mlp", "layernorm_linear", "norm"]
+
+_GATED = ("swiglu", "geglu", "reglu")
+
+
+def norm(x: Tensor, w: Tensor, b: Tensor | None, *, rms: bool, eps: float, zero_centered: bool) -> Tensor:
+    """LayerNorm / RMSNorm of the rows of ``x`` (float32 math, differentiable)."""
+    x = x.to(torch.float32)
+    g = w.to(torch.float32) + (1.0 if zero_centered else 0.0)
+    if rms:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        mu = x.mean(-1, keepdim=True)
+        y = (x - mu) * torch.rsqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
+    y = y * g
+    return y if b is None else y + b.to(torch.float32)
+
+
+def _gelu_tanh(t: Tensor) -> Tensor:
+    return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t**3)))
+
+
+def activation(h: Tensor, act: str) -> Tensor:
+    """The MLP activation in float32 (gated ones take h = [a | b])."""
+    h = h.to(torch.float32)
+    if act in _GATED:
+        a, b = h.chunk(2, dim=-1)
+        inner = {"swiglu": torch.nn.functional.silu, "geglu": _gelu_tanh, "reglu": torch.relu}[act]
+        return inner(a) * b
+    fns = {
+        "gelu": lambda t: 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0))),
+        "gelu_tanh": _gelu_tanh,
+        "relu": torch.relu,
+        "squared_relu": lambda t: torch.relu(t) ** 2,
+        "silu": torch.nn.functional.silu,
+        "qgelu": lambda t: t * torch.sigmoid(1.702 * t),
+    }
+    return fns[act](h)
+
+
+def _scales(state: Any, names: tuple[str, ...]) -> list[tuple[Tensor | None, bool]]:
+    return [(getattr(state, n).scale, getattr(state, n).calibrated) for n in names]
+
+
+def _q(t: Tensor, sc: tuple[Tensor | None, bool], recipe: Recipe | None, role: str, on: bool, dim: int = -1,
+       dtype: torch.dtype = torch.float32) -> Tensor:
+    t = t.to(torch.float32)
+    if recipe is None or not on:
+        return t
+    if recipe.mode == "rowwise":  # row-wise scaling quantizes the producer's output stored in ``dtype``
+        t = t.to(dtype).to(torch.float32)
+    return qdq(t, sc[0], sc[1], recipe, role, dim=dim)
+
+
+def layernorm_linear(
+    x: Tensor, ln_w: Tensor, ln_b: Tensor | None, w: Tensor, b: Tensor | None, state: Any, dy: Tensor, *,
+    recipe: Recipe | None, normalization: str = "LayerNorm", eps: float = 1e-5, zero_centered_gamma: bool = False,
+    has_probe: bool = True,
+) -> dict[str, Any]:
+    """Reference outputs: ``y``, ``ln``, gradients ``dx, dln_w, dln_b, dw, db`` for output gradient
+    ``dy``, and the observations ``amax_ln, amax_w, amax_dy``."""
+    N, K = w.shape
+    x32 = x.detach().reshape(-1, K).to(torch.float32).requires_grad_()
+    g = ln_w.detach().to(torch.float32).requires_grad_()
+    beta = None if ln_b is None else ln_b.detach().to(torch.float32).requires_grad_()
+    ln = norm(x32, g, beta, rms=normalization == "RMSNorm", eps=eps, zero_centered=zero_centered_gamma)
+    lnv = ln.detach()
+    fp8 = recipe is not None
+    sx, sw, sg = _scales(state, ("input", "weight", "grad_output")) if fp8 else [(None, False)] * 3
+    if not has_probe:
+        sg = (None, False)
+    f, d, wg = ((recipe.fprop.precision == "fp8", recipe.dgrad.precision == "fp8", recipe.wgrad.precision == "fp8")
+                if fp8 else (False, False, False))
+    w32 = w.detach().to(torch.float32)
+    y = _q(lnv, sx, recipe, "forward", f, dtype=x.dtype) @ _q(w32, sw, recipe, "forward", f).t()
+    if b is not None:
+        y = y + b.detach().to(torch.float32)
+    dy2 = dy.reshape(-1, N).to(torch.float32)
+    dln = (_q(dy2, sg, recipe, "backward", d) @ _q(w32, sw, recipe, "forward", d, dim=0)).to(x.dtype).float()
+    dw = _q(dy2, sg, recipe, "backward", wg, dim=0).t() @ _q(lnv, sx, recipe, "forward", wg, dim=0, dtype=x.dtype)
+    grads = torch.autograd.grad(ln, [t for t in (x32, g, beta) if t is not None], dln)
+    return {
+        "y": y, "ln": lnv, "dx": grads[0].reshape(x.shape), "dln_w": grads[1],
+        "dln_b": grads[2] if beta is not None else None, "dw": dw, "db": dy2.sum(0),
+        "amax_ln": amax(lnv), "amax_w": amax(w32), "amax_dy": amax(dy2),
+    }
+
+
+def fused_ln_mlp(
+    x: Tensor, ln_w: Tensor, ln_b: Tensor | None, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
+    state: Any, dy: Tensor, *, recipe: Recipe | None, normalization: str = "LayerNorm",
+    activation_name: str = "gelu_tanh", eps: float = 1e-5, zero_centered_gamma: bool = False,
+    has_probe: bool = True,
+) -> dict[str, Any]:
+    """Reference outputs: ``y``, gradients ``dx, dln_w, dln_b, dw1, db1, dw2, db2`` and the
+    observations ``amax_ln, amax_w1, amax_a, amax_w2, amax_dh, amax_dy``."""
+    K = w1.shape[1]
+    K2 = w2.shape[0]
+    x32 = x.detach().reshape(-1, K).to(torch.float32).requires_grad_()
+    g = ln_w.detach().to(torch.float32).requires_grad_()
+    beta = None if ln_b is None else ln_b.detach().to(torch.float32).requires_grad_()
+    ln = norm(x32, g, beta, rms=normalization == "RMSNorm", eps=eps, zero_centered=zero_centered_gamma)
+    lnv = ln.detach()
+    fp8 = recipe is not None
+    names = ("fc1_input", "fc1_weight", "fc1_grad_output", "fc2_input", "fc2_weight", "fc2_grad_output")
+    sx1, sw1, sg1, sx2, sw2, sg2 = _scales(state, names) if fp8 else [(None, False)] * 6
+    if not has_probe:
+        sg1 = sg2 = (None, False)
+    f, d, wg = ((recipe.fprop.precision == "fp8", recipe.dgrad.precision == "fp8", recipe.wgrad.precision == "fp8")
+                if fp8 else (False, False, False))
+    w1_32, w2_32 = w1.detach().float(), w2.detach().float()
+    h = _q(lnv, sx1, recipe, "forward", f, dtype=x.dtype) @ _q(w1_32, sw1, recipe, "forward", f).t()
+    if b1 is not None:
+        h = h + b1.detach().float()
+    h = h.to(x.dtype).float().requires_grad_()  # the op keeps h in the input precision
+    a = activation(h, activation_name)
+    av = a.detach()
+    y = _q(av, sx2, recipe, "forward", f, dtype=x.dtype) @ _q(w2_32, sw2, recipe, "forward", f).t()
+    if b2 is not None:
+        y = y + b2.detach().float()
+    dy2 = dy.reshape(-1, K2).float()
+    da = (_q(dy2, sg2, recipe, "backward", d) @ _q(w2_32, sw2, recipe, "forward", d, dim=0)).to(x.dtype).float()
+    dw2 = _q(dy2, sg2, recipe, "backward", wg, dim=0).t() @ _q(av, sx2, recipe, "forward", wg, dim=0, dtype=x.dtype)
+    (dh,) = torch.autograd.grad(a, h, da)
+    dln = (_q(dh, sg1, recipe, "backward", d, dtype=x.dtype) @ _q(w1_32, sw1, recipe, "forward", d, dim=0)).to(x.dtype).float()
+    dw1 = (_q(dh, sg1, recipe, "backward", wg, dim=0, dtype=x.dtype).t()
+           @ _q(lnv, sx1, recipe, "forward", wg, dim=0, dtype=x.dtype))
+    grads = torch.autograd.grad(ln, [t for t in (x32, g, beta) if t is not None], dln)
+    return {
+        "y": y, "h": h.detach(), "a": av, "dx": grads[0].reshape(x.shape), "dln_w": grads[1],
+        "dln_b": grads[2] if beta is not None else None, "dw1": dw1, "db1": dh.sum(0), "dw2": dw2,
+        "db2": dy2.sum(0), "amax_ln": amax(lnv), "amax_w1": amax(w1_32), "amax_a": amax(av),
+        "amax_w2": amax(w2_32), "amax_dh": amax(dh), "amax_dy": amax(dy2),
+    }

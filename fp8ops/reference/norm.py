@@ -1,0 +1,165 @@
+"""FP32 reference for LayerNorm / RMSNorm: the executable specification of the norm kernels.
+
+Math (rows of length K; every statistic in float32)::
+
+    s    = (x + residual) rounded to x.dtype          # when a residual is given, else s = x
+    LayerNorm: mean = mean(s), rstd = 1 / sqrt(var(s) + eps) (biased var), xh = (s - mean) * rstd
+    RMSNorm:   rstd = 1 / sqrt(mean(s^2) + eps),                               xh = s * rstd
+    g    = weight (+ 1 with zero-centred gamma);  y32 = xh * g (+ bias)
+    q    = sat(y32 * scale) cast to FP8;  amax = max |y32|;  inv_scale = 1 / scale
+
+Backward (``gdy = dy * g``)::
+
+    LayerNorm: dx = rstd * (gdy - mean(gdy) - xh * mean(gdy * xh))  (+ ds)
+    RMSNorm:   dx = rstd * (gdy - xh * mean(gdy * xh))              (+ ds)
+    dweight = sum_rows(dy * xh), dbias = sum_rows(dy)
+
+``norm_fwd``, ``norm_amax`` and ``norm_bwd`` have the signatures of the ``fp8ops::`` library ops and
+are their CPU kernels; ``layer_norm`` and ``rms_norm`` specify the public functions' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..formats import fp8_max_of
+from ..recipes import compute_scale
+from .quantize import amax as _amax
+from .quantize import saturating_cast
+
+__all__ = ["layer_norm", "norm_amax", "norm_bwd", "norm_fwd", "rms_norm"]
+
+
+def _sum_input(x: Tensor, residual: Tensor | None) -> Tensor:
+    """s = x + residual, added in float32 and rounded to x's dtype."""
+    if residual is None:
+        return x
+    return (x.to(torch.float32) + residual.to(torch.float32)).to(x.dtype)
+
+
+def _gamma(weight: Tensor, zero_centered_gamma: bool) -> Tensor:
+    g = weight.to(torch.float32)
+    return g + 1.0 if zero_centered_gamma else g
+
+
+def _stats(s32: Tensor, eps: float, rms: bool) -> tuple[Tensor | None, Tensor]:
+    """(mean or None, rstd) of each row of an (M, K) float32 tensor."""
+    if rms:
+        return None, torch.rsqrt((s32 * s32).mean(dim=1) + eps)
+    mean = s32.mean(dim=1)
+    var = ((s32 - mean[:, None]) ** 2).mean(dim=1)
+    return mean, torch.rsqrt(var + eps)
+
+
+def _normalize(s32: Tensor, mean: Tensor | None, rstd: Tensor) -> Tensor:
+    return (s32 if mean is None else s32 - mean[:, None]) * rstd[:, None]
+
+
+def _y32(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
+         zero_centered_gamma: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """(s, y32, mean, rstd)."""
+    s = _sum_input(x, residual)
+    s32 = s.to(torch.float32)
+    mean, rstd = _stats(s32, eps, rms)
+    y = _normalize(s32, mean, rstd) * _gamma(weight, zero_centered_gamma)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return s, y, mean, rstd
+
+
+def norm_fwd(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+    store_y: bool,
+    scale: Tensor | None,
+    amax_in: Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype | None,
+    transpose: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Reference of ``fp8ops::norm_fwd``: ``(y, s, q, q_t, amax, inv_scale, mean, rstd)``.
+
+    x: (M, K); unused outputs are distinct empty tensors. ``scale`` None means 1; with ``amax_in``
+    the scale is computed just in time (``compute_scale``, ``scale`` the fallback).
+    """
+    f32 = torch.float32
+    s, y32, mean, rstd = _y32(x, residual, weight, bias, eps, rms, zero_centered_gamma)
+    y = y32.to(x.dtype) if store_y else x.new_empty(0)
+    s_out = s.clone() if residual is not None else x.new_empty(0)
+    if out_dtype is not None:
+        fallback = scale if scale is not None else torch.ones((), dtype=f32, device=x.device)
+        sc = fallback
+        if amax_in is not None:
+            sc = compute_scale(amax_in, fallback, fp8_max_of(out_dtype), margin=margin, power_2_scale=power_2)
+        q = saturating_cast(y32, sc, out_dtype)
+        q_t = q.t().contiguous() if transpose else x.new_empty(0, dtype=out_dtype)
+        inv = torch.reciprocal(sc.to(f32))
+    else:
+        q, q_t, inv = x.new_empty(0), x.new_empty(0), x.new_empty(0, dtype=f32)
+    mean_out = x.new_empty(0, dtype=f32) if mean is None else mean
+    return y, s_out, q, q_t, _amax(y32), inv, mean_out, rstd
+
+
+def norm_amax(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
+              zero_centered_gamma: bool) -> Tensor:
+    """Reference of ``fp8ops::norm_amax``: max |y32| as a () float32 tensor (0 when M == 0)."""
+    return _amax(_y32(x, residual, weight, bias, eps, rms, zero_centered_gamma)[1])
+
+
+def norm_bwd(
+    dy: Tensor,
+    s: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    ds: Tensor | None,
+    rms: bool,
+    zero_centered_gamma: bool,
+    has_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference of ``fp8ops::norm_bwd``: ``(dx, dweight, dbias)``.
+
+    dx (M, K) in s's dtype; dweight, dbias (K,) in weight's dtype (dbias empty without a bias).
+    """
+    f32 = torch.float32
+    dy32 = dy.to(f32)
+    xh = _normalize(s.to(f32), None if rms else mean, rstd)
+    gdy = dy32 * _gamma(weight, zero_centered_gamma)
+    c2 = (gdy * xh).mean(dim=1, keepdim=True)
+    if rms:
+        dx = (gdy - xh * c2) * rstd[:, None]
+    else:
+        dx = (gdy - gdy.mean(dim=1, keepdim=True) - xh * c2) * rstd[:, None]
+    if ds is not None:
+        dx = dx + ds.to(f32)
+    dweight = (dy32 * xh).sum(dim=0).to(weight.dtype)
+    dbias = dy32.sum(dim=0).to(weight.dtype) if has_bias else weight.new_empty(0)
+    return dx.to(s.dtype), dweight, dbias
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, *, eps: float = 1e-5,
+               zero_centered_gamma: bool = False, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Reference of :func:`fp8ops.layer_norm` (forward): y (..., K) in x's dtype, or (y, s)."""
+    return _public(x, residual, weight, bias, eps, False, zero_centered_gamma)
+
+
+def rms_norm(x: Tensor, weight: Tensor, *, eps: float = 1e-5, zero_centered_gamma: bool = False,
+             residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Reference of :func:`fp8ops.rms_norm` (forward): y (..., K) in x's dtype, or (y, s)."""
+    return _public(x, residual, weight, None, eps, True, zero_centered_gamma)
+
+
+def _public(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
+            zero_centered_gamma: bool) -> Tensor | tuple[Tensor, Tensor]:
+    K = x.shape[-1]
+    r2 = None if residual is None else residual.reshape(-1, K)
+    s, y32, _, _ = _y32(x.reshape(-1, K), r2, weight, bias, eps, rms, zero_centered_gamma)
+    y = y32.to(x.dtype).reshape(x.shape)
+    return y if residual is None else (y, s.reshape(x.shape))

@@ -1,0 +1,634 @@
+"""transformer_layer: the GPT encoder layer of the seed tutorial as one pure function, in FP8.
+
+``y, new_state = transformer_layer(params, x, state, config=..., recipe=...)`` with x (S, B, H)::
+
+    pre-norm (GPT, default)                       post-norm (BERT-style)
+    qkv = LN1(x) W_qkv^T + b_qkv                  qkv = x W_qkv^T + b_qkv
+    q, k, v = split(qkv)   [q heads | k heads | v heads], GQA: h_kv key/value heads
+    a = attention(q, k, v, causal/padding mask, attention dropout)
+    s = x + dropout(a W_proj^T + b_proj)          h = LN1(x + dropout(a W_proj^T + b_proj))
+    y = s + fc2(act(fc1(LN2(s))))                 y = LN2(h + fc2(act(fc1(h))))
+
+Built from the fused ops: :func:`fp8ops.layernorm_linear` (LN1 + QKV), :func:`fp8ops.attention`,
+:func:`fp8ops.fp8_linear` (the output projection) and :func:`fp8ops.fused_ln_mlp` (LN2 + MLP). With
+``recipe=None`` and ``state=None`` the same code runs without FP8, in the inputs' precision (the
+projection through ``torch.nn.functional.linear``).
+
+The state is a dict ``{"qkv": LayerNormLinearState, "proj": LinearState, "mlp": LayerNormMLPState}``
+(:func:`init_transformer_state`); ``fp8ops.make_probes(state)`` gives its probes
+``{"qkv": (), "proj": (), "mlp": (2,)}``. Parameters are a flat ``dict[str, Tensor]``
+(:func:`init_transformer_params`, or :func:`params_from_basic_layer` from the seed's module).
+
+References:
+    NVIDIA Transformer Engine, "Getting Started" (the seed's BasicTransformerLayer) and
+    ``transformer_engine.pytorch.TransformerLayer``; Vaswani et al. (2017); Radford et al., GPT-2
+    (2019, pre-norm); Devlin et al., BERT (2019, post-norm); Ainslie et al., GQA (2023).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._checks import check_float_tensor, check_recipe
+from .activation import ACTIVATIONS, GATED
+from .attention import BlockMask, MaskMod, attention, modmath
+from .layernorm_linear import LayerNormLinearState, layernorm_linear
+from .linear import LinearState, fp8_linear
+from .mlp import LayerNormMLPState, fused_ln_mlp
+from .norm import layer_norm, rms_norm
+
+__all__ = [
+    "TransformerConfig",
+    "init_transformer_params",
+    "init_transformer_state",
+    "params_from_basic_layer",
+    "transformer_layer",
+]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+NORM_POSITIONS = ("pre", "post")
+MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
+STATE_KEYS = ("qkv", "proj", "mlp")
+
+
+def _positive_int(inst: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"TransformerConfig: {attribute.name} must be a positive int, got {value!r}")
+
+
+def _optional_positive_int(inst: Any, attribute: Any, value: Any) -> None:
+    if value is not None:
+        _positive_int(inst, attribute, value)
+
+
+def _probability(inst: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"TransformerConfig: {attribute.name} must be a number in [0, 1), got {value!r}")
+
+
+def _one_of(options: tuple[str, ...]) -> Any:
+    def check(inst: Any, attribute: Any, value: Any) -> None:
+        if value not in options:
+            raise ValueError(f"TransformerConfig: {attribute.name} must be one of {options}, got {value!r}")
+
+    return check
+
+
+def _boolean(inst: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"TransformerConfig: {attribute.name} must be a bool, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class TransformerConfig:
+    """Static configuration of :func:`transformer_layer` (keyword-only, hashable, validated).
+
+    Args:
+        hidden_size: H, the model width.
+        ffn_hidden_size: F, the MLP's inner width (fc1 has 2F outputs for gated activations).
+        num_attention_heads: h_q, the query heads.
+        num_gqa_groups: h_kv, the key/value heads (GQA; 1 is MQA); None = ``num_attention_heads``.
+        kv_channels: d, the head dim; None = ``hidden_size // num_attention_heads``.
+        layernorm_epsilon: epsilon of both norms.
+        hidden_dropout: dropout on the attention block's output before its residual add.
+        attention_dropout: dropout on the attention probabilities.
+        normalization: "LayerNorm" or "RMSNorm" (no bias).
+        activation: one of ``fp8ops.activation.ACTIVATIONS`` (default "gelu_tanh", the seed's).
+        norm_position: "pre" (GPT: norm before each block) or "post" (BERT: norm after each
+            residual add).
+        fuse_qkv_params: one "qkv" weight, or separate "q", "k", "v" weights.
+        self_attn_mask_type: "no_mask", "causal", "padding" or "padding_causal" (padding needs
+            ``attention_mask`` or packed ``cu_seqlens``).
+        bias: whether the linear layers (and LayerNorms) have biases.
+        zero_centered_gamma: norms scale by ``1 + weight`` (weights initialised to 0).
+
+    Raises:
+        ValueError, TypeError: a field is out of range (the message names it).
+
+    Example:
+        >>> import fp8ops
+        >>> cfg = fp8ops.TransformerConfig(hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
+        ...                                num_gqa_groups=2)
+        >>> cfg.head_dim, cfg.num_kv_heads, cfg.param_shapes()["qkv.weight"]
+        (16, 2, (128, 64))
+    """
+
+    hidden_size: int = attrs.field(validator=_positive_int)
+    ffn_hidden_size: int = attrs.field(validator=_positive_int)
+    num_attention_heads: int = attrs.field(validator=_positive_int)
+    num_gqa_groups: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    kv_channels: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    layernorm_epsilon: float = 1e-5
+    hidden_dropout: float = attrs.field(default=0.1, validator=_probability)
+    attention_dropout: float = attrs.field(default=0.1, validator=_probability)
+    normalization: str = attrs.field(default="LayerNorm", validator=_one_of(NORMALIZATIONS))
+    activation: str = attrs.field(default="gelu_tanh", validator=_one_of(tuple(ACTIVATIONS)))
+    norm_position: str = attrs.field(default="pre", validator=_one_of(NORM_POSITIONS))
+    fuse_qkv_params: bool = attrs.field(default=True, validator=_boolean)
+    self_attn_mask_type: str = attrs.field(default="no_mask", validator=_one_of(MASK_TYPES))
+    bias: bool = attrs.field(default=True, validator=_boolean)
+    zero_centered_gamma: bool = attrs.field(default=False, validator=_boolean)
+
+    def __attrs_post_init__(self) -> None:
+        eps = self.layernorm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps):
+            raise ValueError(f"TransformerConfig: layernorm_epsilon must be a positive number, got {eps!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"TransformerConfig: hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads}), or set kv_channels (the head dim) explicitly"
+            )
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"TransformerConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_gqa_groups ({self.num_gqa_groups})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """d: ``kv_channels``, or ``hidden_size // num_attention_heads``."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """h_kv: ``num_gqa_groups``, or ``num_attention_heads``."""
+        return self.num_gqa_groups if self.num_gqa_groups is not None else self.num_attention_heads
+
+    @property
+    def causal(self) -> bool:
+        """Whether queries see only earlier keys ("causal" and "padding_causal")."""
+        return self.self_attn_mask_type in ("causal", "padding_causal")
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The parameters of the layer: key -> shape, in a fixed order (see :func:`init_transformer_params`)."""
+        H, F_, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        hq, hkv = self.num_attention_heads, self.num_kv_heads
+        C = 2 * F_ if self.activation in GATED else F_
+        norm_bias = self.bias and self.normalization == "LayerNorm"
+        shapes: dict[str, tuple[int, ...]] = {"ln1.weight": (H,)}
+        if norm_bias:
+            shapes["ln1.bias"] = (H,)
+        linears: list[tuple[str, int, int]] = []
+        if self.fuse_qkv_params:
+            linears.append(("qkv", (hq + 2 * hkv) * d, H))
+        else:
+            linears += [("q", hq * d, H), ("k", hkv * d, H), ("v", hkv * d, H)]
+        linears.append(("proj", H, hq * d))
+        for name, n, k in linears:
+            shapes[f"{name}.weight"] = (n, k)
+            if self.bias:
+                shapes[f"{name}.bias"] = (n,)
+        shapes["ln2.weight"] = (H,)
+        if norm_bias:
+            shapes["ln2.bias"] = (H,)
+        for name, n, k in (("fc1", C, H), ("fc2", H, F_)):
+            shapes[f"{name}.weight"] = (n, k)
+            if self.bias:
+                shapes[f"{name}.bias"] = (n,)
+        return shapes
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameters and state
+
+
+def _check_config(config: Any, where: str) -> TransformerConfig:
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"{where}: config must be a fp8ops.TransformerConfig, got {type(config).__name__}")
+    return config
+
+
+def init_transformer_params(
+    config: TransformerConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Tensor]:
+    """Fresh parameters of :func:`transformer_layer`: a flat ``dict[str, Tensor]``.
+
+    Keys (``config.param_shapes()``): ``ln1.weight``, ``ln1.bias``, ``qkv.weight``
+    ((h_q + 2 h_kv)·d, H) with rows [all q heads | all k heads | all v heads] (or ``q``/``k``/``v``
+    weights when ``fuse_qkv_params`` is False), ``proj.weight`` (H, h_q·d), ``ln2.*``,
+    ``fc1.weight`` (C, H) with C = F or 2F for gated activations ([a | b] halves), ``fc2.weight``
+    (H, F), and a ``.bias`` for each linear layer. Bias keys are absent when ``config.bias`` is
+    False; RMSNorm has no norm biases.
+
+    Initialisation (Transformer Engine's): linear weights ~ N(0, 0.02²), the output projections
+    (``proj``, ``fc2``) too; biases 0; norm weights 1 (0 with ``zero_centered_gamma``).
+
+    Args:
+        config: the layer's :class:`TransformerConfig`.
+        dtype: parameter dtype (float32, bfloat16 or float16).
+        device: where to allocate.
+        generator: a ``torch.Generator`` for reproducible weights (on ``device``'s type, or CPU).
+
+    Returns:
+        ``dict[str, Tensor]`` of leaf tensors (not requiring grad; call ``requires_grad_()``).
+
+    Example:
+        >>> import torch, fp8ops
+        >>> cfg = fp8ops.TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
+        >>> params = fp8ops.init_transformer_params(cfg, generator=torch.Generator().manual_seed(0))
+        >>> {k: tuple(v.shape) for k, v in params.items() if k.startswith("qkv")}
+        {'qkv.weight': (96, 32), 'qkv.bias': (96,)}
+    """
+    where = "init_transformer_params"
+    _check_config(config, where)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{where}: dtype must be float32, bfloat16 or float16, got {dtype}")
+    gen_device = generator.device if generator is not None else device
+    params: dict[str, Tensor] = {}
+    for key, shape in config.param_shapes().items():
+        if key.startswith(("ln1.", "ln2.")):
+            fill = 1.0 if key.endswith(".weight") and not config.zero_centered_gamma else 0.0
+            t = torch.full(shape, fill, dtype=torch.float32, device=device)
+        elif key.endswith(".bias"):
+            t = torch.zeros(shape, dtype=torch.float32, device=device)
+        else:
+            t = torch.randn(shape, generator=generator, dtype=torch.float32, device=gen_device) * 0.02
+            t = t.to(device) if device is not None else t
+        params[key] = t.to(dtype)
+    return params
+
+
+def params_from_basic_layer(state_dict: Mapping[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
+    """Parameters of :func:`transformer_layer` from the seed's ``BasicTransformerLayer.state_dict()``.
+
+    The seed's ``qkv_projection`` is viewed per head as (S, B, h, 3d) and split, so its rows are
+    interleaved per head: [q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...] (d rows each). The fused
+    ``qkv.weight`` here is [all q heads | all k heads | all v heads]; this function reorders the
+    rows (and the bias) and renames the rest (``projection`` -> ``proj``, ``mlp.linear1`` ->
+    ``fc1``, ``mlp.linear2`` -> ``fc2``). It is made of differentiable tensor ops, so gradients
+    taken through it land on the seed's tensors in the seed's layout (pass
+    ``module.state_dict(keep_vars=True)`` or tensors that require grad). Every returned tensor is
+    a new one (no storage shared with ``state_dict``).
+
+    ``config`` must describe the seed's parameter layout: LayerNorm with biases, no GQA, the default
+    head dim, a non-gated activation. The seed layer itself is pre-norm with ``gelu_tanh``; other
+    ``norm_position`` / ``activation`` / mask settings give a different function of the same
+    parameters.
+
+    Args:
+        state_dict: the seed module's state dict (keys ``ln1.weight``, ``qkv_projection.weight``, ...).
+        config: the :class:`TransformerConfig` of the functional layer.
+
+    Returns:
+        The flat parameter dict (keys as :func:`init_transformer_params`).
+
+    Raises:
+        KeyError: a seed key is missing (named).
+        ValueError: ``config`` does not describe the seed's layout, or a tensor has the wrong shape.
+
+    Example:
+        >>> import torch, fp8ops
+        >>> from fp8ops.reference.transformer import BasicTransformerLayer
+        >>> seed = BasicTransformerLayer(32, 64, 4, attention_dropout=0.0, hidden_dropout=0.0)
+        >>> cfg = fp8ops.TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+        ...                                hidden_dropout=0.0, attention_dropout=0.0)
+        >>> params = fp8ops.params_from_basic_layer(seed.state_dict(), cfg)
+        >>> x = torch.randn(8, 2, 32)
+        >>> y, _ = fp8ops.transformer_layer(params, x, None, config=cfg, recipe=None)
+        >>> torch.allclose(y, seed(x), atol=1e-5)
+        True
+    """
+    where = "params_from_basic_layer"
+    cfg = _check_config(config, where)
+    wrong = []
+    if cfg.normalization != "LayerNorm":
+        wrong.append(f"normalization={cfg.normalization!r} (the seed has LayerNorm)")
+    if not cfg.bias:
+        wrong.append("bias=False (the seed's layers have biases)")
+    if cfg.num_kv_heads != cfg.num_attention_heads:
+        wrong.append(f"num_gqa_groups={cfg.num_gqa_groups} (the seed has no GQA)")
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        wrong.append(f"kv_channels={cfg.kv_channels} (the seed's head dim is hidden_size // num_attention_heads)")
+    if cfg.activation in GATED:
+        wrong.append(f"activation={cfg.activation!r} (the seed's MLP is not gated)")
+    if cfg.zero_centered_gamma:
+        wrong.append("zero_centered_gamma=True (the seed's LayerNorm weights are plain)")
+    if wrong:
+        raise ValueError(f"{where}: config does not describe the seed's layer: " + "; ".join(wrong))
+    H, h, d, F_ = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_hidden_size
+    names = {
+        "ln1.weight": ("ln1.weight", (H,)), "ln1.bias": ("ln1.bias", (H,)),
+        "qkv.weight": ("qkv_projection.weight", (3 * H, H)), "qkv.bias": ("qkv_projection.bias", (3 * H,)),
+        "proj.weight": ("projection.weight", (H, H)), "proj.bias": ("projection.bias", (H,)),
+        "ln2.weight": ("ln2.weight", (H,)), "ln2.bias": ("ln2.bias", (H,)),
+        "fc1.weight": ("mlp.linear1.weight", (F_, H)), "fc1.bias": ("mlp.linear1.bias", (F_,)),
+        "fc2.weight": ("mlp.linear2.weight", (H, F_)), "fc2.bias": ("mlp.linear2.bias", (H,)),
+    }
+    out: dict[str, Tensor] = {}
+    for key, (seed_key, shape) in names.items():
+        if seed_key not in state_dict:
+            raise KeyError(f"{where}: state_dict has no {seed_key!r} (expected the seed BasicTransformerLayer's keys)")
+        t = state_dict[seed_key]
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{where}: state_dict[{seed_key!r}] must have shape {shape} for this config, got {got}")
+        if key == "qkv.weight":
+            # rows (h, 3, d) -> (3, h, d): per-head [q_h | k_h | v_h] to [all q | all k | all v]
+            t = t.reshape(h, 3, d, H).transpose(0, 1).reshape(3 * H, H)
+        elif key == "qkv.bias":
+            t = t.reshape(h, 3, d).transpose(0, 1).reshape(3 * H)
+        out[key] = t.clone(memory_format=torch.contiguous_format)
+    if not cfg.fuse_qkv_params:
+        w, b = out.pop("qkv.weight"), out.pop("qkv.bias")
+        for i, name in enumerate("qkv"):
+            out[f"{name}.weight"] = w[i * H:(i + 1) * H].clone()
+            out[f"{name}.bias"] = b[i * H:(i + 1) * H].clone()
+    return {k: out[k] for k in cfg.param_shapes()}
+
+
+def init_transformer_state(
+    config: TransformerConfig,
+    recipe: Any,
+    *,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """A fresh scaling state for :func:`transformer_layer`.
+
+    Returns:
+        ``{"qkv": LayerNormLinearState, "proj": LinearState, "mlp": LayerNormMLPState}``, each
+        built with ``recipe.init`` per role; ``fp8ops.make_probes`` of it gives
+        ``{"qkv": (), "proj": (), "mlp": (2,)}`` float32 zeros.
+
+    Example:
+        >>> import fp8ops
+        >>> cfg = fp8ops.TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
+        >>> st = fp8ops.init_transformer_state(cfg, fp8ops.DelayedScaling())
+        >>> {k: tuple(p.shape) for k, p in fp8ops.make_probes(st).items()}
+        {'qkv': (), 'proj': (), 'mlp': (2,)}
+    """
+    where = "init_transformer_state"
+    _check_config(config, where)
+    check_recipe(recipe, where)
+    return {
+        "qkv": LayerNormLinearState.init(recipe, device=device),
+        "proj": LinearState.init(recipe, device=device),
+        "mlp": LayerNormMLPState.init(recipe, device=device),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer
+
+
+def _check_params(params: Any, cfg: TransformerConfig, x: Tensor, where: str) -> None:
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{where}: params must be a dict[str, Tensor] (init_transformer_params), got {type(params).__name__}")
+    shapes = cfg.param_shapes()
+    missing = [k for k in shapes if k not in params]
+    extra = [k for k in params if k not in shapes]
+    if missing or extra:
+        raise ValueError(
+            f"{where}: params do not match the config: missing {missing}, unexpected {extra} "
+            f"(expected keys {list(shapes)}; see TransformerConfig.param_shapes())"
+        )
+    for key, shape in shapes.items():
+        t = check_float_tensor(params[key], f"params[{key!r}]", where)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: params[{key!r}] must have shape {shape}, got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{where}: params[{key!r}] is on {t.device} but x is on {x.device}")
+
+
+def _check_state(state: Any, probes: Any, recipe: Any, where: str) -> None:
+    if recipe is None:
+        if state is not None:
+            raise ValueError(f"{where}: state given with recipe=None; pass the recipe the state was built with, "
+                             f"or state=None to run without FP8")
+        return
+    check_recipe(recipe, where)
+    types = {"qkv": LayerNormLinearState, "proj": LinearState, "mlp": LayerNormMLPState}
+    if not isinstance(state, Mapping) or set(state) != set(STATE_KEYS):
+        got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"{where}: state must be the dict {{'qkv', 'proj', 'mlp'}} of init_transformer_state, got {got}")
+    for key, cls in types.items():
+        if not isinstance(state[key], cls):
+            raise TypeError(f"{where}: state[{key!r}] must be a {cls.__name__}, got {type(state[key]).__name__}")
+    if probes is not None and (not isinstance(probes, Mapping) or set(probes) != set(STATE_KEYS)):
+        got = sorted(probes) if isinstance(probes, Mapping) else type(probes).__name__
+        raise ValueError(f"{where}: probes must be fp8ops.make_probes(state) (keys 'qkv', 'proj', 'mlp'), got {got}")
+
+
+def _padding_mask_mod(attention_mask: Tensor) -> MaskMod:
+    """A mask mod that hides padded keys: ``attention_mask`` (B, S) is True at valid tokens."""
+    valid = attention_mask.to(torch.int32).contiguous()
+    seq = int(valid.shape[1])
+
+    def padding(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return modmath.load(valid, b * seq + kv_idx) != 0
+
+    return MaskMod(padding)
+
+
+def _norm(x: Tensor, params: Mapping[str, Tensor], name: str, cfg: TransformerConfig, residual: Tensor
+          ) -> tuple[Tensor, Tensor]:
+    """(norm(x + residual), x + residual) with the layer's normalization."""
+    kw = {"eps": cfg.layernorm_epsilon, "zero_centered_gamma": cfg.zero_centered_gamma, "residual": residual}
+    if cfg.normalization == "RMSNorm":
+        return rms_norm(x, params[f"{name}.weight"], **kw)  # type: ignore[return-value]
+    return layer_norm(x, params[f"{name}.weight"], params.get(f"{name}.bias"), **kw)  # type: ignore[return-value]
+
+
+def _hp_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+
+
+def transformer_layer(
+    params: Mapping[str, Tensor],
+    x: Tensor,
+    state: dict[str, Any] | None,
+    *,
+    config: TransformerConfig,
+    recipe: Any,
+    probes: dict[str, Tensor | None] | None = None,
+    attention_mask: Tensor | None = None,
+    block_mask: BlockMask | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    training: bool = True,
+    dropout_seed: int | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Any] | None]:
+    """One transformer encoder layer (the seed's GPT layer, generalised) with FP8 GEMMs.
+
+    Math (pre-norm; post-norm in the module docstring)::
+
+        q, k, v = split(LN1(x) W_qkv^T + b_qkv)           [h_q·d | h_kv·d | h_kv·d]
+        s = x + dropout_h(attention(q, k, v) W_proj^T + b_proj)
+        y = s + act(LN2(s) W_fc1^T + b_fc1) W_fc2^T + b_fc2
+
+    The attention is ``softmax(q k^T / sqrt(d))`` over the visible keys (causal and/or padding
+    masks, the sequence of each token when packed), each key/value head shared by
+    h_q / h_kv consecutive query heads. The MLP output is added without dropout, as in the seed.
+
+    Args:
+        params: the flat parameter dict (:func:`init_transformer_params`, keys and shapes
+            ``config.param_shapes()``); differentiable (``torch.func.grad`` over it works).
+        x: (S, B, H) (the seed's "sbhd" layout), or packed (T, H) tokens with ``cu_seqlens``;
+            float32, bfloat16 or float16. y has its shape and dtype.
+        state: the dict of :func:`init_transformer_state`, or None with ``recipe=None``.
+        config: the :class:`TransformerConfig`.
+        recipe: the FP8 recipe the state was built with, or None (no FP8: every GEMM in the
+            inputs' precision).
+        probes: ``fp8ops.make_probes(state)`` (fresh for each forward): the output-gradient
+            amaxes leave through their gradients; None quantizes gradients with current scaling.
+        attention_mask: (B, S) bool, True at valid (non-padding) tokens; keys at False are
+            hidden. Needs ``self_attn_mask_type`` "padding" or "padding_causal".
+        block_mask: a :class:`fp8ops.BlockMask` for (S, S) (its ``mask_mod`` defines the mask);
+            not with ``attention_mask`` (fold the padding into the block mask's ``mask_mod``).
+        cu_seqlens: (N + 1,) int32 start offsets of the packed sequences in x (T, H).
+        max_seqlen: the longest packed sequence (computed with a host sync if None).
+        training: apply dropout (``config.hidden_dropout`` with torch's generator,
+            ``config.attention_dropout`` inside the attention op).
+        dropout_seed: seed of the attention dropout mask (int or 1-element integer tensor); None
+            draws one from torch's generator.
+
+    Returns:
+        ``(y, new_state)``: y like x; ``new_state`` with this call's forward amaxes recorded
+        (None without a recipe). Call ``fp8ops.update(state, recipe=..., grad_amax=probe grads)``
+        once per optimizer step.
+
+    Raises:
+        TypeError, ValueError: bad config, params (missing keys, wrong shapes: the key and the
+            expected shape are named), state, x shape or mask arguments.
+
+    Example:
+        >>> import torch, fp8ops
+        >>> cfg = fp8ops.TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+        ...                                self_attn_mask_type="causal")
+        >>> params = {k: v.requires_grad_() for k, v in fp8ops.init_transformer_params(cfg).items()}
+        >>> recipe = fp8ops.DelayedScaling()
+        >>> state = fp8ops.init_transformer_state(cfg, recipe)
+        >>> probes = fp8ops.make_probes(state)
+        >>> x = torch.randn(8, 2, 32)                                  # (S, B, H)
+        >>> y, state = fp8ops.transformer_layer(params, x, state, config=cfg, recipe=recipe, probes=probes)
+        >>> y.shape
+        torch.Size([8, 2, 32])
+        >>> y.square().mean().backward()
+        >>> grad_amax = {k: p.grad for k, p in probes.items()}
+        >>> state = fp8ops.update(state, recipe=recipe, grad_amax=grad_amax)
+        >>> bool(state["proj"].grad_output.calibrated)
+        True
+
+    References:
+        NVIDIA Transformer Engine quickstart and ``TransformerLayer``; Ainslie et al., GQA (2023).
+    """
+    where = "transformer_layer"
+    cfg = _check_config(config, where)
+    # Step 1: validate.
+    check_float_tensor(x, "x", where)
+    H = cfg.hidden_size
+    packed = cu_seqlens is not None
+    if packed:
+        if x.dim() != 2 or x.shape[1] != H:
+            raise ValueError(f"{where}: with cu_seqlens, x must be packed tokens (T, H) = (T, {H}), got {tuple(x.shape)}")
+    elif x.dim() != 3 or x.shape[2] != H:
+        raise ValueError(
+            f"{where}: x must be (S, B, H) = (S, B, {H}) (sequence first, as the seed), got {tuple(x.shape)}; "
+            f"pass cu_seqlens for packed (T, H) tokens"
+        )
+    _check_params(params, cfg, x, where)
+    _check_state(state, probes, recipe, where)
+    if recipe is None and probes is not None:
+        raise ValueError(f"{where}: probes given with recipe=None (there is no FP8 state to observe into)")
+    mask_mod = None
+    if attention_mask is not None:
+        if cfg.self_attn_mask_type not in ("padding", "padding_causal"):
+            raise ValueError(f"{where}: attention_mask given but config.self_attn_mask_type is "
+                             f"{cfg.self_attn_mask_type!r}; use 'padding' or 'padding_causal'")
+        if packed:
+            raise ValueError(f"{where}: attention_mask and cu_seqlens are exclusive (packed tokens have no padding)")
+        if block_mask is not None:
+            raise ValueError(f"{where}: attention_mask and block_mask are exclusive; fold the padding into the "
+                             f"block mask's mask_mod")
+        S, B = x.shape[0], x.shape[1]
+        if not isinstance(attention_mask, Tensor) or attention_mask.dtype != torch.bool \
+                or tuple(attention_mask.shape) != (B, S):
+            got = (f"{tuple(attention_mask.shape)} {attention_mask.dtype}" if isinstance(attention_mask, Tensor)
+                   else type(attention_mask).__name__)
+            raise ValueError(f"{where}: attention_mask must be a (B, S) = ({B}, {S}) bool tensor, True at valid "
+                             f"tokens, got {got}")
+        if attention_mask.device != x.device:
+            raise ValueError(f"{where}: attention_mask is on {attention_mask.device} but x is on {x.device}")
+        mask_mod = _padding_mask_mod(attention_mask)
+    elif cfg.self_attn_mask_type in ("padding", "padding_causal") and not packed and block_mask is None:
+        raise ValueError(f"{where}: config.self_attn_mask_type is {cfg.self_attn_mask_type!r}: pass attention_mask "
+                         f"(B, S) or packed tokens with cu_seqlens")
+    if not isinstance(training, bool):
+        raise TypeError(f"{where}: training must be a bool, got {training!r}")
+
+    fp8 = recipe is not None
+    p = params
+    st: dict[str, Any] = dict(state) if fp8 else {}  # type: ignore[arg-type]
+    pr: Mapping[str, Any] = probes if probes is not None else {"qkv": None, "proj": None, "mlp": None}
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+    norm_kw = {"normalization": cfg.normalization, "eps": cfg.layernorm_epsilon,
+               "zero_centered_gamma": cfg.zero_centered_gamma}
+    if cfg.fuse_qkv_params:
+        w_qkv, b_qkv = p["qkv.weight"], p.get("qkv.bias")
+    else:
+        w_qkv = torch.cat([p["q.weight"], p["k.weight"], p["v.weight"]])
+        b_qkv = torch.cat([p["q.bias"], p["k.bias"], p["v.bias"]]) if cfg.bias else None
+    new_state: dict[str, Any] = {}
+
+    # Step 2: the QKV projection (fused with LN1 in pre-norm).
+    if cfg.norm_position == "pre":
+        qkv, new_state["qkv"] = layernorm_linear(
+            x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
+            grad_probe=pr["qkv"], **norm_kw)
+    elif fp8:
+        s_qkv = st["qkv"]
+        lin_state = LinearState(input=s_qkv.input, weight=s_qkv.weight, grad_output=s_qkv.grad_output)
+        qkv, lin_state = fp8_linear(x, w_qkv, b_qkv, lin_state, recipe=recipe, grad_probe=pr["qkv"])
+        new_state["qkv"] = s_qkv.replace(input=lin_state.input, weight=lin_state.weight,
+                                         grad_output=lin_state.grad_output)
+    else:
+        qkv = _hp_linear(x, w_qkv, b_qkv)
+
+    # Step 3: attention on per-head views of the projection, (S, B, h, d) or packed (T, h, d).
+    lead = qkv.shape[:-1]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(*lead, hq, d), k.reshape(*lead, hkv, d), v.reshape(*lead, hkv, d)
+    attn_kw: dict[str, Any] = {}
+    if packed:
+        attn_kw = {"cu_seqlens_q": cu_seqlens, "max_seqlen_q": max_seqlen}
+    else:
+        attn_kw = {"layout": "sbhd"}
+    ctx, _ = attention(q, k, v, causal=cfg.causal, mask_mod=mask_mod, block_mask=block_mask,
+                       dropout_p=cfg.attention_dropout if training else 0.0, dropout_seed=dropout_seed, **attn_kw)
+    ctx = ctx.reshape(*lead, hq * d)
+
+    # Step 4: the output projection, hidden dropout and the first residual.
+    if fp8:
+        out, new_state["proj"] = fp8_linear(ctx, p["proj.weight"], p.get("proj.bias"), st["proj"], recipe=recipe,
+                                            grad_probe=pr["proj"])
+    else:
+        out = _hp_linear(ctx, p["proj.weight"], p.get("proj.bias"))
+    if training and cfg.hidden_dropout > 0:
+        out = F.dropout(out, cfg.hidden_dropout, training=True)
+
+    # Step 5: the MLP (fused with its norm) and the second residual.
+    mlp_kw = {"activation": cfg.activation, "grad_probes": pr["mlp"], **norm_kw}
+    mlp_params = (p["fc1.weight"], p.get("fc1.bias"), p["fc2.weight"], p.get("fc2.bias"))
+    if cfg.norm_position == "pre":
+        s = x + out
+        m, new_state["mlp"] = fused_ln_mlp(s, p["ln2.weight"], p.get("ln2.bias"), *mlp_params, st.get("mlp"),
+                                           recipe=recipe, **mlp_kw)
+        y = s + m
+    else:
+        # h = LN1(x + out) is both the MLP input (normalised again inside the fused op, which
+        # quantizes its own LN output) and the residual.
+        h, s = _norm(out, p, "ln1", cfg, residual=x)
+        m, new_state["mlp"] = fused_ln_mlp(s, p["ln1.weight"], p.get("ln1.bias"), *mlp_params, st.get("mlp"),
+                                           recipe=recipe, **mlp_kw)
+        y, _ = _norm(m, p, "ln2", cfg, residual=h)
+    return y, (new_state if fp8 else None)

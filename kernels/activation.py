@@ -1,0 +1,584 @@
+"""MLP activation kernels fused with the FP8 casts around them.
+
+In an FP8 MLP ``y = fc2(act(fc1(x)))`` the activation sits between two GEMMs: its output is fc2's
+FP8 input, and in backward its input gradient is fc1's FP8 output gradient. These kernels read the
+high-precision tensor once and write the FP8 operands (and their transposed copies) directly, so the
+activation costs no extra pass over memory.
+
+Math (``h`` the fc1 output, all arithmetic in float32)::
+
+    gelu(x)         = x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))
+    gelu'(x)        = Phi(x) + x * exp(-x^2 / 2) / sqrt(2 pi)
+    gelu_tanh(x)    = 0.5 x (1 + tanh(u)) = x * sigmoid(2u),   u = sqrt(2/pi) (x + 0.044715 x^3)
+    gelu_tanh'(x)   = s + x s (1 - s) * 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2),   s = sigmoid(2u)
+    relu(x)         = x if x >= 0 else 0 (NaN stays NaN);   relu'(x) = 1 if x > 0 else 0
+    squared_relu(x) = relu(x)^2;                            squared_relu'(x) = 2 relu(x)
+    silu(x)         = x * sigmoid(x);                       silu'(x) = s (1 + x (1 - s)),  s = sigmoid(x)
+    qgelu(x)        = x * sigmoid(1.702 x);                 qgelu'(x) = s + 1.702 x s (1 - s)
+
+    gated (h = [a | b], two halves of width F; TransformerEngine's convention):
+    swiglu = silu(a) * b,  geglu = gelu_tanh(a) * b,  reglu = relu(a) * b
+    d a = (da * b) * act'(a),  d b = da * act(a)
+
+``1 + tanh(u) = 2 sigmoid(2u)`` removes the tanh (Triton has none) without cancellation. The FP8
+epilogue is the cast of ``kernels/quantize.py``: ``q = rne(sat(v * s))``, ``amax = max |v|`` over
+the float32 values (NaN wins), ``inv = 1 / s``, with the scale computed just in time from
+``amax_in`` for current scaling.
+
+Kernels:
+
+- ``_act_fwd_kernel``: 2-D tiles of the output ``(M, F)`` in grouped program order; reads the
+  tile of ``h`` (both halves when gated), computes ``a32 = act(h)``, and writes any of ``y`` (the
+  activation in ``h``'s dtype), ``q`` (FP8) and ``q_t`` (FP8, transposed through a layout
+  conversion), folding the tile's amax into one word with an integer ``atomic_max`` on the float
+  bits. With every write switched off it is the first pass of current scaling (``act_amax``).
+- ``_act_bwd_kernel``: same tiling; reads ``da`` and ``h`` once, computes ``dh32 = da * act'(h)``
+  (both halves when gated) and writes any of ``dh``, ``q``, ``q_t`` and, for the bias gradient,
+  the column sums of the tile into a ``(num_row_tiles, C)`` float32 buffer that the launcher sums
+  (deterministic; no float atomics).
+
+Traffic per bf16 element of ``h`` with delayed scaling: forward reads 2 B and writes 1 B per FP8
+copy; backward reads 2 + 2 B and writes 1 B per FP8 copy. Current scaling adds the amax pass (one
+more read of the inputs). The kernels are memory-bound in principle. On an H200 the gated forward
+runs at the copy ceiling (8192 x 32768 bf16: 96 %), while the non-gated forward (49 %) and the
+backward kernels (45-61 %) are latency-bound: the float32 math and the transposed epilogue use many
+registers, leaving too few bytes in flight (docs/kernels/activation.md has the numbers). Tensors of
+a few MB are slow relative to the ceiling because launch latency dominates; the erf-GELU is the most
+arithmetic-heavy activation.
+
+References: Hendrycks & Gimpel, "Gaussian Error Linear Units" (2016); Shazeer, "GLU Variants
+Improve Transformer" (2020); So et al., "Primer" (2021, squared ReLU); NVIDIA Transformer Engine
+fused activation + cast kernels.
+
+The ops are registered as opaque ``torch.library`` ops (``fp8ops::act_fwd``, ``fp8ops::act_amax``,
+``fp8ops::act_bwd``, ``fp8ops::act_bwd_amax``) with a CUDA kernel (the launchers below) and a fake
+kernel; the CPU kernel, the FP32 reference math, is registered by ``fp8ops.activation``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._library import define, merge_config
+from .quantize import _just_in_time_scale, _saturate
+
+__all__ = [
+    "ACTIVATIONS",
+    "GATED",
+    "act_amax_launch",
+    "act_bwd_amax_launch",
+    "act_bwd_launch",
+    "act_fwd_launch",
+]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "silu", "qgelu", "swiglu", "geglu", "reglu")
+GATED = ("swiglu", "geglu", "reglu")
+# A gated activation is its base activation of the first half times the second half.
+_BASE = {"swiglu": "silu", "geglu": "gelu_tanh", "reglu": "relu"}
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+@triton.jit
+def _sigmoid(x):
+    # An approximate division (div.full.f32, <= 2 ulp): the IEEE-rounded one is a multi-instruction
+    # sequence that makes these elementwise kernels compute-bound instead of memory-bound.
+    return tl.math.fdiv(1.0 + tl.zeros_like(x), 1.0 + tl.exp(-x), ieee_rounding=False)
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """act(x) of an fp32 tile; ACT is a non-gated activation name."""
+    if ACT == "gelu":
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # 1 / sqrt(2)
+    elif ACT == "gelu_tanh":
+        # 0.5 x (1 + tanh(u)) = x * sigmoid(2u); 2 * sqrt(2 / pi) = 1.5957691216057308
+        return x * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    elif ACT == "relu":
+        return tl.where(x < 0.0, 0.0, x)  # a NaN stays NaN
+    elif ACT == "squared_relu":
+        r = tl.where(x < 0.0, 0.0, x)
+        return r * r
+    elif ACT == "silu":
+        return x * _sigmoid(x)
+    else:  # qgelu
+        return x * _sigmoid(1.702 * x)
+
+
+@triton.jit
+def _dact(x, ACT: tl.constexpr):
+    """act'(x) of an fp32 tile; ACT is a non-gated activation name."""
+    if ACT == "gelu":
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        return cdf + x * (tl.exp(-0.5 * x * x) * 0.3989422804014327)  # 1 / sqrt(2 pi)
+    elif ACT == "gelu_tanh":
+        s = _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+        du = 1.5957691216057308 * (1.0 + 0.134145 * x * x)  # 3 * 0.044715 = 0.134145
+        return s + x * (s * (1.0 - s)) * du
+    elif ACT == "relu":
+        return tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == "squared_relu":
+        return tl.where(x > 0.0, 2.0 * x, 0.0)
+    elif ACT == "silu":
+        s = _sigmoid(x)
+        return s * (1.0 + x * (1.0 - s))
+    else:  # qgelu
+        s = _sigmoid(1.702 * x)
+        return s + 1.702 * x * (s * (1.0 - s))
+
+
+@triton.jit
+def _tile_coords(num_m, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped along M so neighbouring programs write neighbouring rows of the transposed copy.
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid, pid_m, pid_n
+
+
+@triton.jit
+def _act_fwd_kernel(
+    h_ptr,  # (M, C) input, row stride stride_hm, unit column stride; C = 2F when GATED else F
+    y_ptr,  # (M, F) output in h's dtype, contiguous (written when STORE_Y)
+    q_ptr,  # (M, F) fp8 output, contiguous (written when STORE_Q)
+    qt_ptr,  # (F, M) fp8 output, contiguous: the transposed copy (written when TRANSPOSE)
+    scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
+    amax_in_ptr,  # () fp32 amax of act(h) (current scaling only)
+    amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    inv_ptr,  # () fp32 output: 1 / scale (written when HAS_FP8)
+    M,
+    F,
+    stride_hm,
+    num_m,  # number of row tiles (at least 1)
+    num_n,  # number of column tiles (at least 1)
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_FP8: tl.constexpr,
+    STORE_Y: tl.constexpr,
+    STORE_Q: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POWER_2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Step 1: tile coordinates.
+    pid, pid_m, pid_n = _tile_coords(num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < F)
+    # Step 2: load the tile of h (and of the gate half), activation in fp32.
+    h_rows = h_ptr + rm[:, None] * stride_hm
+    x = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        g = tl.load(h_rows + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = _act(x, ACT) * g
+    else:
+        a = _act(x, ACT)
+    # Step 3: the high-precision output.
+    if STORE_Y:
+        tl.store(y_ptr + rm[:, None] * F + rn[None, :], a.to(y_ptr.dtype.element_ty), mask=mask)
+    # Step 4: the FP8 cast with the given or just-in-time scale, and its transposed copy.
+    if HAS_FP8:
+        if SCALE_FROM_AMAX:
+            scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
+        else:
+            scale = tl.load(scale_ptr)
+        if pid == 0:
+            tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+        q = _saturate(a * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+        if STORE_Q:
+            tl.store(q_ptr + rm[:, None] * F + rn[None, :], q, mask=mask)
+        if TRANSPOSE:
+            tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    # Step 5: amax of the tile on the float bits, one atomic per program.
+    bits = tl.where(mask, tl.abs(a), 0.0).to(tl.int32, bitcast=True)
+    tile_max = tl.max(tl.max(bits, axis=1), axis=0)
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile_max, sem="relaxed")
+
+
+@triton.jit
+def _bwd_epilogue(
+    d,  # (BLOCK_M, BLOCK_N) fp32 tile of dh32
+    rm,  # (BLOCK_M,) int64 row indices
+    cols,  # (BLOCK_N,) int64 column indices into C
+    mask,  # (BLOCK_M, BLOCK_N) valid elements
+    col_ok,  # (BLOCK_N,) valid columns of this half
+    scale,  # fp32 scale (unused without HAS_FP8)
+    dh_ptr,  # (M, C) output in h's dtype, contiguous
+    q_ptr,  # (M, C) fp8 output, contiguous
+    qt_ptr,  # (C, M) fp8 output, contiguous
+    part_ptr,  # (num_m, C) fp32 partial column sums
+    pid_m,
+    M,
+    C,
+    HAS_FP8: tl.constexpr,
+    STORE_DH: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    DBIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    d = tl.where(mask, d, 0.0)
+    if STORE_DH:
+        tl.store(dh_ptr + rm[:, None] * C + cols[None, :], d.to(dh_ptr.dtype.element_ty), mask=mask)
+    if HAS_FP8:
+        q = _saturate(d * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rm[:, None] * C + cols[None, :], q, mask=mask)
+        if TRANSPOSE:
+            tl.store(qt_ptr + cols[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    if DBIAS:
+        tl.store(part_ptr + pid_m.to(tl.int64) * C + cols, tl.sum(d, axis=0), mask=col_ok)
+    bits = tl.abs(d).to(tl.int32, bitcast=True)
+    return tl.max(tl.max(bits, axis=1), axis=0)
+
+
+@triton.jit
+def _act_bwd_kernel(
+    da_ptr,  # (M, F) gradient of the activation output, row stride stride_dam, unit column stride
+    h_ptr,  # (M, C) activation input, row stride stride_hm, unit column stride; C = 2F when GATED
+    dh_ptr,  # (M, C) output in h's dtype, contiguous (written when STORE_DH)
+    q_ptr,  # (M, C) fp8 output, contiguous (written when HAS_FP8)
+    qt_ptr,  # (C, M) fp8 output, contiguous: the transposed copy (written when TRANSPOSE)
+    part_ptr,  # (num_m, C) fp32 partial column sums of dh32 (written when DBIAS)
+    scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
+    amax_in_ptr,  # () fp32 amax of dh32 (current scaling only)
+    amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    inv_ptr,  # () fp32 output: 1 / scale (written when HAS_FP8)
+    M,
+    F,
+    stride_dam,
+    stride_hm,
+    num_m,  # number of row tiles (at least 1)
+    num_n,  # number of column tiles over F (at least 1)
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_FP8: tl.constexpr,
+    STORE_DH: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    DBIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POWER_2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Step 1: tile coordinates (over the (M, F) grid of da).
+    pid, pid_m, pid_n = _tile_coords(num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = rn < F
+    mask = (rm[:, None] < M) & col_ok[None, :]
+    # Step 2: the scale.
+    scale = 1.0
+    if HAS_FP8:
+        if SCALE_FROM_AMAX:
+            scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
+        else:
+            scale = tl.load(scale_ptr)
+        if pid == 0:
+            tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+    # Step 3: load da and h once; the gradient in fp32 and the epilogue of each half.
+    da = tl.load(da_ptr + rm[:, None] * stride_dam + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    h_rows = h_ptr + rm[:, None] * stride_hm
+    x = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        C = 2 * F
+        g = tl.load(h_rows + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        d_a = (da * g) * _dact(x, ACT)
+        d_b = da * _act(x, ACT)
+        m1 = _bwd_epilogue(d_a, rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr, pid_m, M, C,
+                           HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+        m2 = _bwd_epilogue(d_b, rm, rn + F, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr, pid_m, M, C,
+                           HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+        tile_max = tl.maximum(m1, m2)
+    else:
+        tile_max = _bwd_epilogue(da * _dact(x, ACT), rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr,
+                                 pid_m, M, F, HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+    # Step 4: the amax, one atomic per program.
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile_max, sem="relaxed")
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers: they alone know grids and block sizes, and they validate what the kernels assume.
+
+# Defaults measured on an H200 (scripts/time_activation.py, bf16 8192 x 16384 and 8192 x 32768): a
+# forward tile of 64 x 128 with 4 warps ran 1.3-1.6x slower than 32 x 128 (register pressure).
+_FWD_CFG = {"BLOCK_M": 32, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4}
+_BWD_CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4}
+
+
+def _check_act(name: str, act: str) -> tuple[str, bool]:
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{name}: act must be one of {', '.join(ACTIVATIONS)}; got {act!r}")
+    return _BASE.get(act, act), act in GATED
+
+
+def _check_2d(name: str, arg: str, t: torch.Tensor) -> None:
+    if t.dtype not in _IN_DTYPES:
+        raise ValueError(f"{name}: {arg} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] > 1):
+        raise ValueError(
+            f"{name}: {arg} must be 2-D with unit stride along its last dim, got shape {tuple(t.shape)} "
+            f"and strides {tuple(t.stride())}; call .contiguous() first"
+        )
+
+
+def _check_width(name: str, h: torch.Tensor, gated: bool, act: str) -> int:
+    C = h.shape[1]
+    if gated and C % 2:
+        raise ValueError(
+            f"{name}: a gated activation ({act}) needs h of even width (M, 2F) = [a | b], got shape {tuple(h.shape)}"
+        )
+    return C // 2 if gated else C
+
+
+def _check_scalar(name: str, arg: str, t: torch.Tensor | None) -> None:
+    if t is not None and (t.dim() != 0 or t.dtype != torch.float32):
+        raise ValueError(f"{name}: {arg} must be a 0-d float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
+
+
+def _fp8_setup(
+    name: str, h: torch.Tensor, scale: torch.Tensor | None, amax_in: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> tuple[float, torch.Tensor]:
+    _check_scalar(name, "scale", scale)
+    _check_scalar(name, "amax_in", amax_in)
+    if out_dtype is None:
+        return 0.0, h.new_empty(0, dtype=torch.float32)
+    if out_dtype not in _FP8_MAX:
+        raise ValueError(f"{name}: out_dtype must be torch.float8_e4m3fn, torch.float8_e5m2 or None, got {out_dtype}")
+    return _FP8_MAX[out_dtype], torch.empty((), dtype=torch.float32, device=h.device)
+
+
+def _tiles(M: int, N: int, cfg: dict[str, Any]) -> tuple[int, int]:
+    return max(1, triton.cdiv(M, cfg["BLOCK_M"])), max(1, triton.cdiv(N, cfg["BLOCK_N"]))
+
+
+def act_fwd_launch(
+    h: torch.Tensor,
+    act: str,
+    store_y: bool,
+    scale: torch.Tensor | None,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype | None,
+    store_q: bool,
+    transpose: bool,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activation with its FP8 cast (and transposed copy) in one pass.
+
+    Args:
+        h: (M, C) float32/bfloat16/float16, unit stride along C; C = 2F for gated activations.
+        act: one of :data:`ACTIVATIONS`.
+        store_y: write ``y = act(h)`` (M, F) in ``h.dtype``.
+        scale: () float32 scale (``amax_in`` None) or fallback scale (current scaling); None means 1.
+        amax_in: () float32 amax of ``act(h)`` for current scaling, or None.
+        margin, power_2: current-scaling parameters (ignored when ``amax_in`` is None).
+        out_dtype: torch.float8_e4m3fn / torch.float8_e5m2, or None for no FP8 output.
+        store_q: write ``q`` (M, F); transpose: write ``q_t`` (F, M) (both need ``out_dtype``).
+
+    Returns:
+        ``(y, q, q_t, amax, inv_scale)``; outputs not written are empty (0,) tensors; amax () is
+        always max |act(h)| in float32.
+    """
+    name = "act_fwd"
+    ACT, gated = _check_act(name, act)
+    _check_2d(name, "h", h)
+    F = _check_width(name, h, gated, act)
+    fp8_max, inv = _fp8_setup(name, h, scale, amax_in, out_dtype)
+    cfg = merge_config(_FWD_CFG, config, name=name)
+    M = h.shape[0]
+    dev = h.device
+    has_fp8 = out_dtype is not None
+    store_q, transpose = bool(store_q and has_fp8), bool(transpose and has_fp8)
+    qdt = out_dtype if has_fp8 else h.dtype
+    y = torch.empty((M, F), dtype=h.dtype, device=dev) if store_y else h.new_empty(0)
+    q = torch.empty((M, F), dtype=qdt, device=dev) if store_q else torch.empty(0, dtype=qdt, device=dev)
+    qt = torch.empty((F, M), dtype=qdt, device=dev) if transpose else torch.empty(0, dtype=qdt, device=dev)
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=dev)
+    num_m, num_n = _tiles(M, F, cfg)
+    _act_fwd_kernel[(num_m * num_n,)](
+        h, y, q, qt, scale, amax_in if amax_in is not None else amax, amax, inv if has_fp8 else amax,
+        M, F, h.stride(0), num_m, num_n,
+        ACT=ACT, GATED=gated, HAS_FP8=has_fp8, STORE_Y=bool(store_y), STORE_Q=store_q, TRANSPOSE=transpose,
+        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+    )
+    return y, q, qt, amax, inv
+
+
+def act_amax_launch(h: torch.Tensor, act: str, *, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """max |act(h)| as a 0-d float32 tensor: the first pass of current scaling (reads h once)."""
+    return act_fwd_launch(h, act, False, None, None, 0, False, None, False, False, config=config)[3]
+
+
+def act_bwd_launch(
+    da: torch.Tensor,
+    h: torch.Tensor,
+    act: str,
+    store_dh: bool,
+    scale: torch.Tensor | None,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype | None,
+    transpose: bool,
+    dbias: bool,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activation gradient with its FP8 cast, transposed copy and bias gradient in one pass.
+
+    Args:
+        da: (M, F) gradient of the activation output, any float dtype, unit stride along F.
+        h: (M, C) the activation input (C = 2F for gated activations), unit stride along C.
+        act: one of :data:`ACTIVATIONS`.
+        store_dh: write ``dh`` (M, C) in ``h.dtype``.
+        scale, amax_in, margin, power_2, out_dtype: as :func:`act_fwd_launch` (amax_in: of dh32).
+        transpose: write ``q_t`` (C, M) (needs ``out_dtype``).
+        dbias: return the column sums of dh32, (C,) float32.
+
+    Returns:
+        ``(dh, q, q_t, amax, inv_scale, dbias)``; outputs not written are empty (0,) tensors.
+    """
+    name = "act_bwd"
+    ACT, gated = _check_act(name, act)
+    _check_2d(name, "h", h)
+    _check_2d(name, "da", da)
+    F = _check_width(name, h, gated, act)
+    M, C = h.shape
+    if tuple(da.shape) != (M, F):
+        raise ValueError(f"{name}: da must have shape (M, F) = {(M, F)} for h of shape {tuple(h.shape)} and "
+                         f"act={act!r}, got {tuple(da.shape)}")
+    fp8_max, inv = _fp8_setup(name, h, scale, amax_in, out_dtype)
+    cfg = merge_config(_BWD_CFG, config, name=name)
+    dev = h.device
+    has_fp8 = out_dtype is not None
+    transpose = bool(transpose and has_fp8)
+    qdt = out_dtype if has_fp8 else h.dtype
+    dh = torch.empty((M, C), dtype=h.dtype, device=dev) if store_dh else h.new_empty(0)
+    q = torch.empty((M, C), dtype=qdt, device=dev) if has_fp8 else torch.empty(0, dtype=qdt, device=dev)
+    qt = torch.empty((C, M), dtype=qdt, device=dev) if transpose else torch.empty(0, dtype=qdt, device=dev)
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    num_m, num_n = _tiles(M, F, cfg)
+    part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else amax
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=dev)
+    _act_bwd_kernel[(num_m * num_n,)](
+        da, h, dh, q, qt, part, scale, amax_in if amax_in is not None else amax, amax, inv if has_fp8 else amax,
+        M, F, da.stride(0), h.stride(0), num_m, num_n,
+        ACT=ACT, GATED=gated, HAS_FP8=has_fp8, STORE_DH=bool(store_dh), TRANSPOSE=transpose, DBIAS=bool(dbias),
+        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+    )
+    # Finalize the bias gradient: a fixed-order sum over the row tiles' partial sums.
+    db = part.sum(dim=0) if dbias else h.new_empty(0, dtype=torch.float32)
+    return dh, q, qt, amax, inv, db
+
+
+def act_bwd_amax_launch(da: torch.Tensor, h: torch.Tensor, act: str, *,
+                        config: dict[str, Any] | None = None) -> torch.Tensor:
+    """max |da * act'(h)| as a 0-d float32 tensor: the first pass of current scaling."""
+    return act_bwd_launch(da, h, act, False, None, None, 0, False, None, False, False, config=config)[3]
+
+
+# ------------------------------------------------------------------------------------------------
+# Library ops: opaque to torch.compile (a fake kernel gives shapes), CUDA kernels above.
+
+
+def _width(h: torch.Tensor, act: str) -> int:
+    return h.shape[1] // 2 if act in GATED else h.shape[1]
+
+
+def _act_fwd_fake(h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose):  # type: ignore[no-untyped-def]
+    M, F = h.shape[0], _width(h, act)
+    qdt = out_dtype if out_dtype is not None else h.dtype
+    has = out_dtype is not None
+    return (
+        h.new_empty((M, F) if store_y else (0,)),
+        h.new_empty((M, F) if store_q and has else (0,), dtype=qdt),
+        h.new_empty((F, M) if transpose and has else (0,), dtype=qdt),
+        h.new_empty((), dtype=torch.float32),
+        h.new_empty(() if has else (0,), dtype=torch.float32),
+    )
+
+
+def _act_amax_fake(h, act):  # type: ignore[no-untyped-def]
+    return h.new_empty((), dtype=torch.float32)
+
+
+def _act_bwd_fake(da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias):  # type: ignore[no-untyped-def]
+    M, C = h.shape
+    qdt = out_dtype if out_dtype is not None else h.dtype
+    has = out_dtype is not None
+    return (
+        h.new_empty((M, C) if store_dh else (0,)),
+        h.new_empty((M, C) if has else (0,), dtype=qdt),
+        h.new_empty((C, M) if transpose and has else (0,), dtype=qdt),
+        h.new_empty((), dtype=torch.float32),
+        h.new_empty(() if has else (0,), dtype=torch.float32),
+        h.new_empty((C,) if dbias else (0,), dtype=torch.float32),
+    )
+
+
+def _act_bwd_amax_fake(da, h, act):  # type: ignore[no-untyped-def]
+    return h.new_empty((), dtype=torch.float32)
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    # The kernels take any row stride but need a unit column stride.
+    return t if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1) else t.contiguous()
+
+
+act_fwd = define(
+    "act_fwd(Tensor h, str act, bool store_y, Tensor? scale, Tensor? amax_in, int margin, bool power_2, "
+    "ScalarType? out_dtype, bool store_q, bool transpose) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    cuda=lambda h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose: act_fwd_launch(
+        _unit(h), act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose
+    ),
+    fake=_act_fwd_fake,
+)
+"""``fp8ops::act_fwd``: activation + FP8 cast, ``(y, q, q_t, amax, inv_scale)``; see :func:`act_fwd_launch`."""
+
+act_amax = define(
+    "act_amax(Tensor h, str act) -> Tensor",
+    cuda=lambda h, act: act_amax_launch(_unit(h), act),
+    fake=_act_amax_fake,
+)
+"""``fp8ops::act_amax``: max |act(h)|, float32, NaN-propagating."""
+
+act_bwd = define(
+    "act_bwd(Tensor da, Tensor h, str act, bool store_dh, Tensor? scale, Tensor? amax_in, int margin, "
+    "bool power_2, ScalarType? out_dtype, bool transpose, bool dbias) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    cuda=lambda da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias: act_bwd_launch(
+        _unit(da), _unit(h), act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias
+    ),
+    fake=_act_bwd_fake,
+)
+"""``fp8ops::act_bwd``: activation gradient + FP8 cast + bias gradient,
+``(dh, q, q_t, amax, inv_scale, dbias)``; see :func:`act_bwd_launch`."""
+
+act_bwd_amax = define(
+    "act_bwd_amax(Tensor da, Tensor h, str act) -> Tensor",
+    cuda=lambda da, h, act: act_bwd_amax_launch(_unit(da), _unit(h), act),
+    fake=_act_bwd_amax_fake,
+)
+"""``fp8ops::act_bwd_amax``: max |da * act'(h)|, float32, NaN-propagating."""

@@ -1,0 +1,823 @@
+"""LayerNorm and RMSNorm kernels: forward with an optional fused residual add and an optional FP8
+epilogue (cast + transposed copy + amax in the same pass), and backward with a deterministic
+reduction of the weight and bias gradients.
+
+Math (one row ``x`` of length K; statistics in float32)::
+
+    s     = x + residual                          # fp32 add, stored in x.dtype; normalised as stored
+    LayerNorm:  mean = sum(s) / K,  rstd = 1 / sqrt(sum((s - mean)^2) / K + eps),  xh = (s - mean) * rstd
+    RMSNorm:    rstd = 1 / sqrt(sum(s^2) / K + eps),                               xh = s * rstd
+    g     = weight (+ 1 with zero-centred gamma)
+    y32   = xh * g (+ bias)
+    q     = rne(clamp(y32 * scale, -fmax, fmax))  # FP8, optional; q_t its (K, M) transpose
+    amax  = max |y32|                             # always; NaN wins
+
+Backward (``gdy = dy * g``, means over K)::
+
+    LayerNorm:  dx = rstd * (gdy - mean(gdy) - xh * mean(gdy * xh))   (+ ds)
+    RMSNorm:    dx = rstd * (gdy - xh * mean(gdy * xh))               (+ ds)
+    dweight = sum_rows(dy * xh),   dbias = sum_rows(dy)
+
+Kernels:
+
+- ``_norm_fwd_kernel``: when a row fits in one ``BLOCK_K`` chunk, a persistent program loops over
+  blocks of ``BLOCK_M`` whole rows held in registers (statistics, then normalisation), issuing the
+  next block's loads before it reduces the current one (the kernel is latency-bound otherwise).
+  Longer rows, and the FP8 transposed output, take a program per ``BLOCK_M`` rows that sweeps K
+  twice: the first sweep merges per-chunk means and centred sums of squares (Chan et al.'s parallel
+  variance, stable in one read), the second normalises ``(BLOCK_M, BLOCK_K)`` tiles and writes y, q
+  and q_t (each q_t store is ``BLOCK_M`` contiguous bytes); the second read mostly hits L2. The amax
+  is reduced per program and folded into one word with an integer ``atomic_max`` on the float bits
+  (see kernels/quantize.py). The same kernel, storing nothing but the amax, is ``fp8ops::norm_amax``:
+  the first pass of current scaling, whose scale is then computed just in time on the device.
+- ``_norm_bwd_kernel``: a persistent grid (about ``#SMs * PROGRAMS_PER_SM`` programs), each looping
+  over row blocks. dx is computed per row in one pass (two sweeps when the row is chunked);
+  the weight and bias gradients accumulate in float32 registers per program and are written once as
+  a ``(G, K)`` partial buffer, summed by a small finalize (``partial.sum(0)``): no atomics, so the
+  result is deterministic. With chunked rows the partial row of a program is updated in place
+  (it is private to that program).
+
+Fast: large M with K in the low thousands, RMSNorm (whole rows in registers, one read of x, one
+write of each output; H200: 83 % of copy bandwidth for the RMSNorm FP8-out forward at 16384 x 8192,
+78-86 % for its backward). Slower: LayerNorm (two dependent reductions per row, 62-72 %), very large
+K (two sweeps per row), the transposed FP8 output (two sweeps of 32-row blocks, 42-45 %), tiny
+tensors (launch latency). See docs/kernels/norm.md and docs/benchmarks/norm.md.
+
+References: Ba et al., "Layer Normalization" (2016); Zhang & Sennrich, "Root Mean Square Layer
+Normalization" (2019); Chan, Golub & LeVeque, "Algorithms for computing the sample variance" (1983);
+NVIDIA Transformer Engine and Apex fused LayerNorm kernels (partial dγ/dβ buffers + finalize).
+
+The ops (``fp8ops::norm_fwd``, ``fp8ops::norm_amax``, ``fp8ops::norm_bwd``) are registered as opaque
+library ops (see ``_library.py``) with a CUDA kernel (the launchers below) and a fake kernel; the CPU
+kernel, the FP32 reference math, is registered by ``fp8ops.norm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._library import define, merge_config
+from .quantize import FP8_DTYPES, _just_in_time_scale, _saturate
+
+__all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
+
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+@triton.jit
+def _sum_input(
+    x,  # (BLOCK_M, BLOCK_K) tile of x in its dtype
+    r,  # (BLOCK_M, BLOCK_K) tile of the residual (HAS_RES)
+    HAS_RES: tl.constexpr,
+):
+    # x + residual added in fp32 and rounded to x's dtype (as stored in s), or x.
+    if HAS_RES:
+        return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _normalize_tile(
+    v,  # (BLOCK_M, BLOCK_K) fp32 normalised input
+    mean,  # (BLOCK_M,) fp32
+    rstd,  # (BLOCK_M,) fp32
+    g,  # (BLOCK_K,) fp32 gamma (weight, + 1 when zero-centred; 0 beyond K)
+    bias,  # (BLOCK_K,) fp32 bias (HAS_BIAS)
+    offs,  # (BLOCK_M, BLOCK_K) int64 offsets into the (M, K) outputs
+    offs_t,  # (BLOCK_K, BLOCK_M) int64 offsets into the (K, M) transposed output (TRANSPOSE)
+    mask,  # (BLOCK_M, BLOCK_K)
+    y_ptr,  # (M, K) output in x's dtype
+    q_ptr,  # (M, K) FP8 output
+    qt_ptr,  # (K, M) FP8 transposed output
+    scale,
+    RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_Y: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    # Step: y32 = xh * g (+ bias), stored; then the FP8 epilogue; returns the row maxima of |y32| bits.
+    if RMS:
+        xh = v * rstd[:, None]
+    else:
+        xh = (v - mean[:, None]) * rstd[:, None]
+    y = xh * g[None, :]
+    if HAS_BIAS:
+        y = y + bias[None, :]
+    if STORE_Y:
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if HAS_Q:
+        q = _saturate(y * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + offs, q, mask=mask)
+        if TRANSPOSE:
+            tl.store(qt_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
+    # Padding lanes (columns >= K, rows >= M) hold bias / -mean*rstd terms: keep them out of the amax.
+    bits = tl.where(mask, tl.abs(y).to(tl.int32, bitcast=True), 0)
+    return tl.max(bits, axis=1)
+
+
+@triton.jit
+def _row_stats(
+    v,  # (BLOCK_M, BLOCK_K) fp32 rows (0 beyond K)
+    mask,  # (BLOCK_M, BLOCK_K)
+    K,
+    eps,
+    RMS: tl.constexpr,
+):
+    # Mean (0 for RMSNorm) and rstd of whole rows held in registers; two-pass variance.
+    if RMS:
+        mean = tl.sum(v, axis=1) * 0.0
+        var = tl.sum(v * v, axis=1) / K
+    else:
+        mean = tl.sum(v, axis=1) / K
+        d = tl.where(mask, v - mean[:, None], 0.0)
+        var = tl.sum(d * d, axis=1) / K
+    rstd = tl.math.div_rn(1.0 + tl.zeros_like(var), tl.sqrt_rn(var + eps))
+    return mean, rstd
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    x_ptr,  # (M, K) input, contiguous
+    r_ptr,  # (M, K) residual, contiguous (HAS_RES)
+    w_ptr,  # (K,) weight
+    b_ptr,  # (K,) bias (HAS_BIAS)
+    y_ptr,  # (M, K) output in x's dtype (STORE_Y)
+    s_ptr,  # (M, K) output x + residual in x's dtype (STORE_S)
+    q_ptr,  # (M, K) FP8 output (HAS_Q)
+    qt_ptr,  # (K, M) FP8 transposed output (TRANSPOSE)
+    scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
+    amax_in_ptr,  # () fp32 amax of y32 (current scaling only)
+    amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    inv_ptr,  # () fp32 output: 1 / scale (HAS_Q)
+    mean_ptr,  # (M,) fp32 output (STORE_STATS and not RMS)
+    rstd_ptr,  # (M,) fp32 output (STORE_STATS)
+    M,
+    K,
+    eps,
+    RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_Y: tl.constexpr,
+    STORE_S: tl.constexpr,
+    STORE_STATS: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POWER_2: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # Step 1: the FP8 scale, read or computed just in time (every program computes the same value).
+    scale = 1.0
+    if HAS_Q:
+        if SCALE_FROM_AMAX:
+            scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
+        else:
+            scale = tl.load(scale_ptr)
+        if pid == 0:
+            tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+    amax_bits = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    if SINGLE:
+        # Whole rows in registers; a persistent program loops over row blocks and prefetches the
+        # next block while it normalises the current one (the kernel is latency-bound otherwise).
+        num_programs = tl.num_programs(0)
+        num_blocks = tl.cdiv(M, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        col_ok = rk < K
+        # Step 2: gamma and bias once per program.
+        g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            g = tl.where(col_ok, g + 1.0, 0.0)
+        bias = g
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+        rows = tl.arange(0, BLOCK_M).to(tl.int64)
+        rm_n = rows + pid * BLOCK_M
+        mask_n = (rm_n < M)[:, None] & col_ok[None, :]
+        x_n = tl.load(x_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+        r_n = x_n
+        if HAS_RES:
+            r_n = tl.load(r_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+        for blk in range(pid, num_blocks, num_programs):
+            rm = rm_n
+            mask = mask_n
+            x = x_n
+            r = r_n
+            # Step 3: prefetch the next row block of this program.
+            rm_n = rows + (blk + num_programs) * BLOCK_M
+            mask_n = (rm_n < M)[:, None] & col_ok[None, :]
+            x_n = tl.load(x_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+            if HAS_RES:
+                r_n = tl.load(r_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+            # Step 4: statistics, normalisation and the FP8 epilogue of the current block.
+            offs = rm[:, None] * K + rk[None, :]
+            s = _sum_input(x, r, HAS_RES)
+            if STORE_S:
+                tl.store(s_ptr + offs, s, mask=mask)
+            v = s.to(tl.float32)
+            mean, rstd = _row_stats(v, mask, K, eps, RMS)
+            row_ok = rm < M
+            if STORE_STATS:
+                tl.store(rstd_ptr + rm, rstd, mask=row_ok)
+                if not RMS:
+                    tl.store(mean_ptr + rm, mean, mask=row_ok)
+            tile_bits = _normalize_tile(
+                v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,
+                RMS, HAS_BIAS, STORE_Y, HAS_Q, TRANSPOSE, FP8_MAX,
+            )
+            amax_bits = tl.maximum(amax_bits, tile_bits)
+    else:
+        # Chunked rows: one program per BLOCK_M rows, two sweeps over K; each sweep prefetches its
+        # next chunk. The first sweep's loads ask L2 to keep the lines for the second sweep.
+        rm = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rm < M
+        cols = tl.arange(0, BLOCK_K)
+        # Step 2: statistics; merge per-chunk (mean, centred sum of squares) pairs (Chan et al.).
+        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        mask_n = row_ok[:, None] & (cols[None, :] < K)
+        offs_n = rm[:, None] * K + cols[None, :]
+        x_n = tl.load(x_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
+        r_n = x_n
+        if HAS_RES:
+            r_n = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + cols
+            mask = mask_n
+            offs = offs_n
+            x = x_n
+            r = r_n
+            mask_n = row_ok[:, None] & ((rk + BLOCK_K)[None, :] < K)
+            offs_n = offs + BLOCK_K
+            x_n = tl.load(x_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
+            if HAS_RES:
+                r_n = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
+            s = _sum_input(x, r, HAS_RES)
+            if STORE_S:
+                tl.store(s_ptr + offs, s, mask=mask)
+            v = s.to(tl.float32)
+            if RMS:
+                m2 += tl.sum(v * v, axis=1)
+            else:
+                nb = tl.sum((rk < K).to(tl.float32), axis=0)  # columns in this chunk
+                na = k0 * 1.0  # columns merged so far (every earlier chunk is full)
+                cm = tl.sum(v, axis=1) / nb
+                d = tl.where(mask, v - cm[:, None], 0.0)
+                delta = cm - mean
+                n = na + nb
+                mean += delta * (nb / n)
+                m2 += tl.sum(d * d, axis=1) + delta * delta * (na * nb / n)
+        rstd = tl.math.div_rn(1.0 + tl.zeros_like(m2), tl.sqrt_rn(m2 / K + eps))
+        if STORE_STATS:
+            tl.store(rstd_ptr + rm, rstd, mask=row_ok)
+            if not RMS:
+                tl.store(mean_ptr + rm, mean, mask=row_ok)
+        # Step 3: normalise chunk by chunk (second read mostly from L2), store y / q / q_t.
+        mask_n = row_ok[:, None] & (cols[None, :] < K)
+        offs_n = rm[:, None] * K + cols[None, :]
+        x_n = tl.load(x_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
+        r_n = x_n
+        if HAS_RES:
+            r_n = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + cols
+            col_ok = rk < K
+            mask = mask_n
+            offs = offs_n
+            x = x_n
+            r = r_n
+            mask_n = row_ok[:, None] & ((rk + BLOCK_K)[None, :] < K)
+            offs_n = offs + BLOCK_K
+            x_n = tl.load(x_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
+            if HAS_RES:
+                r_n = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
+            v = _sum_input(x, r, HAS_RES).to(tl.float32)
+            g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                g = tl.where(col_ok, g + 1.0, 0.0)
+            bias = g
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+            tile_bits = _normalize_tile(
+                v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,
+                RMS, HAS_BIAS, STORE_Y, HAS_Q, TRANSPOSE, FP8_MAX,
+            )
+            amax_bits = tl.maximum(amax_bits, tile_bits)
+    # Step 5: one atomic per program on the float bits (|y| >= 0: integer order is float order).
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(amax_bits, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    dy_ptr,  # (M, K) gradient of y, contiguous
+    s_ptr,  # (M, K) the normalised input, contiguous
+    w_ptr,  # (K,) weight
+    mean_ptr,  # (M,) fp32 (LayerNorm only)
+    rstd_ptr,  # (M,) fp32
+    ds_ptr,  # (M, K) gradient of the sum output s, contiguous (HAS_DS)
+    dx_ptr,  # (M, K) output in s's dtype
+    dw_part_ptr,  # (G, K) fp32 partial sums of dy * xh, one row per program
+    db_part_ptr,  # (G, K) fp32 partial sums of dy, one row per program (HAS_BIAS)
+    M,
+    K,
+    RMS: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    HAS_DS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_blocks = tl.cdiv(M, BLOCK_M)
+    part_row = pid.to(tl.int64) * K
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    if SINGLE:
+        # Step 1: the weight of the whole row, once per program; the first row block prefetched.
+        rk = tl.arange(0, BLOCK_K)
+        col_ok = rk < K
+        g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            g = tl.where(col_ok, g + 1.0, 0.0)
+        acc_dw = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        acc_db = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        rm_n = rows + pid * BLOCK_M
+        mask_n = (rm_n < M)[:, None] & col_ok[None, :]
+        dy_n = tl.load(dy_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+        s_n = tl.load(s_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+        # Step 2: persistent loop over row blocks; dx per row, dγ/dβ partials in registers.
+        for blk in range(pid, num_blocks, num_programs):
+            rm = rm_n
+            mask = mask_n
+            dy = dy_n.to(tl.float32)
+            s = s_n.to(tl.float32)
+            row_ok = rm < M
+            rstd = tl.load(rstd_ptr + rm, mask=row_ok, other=0.0)
+            mean = rstd * 0.0
+            if not RMS:
+                mean = tl.load(mean_ptr + rm, mask=row_ok, other=0.0)
+            offs = rm[:, None] * K + rk[None, :]
+            dsv = dy
+            if HAS_DS:
+                dsv = tl.load(ds_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            # prefetch the next row block while this one is reduced
+            rm_n = rows + (blk + num_programs) * BLOCK_M
+            mask_n = (rm_n < M)[:, None] & col_ok[None, :]
+            dy_n = tl.load(dy_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+            s_n = tl.load(s_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+            xh = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+            gdy = dy * g[None, :]
+            c2 = tl.sum(gdy * xh, axis=1) / K
+            if RMS:
+                dx = (gdy - xh * c2[:, None]) * rstd[:, None]
+            else:
+                c1 = tl.sum(gdy, axis=1) / K
+                dx = (gdy - c1[:, None] - xh * c2[:, None]) * rstd[:, None]
+            if HAS_DS:
+                dx += dsv
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            acc_dw += tl.sum(dy * xh, axis=0)
+            if HAS_BIAS:
+                acc_db += tl.sum(dy, axis=0)
+        # Step 3: this program's partial sums (the finalize adds the G rows).
+        tl.store(dw_part_ptr + part_row + rk, acc_dw, mask=col_ok)
+        if HAS_BIAS:
+            tl.store(db_part_ptr + part_row + rk, acc_db, mask=col_ok)
+    else:
+        for blk in range(pid, num_blocks, num_programs):
+            rm = rows + blk * BLOCK_M
+            row_ok = rm < M
+            rstd = tl.load(rstd_ptr + rm, mask=row_ok, other=0.0)
+            mean = rstd * 0.0
+            if not RMS:
+                mean = tl.load(mean_ptr + rm, mask=row_ok, other=0.0)
+            # Step 1: the row sums sum(gdy * xh) and sum(gdy) over K chunks (lines kept in L2).
+            c1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            c2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                col_ok = rk < K
+                mask = row_ok[:, None] & col_ok[None, :]
+                offs = rm[:, None] * K + rk[None, :]
+                dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                s = tl.load(s_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+                if ZERO_CENTERED:
+                    g = tl.where(col_ok, g + 1.0, 0.0)
+                xh = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+                gdy = dy * g[None, :]
+                c2 += tl.sum(gdy * xh, axis=1)
+                c1 += tl.sum(gdy, axis=1)
+            c1 = c1 / K
+            c2 = c2 / K
+            # Step 2: dx per chunk (second read mostly from L2), and the program's partial sums,
+            # read-modify-written in its private row of the partial buffers.
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                col_ok = rk < K
+                mask = row_ok[:, None] & col_ok[None, :]
+                offs = rm[:, None] * K + rk[None, :]
+                dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                s = tl.load(s_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+                if ZERO_CENTERED:
+                    g = tl.where(col_ok, g + 1.0, 0.0)
+                xh = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+                gdy = dy * g[None, :]
+                if RMS:
+                    dx = (gdy - xh * c2[:, None]) * rstd[:, None]
+                else:
+                    dx = (gdy - c1[:, None] - xh * c2[:, None]) * rstd[:, None]
+                if HAS_DS:
+                    dx += tl.load(ds_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                pw = tl.load(dw_part_ptr + part_row + rk, mask=col_ok, other=0.0)
+                tl.store(dw_part_ptr + part_row + rk, pw + tl.sum(dy * xh, axis=0), mask=col_ok)
+                if HAS_BIAS:
+                    pb = tl.load(db_part_ptr + part_row + rk, mask=col_ok, other=0.0)
+                    tl.store(db_part_ptr + part_row + rk, pb + tl.sum(dy, axis=0), mask=col_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers: they alone know grids and block sizes, and they validate what the kernels assume.
+
+_ROW_LIMIT = 16384  # forward: rows up to this length stay in registers
+_BWD_ROW_LIMIT = 8192  # backward: rows up to this length stay in registers
+_FWD_T_CFG = {"BLOCK_M": 32, "BLOCK_K": 256, "num_warps": 4, "PROGRAMS_PER_SM": 1}
+_FWD_CHUNKED_CFG = {"BLOCK_M": 1, "BLOCK_K": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 1}
+_BWD_CHUNKED_CFG = {"BLOCK_M": 4, "BLOCK_K": 1024, "num_warps": 8, "PROGRAMS_PER_SM": 2}
+_CPU_PROGRAMS = 4  # "SMs" of a non-CUDA device (the interpreter), for the persistent grids
+
+
+def _fwd_default(K: int, transpose: bool) -> dict[str, Any]:
+    """Default forward launch config for rows of length K (PROGRAMS_PER_SM applies to whole-row
+    configs, which run on a persistent grid; chunked configs get one program per row block).
+
+    Best of the H200 sweep (python -m fp8ops.bench.norm --sweep, docs/benchmarks/norm.md): K=4096
+    BLOCK_M=2, 8 warps, 2 programs per SM; K=8192 BLOCK_M=2, 16 warps, 1 program per SM;
+    transposed FP8 output 32x256 tiles, 4 warps.
+    """
+    if transpose:
+        return dict(_FWD_T_CFG)
+    bk = triton.next_power_of_2(K)
+    if bk > _ROW_LIMIT:
+        return dict(_FWD_CHUNKED_CFG)
+    warps = 4 if bk <= 1024 else (8 if bk <= 4096 else 16)
+    return {
+        "BLOCK_M": 1 if bk > 8192 else max(2, min(16, 8192 // bk)),
+        "BLOCK_K": bk,
+        "num_warps": warps,
+        "PROGRAMS_PER_SM": {4: 4, 8: 2, 16: 1}[warps],
+    }
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _CPU_PROGRAMS
+
+
+def _bwd_default(K: int) -> dict[str, Any]:
+    """Default backward launch config for rows of length K (H200 sweep: K=4096 one row, 4 warps,
+    2 programs per SM; K=8192 one row, 8 warps, 1 program per SM; 4 warps spill at K=8192)."""
+    bk = triton.next_power_of_2(K)
+    if bk > _BWD_ROW_LIMIT:
+        return dict(_BWD_CHUNKED_CFG)
+    warps = 4 if bk <= 4096 else 8
+    return {
+        "BLOCK_M": max(1, min(16, 2048 // bk)),
+        "BLOCK_K": bk,
+        "num_warps": warps,
+        "PROGRAMS_PER_SM": 2 if warps == 4 else 1,
+    }
+
+
+def _check_pow2(name: str, cfg: dict[str, Any]) -> None:
+    for key in ("BLOCK_M", "BLOCK_K"):
+        v = cfg[key]
+        if not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"{name}: config {key} must be a power of two, got {v!r}")
+
+
+def _check_rows(name: str, arg: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    if t.dtype not in _IN_DTYPES:
+        raise ValueError(f"{name}: {arg} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.dim() != 2 or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: {arg} must be a contiguous 2-D (M, K) tensor, got shape {tuple(t.shape)} and strides "
+            f"{tuple(t.stride())}; call .reshape(-1, K).contiguous() first"
+        )
+    if like is not None and (t.shape != like.shape or t.device != like.device):
+        raise ValueError(f"{name}: {arg} must have shape {tuple(like.shape)} on {like.device}, "
+                         f"got {tuple(t.shape)} on {t.device}")
+
+
+def _check_vec(name: str, arg: str, t: torch.Tensor | None, K: int, device: torch.device) -> None:
+    if t is None:
+        return
+    if t.dtype not in _IN_DTYPES:
+        raise ValueError(f"{name}: {arg} must be float32, bfloat16 or float16, got {t.dtype}")
+    if tuple(t.shape) != (K,) or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name}: {arg} must be a contiguous ({K},) tensor on {device}, got shape "
+                         f"{tuple(t.shape)} on {t.device}")
+
+
+def _check_scalar(name: str, arg: str, t: torch.Tensor | None) -> None:
+    if t is not None and (t.dim() != 0 or t.dtype != torch.float32):
+        raise ValueError(f"{name}: {arg} must be a 0-d float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
+
+
+def _check_fwd_inputs(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      bias: torch.Tensor | None, eps: float) -> None:
+    _check_rows(name, "x", x)
+    if x.shape[1] < 1:
+        raise ValueError(f"{name}: x must have K >= 1 columns, got shape {tuple(x.shape)}")
+    if residual is not None:
+        _check_rows(name, "residual", residual, x)
+        if residual.dtype != x.dtype:
+            raise ValueError(f"{name}: residual must have x's dtype {x.dtype}, got {residual.dtype}")
+    _check_vec(name, "weight", weight, x.shape[1], x.device)
+    _check_vec(name, "bias", bias, x.shape[1], x.device)
+    if not eps > 0:
+        raise ValueError(f"{name}: eps must be > 0, got {eps}")
+
+
+def _launch_fwd(
+    name: str,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+    *,
+    store_y: bool,
+    store_stats: bool,
+    store_s: bool,
+    scale: torch.Tensor | None,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype | None,
+    transpose: bool,
+    config: dict[str, Any] | None,
+) -> tuple[torch.Tensor, ...]:
+    M, K = x.shape
+    dev = x.device
+    has_q = out_dtype is not None
+    fp8_max = 1.0
+    if has_q:
+        if out_dtype not in FP8_DTYPES:
+            raise ValueError(f"{name}: out_dtype must be torch.float8_e4m3fn, torch.float8_e5m2 or None, "
+                             f"got {out_dtype}")
+        fp8_max = _FP8_MAX[out_dtype]
+    elif transpose:
+        raise ValueError(f"{name}: transpose=True needs an FP8 out_dtype")
+    _check_scalar(name, "scale", scale)
+    _check_scalar(name, "amax_in", amax_in)
+    cfg = merge_config(_fwd_default(K, transpose and has_q), config, name=name)
+    _check_pow2(name, cfg)
+    # Step: outputs; unused ones are distinct empty tensors.
+    y = torch.empty((M, K), dtype=x.dtype, device=dev) if store_y else x.new_empty(0)
+    s = torch.empty((M, K), dtype=x.dtype, device=dev) if store_s else x.new_empty(0)
+    if has_q:
+        q = torch.empty((M, K), dtype=out_dtype, device=dev)
+        q_t = torch.empty((K, M), dtype=out_dtype, device=dev) if transpose else x.new_empty(0, dtype=out_dtype)
+        inv = torch.empty((), dtype=torch.float32, device=dev)
+        if scale is None:
+            scale = torch.ones((), dtype=torch.float32, device=dev)
+    else:
+        q, q_t, inv = x.new_empty(0), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    f32 = torch.float32
+    mean = torch.empty((M,), dtype=f32, device=dev) if store_stats and not rms else x.new_empty(0, dtype=f32)
+    rstd = torch.empty((M,), dtype=f32, device=dev) if store_stats else x.new_empty(0, dtype=f32)
+    # Whole rows: a persistent grid; chunked rows: one program per BLOCK_M rows. At least one
+    # program, so that inv_scale is written when M == 0.
+    single = cfg["BLOCK_K"] >= K
+    blocks = triton.cdiv(M, cfg["BLOCK_M"])
+    if single:
+        blocks = min(blocks, _num_sms(dev) * cfg["PROGRAMS_PER_SM"])
+    grid = (max(1, blocks),)
+    _norm_fwd_kernel[grid](
+        x, residual if residual is not None else x, weight, bias if bias is not None else weight,
+        y, s, q, q_t, scale if scale is not None else amax, amax_in if amax_in is not None else amax,
+        amax, inv, mean, rstd, M, K, float(eps),
+        RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        STORE_Y=store_y, STORE_S=store_s, STORE_STATS=store_stats, HAS_Q=has_q, TRANSPOSE=transpose,
+        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
+        SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+    )
+    return y, s, q, q_t, amax, inv, mean, rstd
+
+
+def norm_fwd_launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+    store_y: bool,
+    scale: torch.Tensor | None,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype | None,
+    transpose: bool,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """LayerNorm / RMSNorm forward with optional residual add and FP8 output, one launch.
+
+    Args:
+        x: (M, K) float32/bfloat16/float16, contiguous, K >= 1.
+        residual: (M, K) of x's dtype, or None.
+        weight, bias: (K,) float32 or any of the input dtypes, contiguous; bias may be None.
+        eps: > 0. rms: RMSNorm (no mean, no bias needed). zero_centered_gamma: g = weight + 1.
+        store_y: write y in x's dtype.
+        scale: () fp32 scale (delayed) or fallback scale (current); None means 1.
+        amax_in: () fp32 amax of y32 for current scaling (from :func:`norm_amax_launch`), or None.
+        margin, power_2: current-scaling parameters. out_dtype: FP8 dtype of q, or None (no q).
+        transpose: also write q_t (K, M) (needs out_dtype).
+        config: overrides of ``BLOCK_M``, ``BLOCK_K``, ``num_warps``, ``PROGRAMS_PER_SM``.
+
+    Returns:
+        ``(y, s, q, q_t, amax, inv_scale, mean, rstd)`` as in the ``fp8ops::norm_fwd`` schema.
+    """
+    name = "norm_fwd"
+    _check_fwd_inputs(name, x, residual, weight, bias, eps)
+    return _launch_fwd(
+        name, x, residual, weight, bias, eps, rms, zero_centered_gamma,
+        store_y=store_y, store_stats=True, store_s=residual is not None, scale=scale, amax_in=amax_in,
+        margin=margin, power_2=power_2, out_dtype=out_dtype, transpose=transpose, config=config,
+    )
+
+
+def norm_amax_launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+    *,
+    config: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """max |y32| of the norm's output as a () float32 tensor, storing nothing else (the first pass
+    of current scaling). Arguments as :func:`norm_fwd_launch`."""
+    name = "norm_amax"
+    _check_fwd_inputs(name, x, residual, weight, bias, eps)
+    out = _launch_fwd(
+        name, x, residual, weight, bias, eps, rms, zero_centered_gamma,
+        store_y=False, store_stats=False, store_s=False, scale=None, amax_in=None, margin=0,
+        power_2=False, out_dtype=None, transpose=False, config=config,
+    )
+    return out[4]
+
+
+def norm_bwd_launch(
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    ds: torch.Tensor | None,
+    rms: bool,
+    zero_centered_gamma: bool,
+    has_bias: bool,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm / RMSNorm backward: dx (one pass per row) and dweight / dbias (persistent grid,
+    per-program fp32 partial sums, then a finalize).
+
+    Args:
+        dy: (M, K) gradient of y, any float dtype, contiguous.
+        s: (M, K) the normalised input (x, or x + residual as stored), contiguous.
+        weight: (K,). mean: (M,) fp32 (LayerNorm; ignored for RMSNorm). rstd: (M,) fp32.
+        ds: (M, K) gradient of the sum output, added to dx, or None.
+        rms, zero_centered_gamma: as in the forward. has_bias: also return dbias.
+        config: overrides of ``BLOCK_M``, ``BLOCK_K``, ``num_warps``, ``PROGRAMS_PER_SM``.
+
+    Returns:
+        ``(dx, dweight, dbias)``: dx (M, K) in s's dtype; dweight (K,) and dbias (K,) (empty
+        without a bias) in weight's dtype.
+    """
+    name = "norm_bwd"
+    _check_rows(name, "s", s)
+    _check_rows(name, "dy", dy, s)
+    if ds is not None:
+        _check_rows(name, "ds", ds, s)
+    M, K = s.shape
+    dev = s.device
+    _check_vec(name, "weight", weight, K, dev)
+    for arg, t, need in (("rstd", rstd, True), ("mean", mean, not rms)):
+        if need and (t.dtype != torch.float32 or tuple(t.shape) != (M,) or not t.is_contiguous()):
+            raise ValueError(f"{name}: {arg} must be a contiguous ({M},) float32 tensor, got shape "
+                             f"{tuple(t.shape)} {t.dtype}")
+    cfg = merge_config(_bwd_default(K), config, name=name)
+    _check_pow2(name, cfg)
+    single = cfg["BLOCK_K"] >= K
+    dx = torch.empty((M, K), dtype=s.dtype, device=dev)
+    G = max(1, min(triton.cdiv(M, cfg["BLOCK_M"]), _num_sms(dev) * cfg["PROGRAMS_PER_SM"]))
+    alloc = torch.empty if single else torch.zeros  # chunked rows accumulate in place
+    dw_part = alloc((G, K), dtype=torch.float32, device=dev)
+    db_part = alloc((G, K), dtype=torch.float32, device=dev) if has_bias else dw_part
+    _norm_bwd_kernel[(G,)](
+        dy, s, weight, mean if not rms else rstd, rstd, ds if ds is not None else dy, dx, dw_part, db_part,
+        M, K,
+        RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_DS=ds is not None, HAS_BIAS=has_bias,
+        SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+    )
+    # Step: finalize, a deterministic fp32 sum of the G partial rows.
+    dweight = dw_part.sum(0).to(weight.dtype)
+    dbias = db_part.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0)
+    return dx, dweight, dbias
+
+
+# ------------------------------------------------------------------------------------------------
+# Library ops: opaque to torch.compile (a fake kernel gives shapes), CUDA kernels above.
+
+
+def _norm_fwd_fake(x, residual, weight, bias, eps, rms, zero_centered_gamma, store_y, scale, amax_in,  # type: ignore[no-untyped-def]
+                   margin, power_2, out_dtype, transpose):
+    M, K = x.shape
+    f32 = torch.float32
+    y = x.new_empty((M, K)) if store_y else x.new_empty(0)
+    s = x.new_empty((M, K)) if residual is not None else x.new_empty(0)
+    if out_dtype is not None:
+        q = x.new_empty((M, K), dtype=out_dtype)
+        q_t = x.new_empty((K, M), dtype=out_dtype) if transpose else x.new_empty(0, dtype=out_dtype)
+        inv = x.new_empty((), dtype=f32)
+    else:
+        q, q_t, inv = x.new_empty(0), x.new_empty(0), x.new_empty(0, dtype=f32)
+    mean = x.new_empty(0, dtype=f32) if rms else x.new_empty((M,), dtype=f32)
+    return y, s, q, q_t, x.new_empty((), dtype=f32), inv, mean, x.new_empty((M,), dtype=f32)
+
+
+def _norm_amax_fake(x, residual, weight, bias, eps, rms, zero_centered_gamma):  # type: ignore[no-untyped-def]
+    return x.new_empty((), dtype=torch.float32)
+
+
+def _norm_bwd_fake(dy, s, weight, mean, rstd, ds, rms, zero_centered_gamma, has_bias):  # type: ignore[no-untyped-def]
+    K = s.shape[1]
+    return s.new_empty(s.shape), weight.new_empty((K,)), weight.new_empty((K,) if has_bias else 0)
+
+
+def _cuda_fwd(x, residual, weight, bias, eps, rms, zero_centered_gamma, store_y, scale, amax_in,  # type: ignore[no-untyped-def]
+              margin, power_2, out_dtype, transpose):
+    return norm_fwd_launch(
+        x.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(),
+        None if bias is None else bias.contiguous(), eps, rms, zero_centered_gamma, store_y, scale, amax_in,
+        margin, power_2, out_dtype, transpose,
+    )
+
+
+norm_fwd = define(
+    "norm_fwd(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, bool rms, "
+    "bool zero_centered_gamma, bool store_y, Tensor? scale, Tensor? amax_in, int margin, bool power_2, "
+    "ScalarType? out_dtype, bool transpose) "
+    "-> (Tensor y, Tensor s, Tensor q, Tensor q_t, Tensor amax, Tensor inv_scale, Tensor mean, Tensor rstd)",
+    cuda=_cuda_fwd,
+    fake=_norm_fwd_fake,
+)
+"""``fp8ops::norm_fwd``: LayerNorm / RMSNorm forward (+ residual, + FP8 output); see :func:`norm_fwd_launch`."""
+
+norm_amax = define(
+    "norm_amax(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, bool rms, "
+    "bool zero_centered_gamma) -> Tensor",
+    cuda=lambda x, residual, weight, bias, eps, rms, zero_centered_gamma: norm_amax_launch(
+        x.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(),
+        None if bias is None else bias.contiguous(), eps, rms, zero_centered_gamma,
+    ),
+    fake=_norm_amax_fake,
+)
+"""``fp8ops::norm_amax``: max |y32| of the norm output (first pass of current scaling)."""
+
+norm_bwd = define(
+    "norm_bwd(Tensor dy, Tensor s, Tensor weight, Tensor mean, Tensor rstd, Tensor? ds, bool rms, "
+    "bool zero_centered_gamma, bool has_bias) -> (Tensor dx, Tensor dweight, Tensor dbias)",
+    cuda=lambda dy, s, weight, mean, rstd, ds, rms, zero_centered_gamma, has_bias: norm_bwd_launch(
+        dy.contiguous(), s.contiguous(), weight.contiguous(), mean.contiguous(), rstd.contiguous(),
+        None if ds is None else ds.contiguous(), rms, zero_centered_gamma, has_bias,
+    ),
+    fake=_norm_bwd_fake,
+)
+"""``fp8ops::norm_bwd``: LayerNorm / RMSNorm backward ``(dx, dweight, dbias)``; see :func:`norm_bwd_launch`."""

@@ -1,0 +1,396 @@
+"""layernorm_linear and fused_ln_mlp on CPU: forward and every gradient vs the FP32 reference,
+state and probe semantics, recompute, errors, and the composition canaries."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fp8ops
+from fp8ops import (
+    CurrentScaling,
+    DelayedScaling,
+    GemmSpec,
+    LayerNormLinearState,
+    LayerNormMLPState,
+)
+from fp8ops.reference import fused as R
+
+DELAYED = DelayedScaling(amax_history_len=4)
+RECIPES = {"none": None, "delayed": DELAYED, "current": CurrentScaling(), "rowwise": CurrentScaling(granularity="row")}
+ACTS = ["gelu", "gelu_tanh", "relu", "squared_relu", "silu", "qgelu", "swiglu", "geglu", "reglu"]
+GATED = {"swiglu", "geglu", "reglu"}
+
+
+def _calibrate(st, recipe, scales):
+    if recipe is None or recipe.mode != "delayed":
+        return st
+    return st.replace(**{n: getattr(st, n).replace(scale=torch.tensor(s), calibrated=True) for n, s in scales.items()})
+
+
+def _lnl_state(recipe, calibrated):
+    if recipe is None:
+        return None
+    st = LayerNormLinearState.init(recipe)
+    return _calibrate(st, recipe, {"input": 64.0, "weight": 256.0, "grad_output": 2.0**12}) if calibrated else st
+
+
+def _mlp_state(recipe, calibrated):
+    if recipe is None:
+        return None
+    st = LayerNormMLPState.init(recipe)
+    scales = {"fc1_input": 64.0, "fc1_weight": 256.0, "fc1_grad_output": 2.0**12,
+              "fc2_input": 64.0, "fc2_weight": 256.0, "fc2_grad_output": 2.0**12}
+    return _calibrate(st, recipe, scales) if calibrated else st
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _tol(dtype, recipe):
+    if dtype == torch.float32:
+        return 1e-5 if recipe is None else 2e-4
+    return 2e-2
+
+
+def _lnl_data(lead, K, N, dtype, rms, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*lead, K, generator=g) * 3 + 1).to(dtype)
+    ln_w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype)
+    ln_b = None if rms else (0.1 * torch.randn(K, generator=g)).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    dy = (torch.randn(*lead, N, generator=g) * 1e-2).to(dtype)
+    return x, ln_w, ln_b, w, b, dy
+
+
+def _leaf(t):
+    return None if t is None else t.clone().requires_grad_()
+
+
+def _run_lnl(x, ln_w, ln_b, w, b, dy, st, recipe, *, probe=True, **kw):
+    leaves = [_leaf(t) for t in (x, ln_w, ln_b, w, b)]
+    p = torch.zeros((), requires_grad=True) if probe and recipe is not None else None
+    y, st2 = fp8ops.layernorm_linear(*leaves, st, recipe=recipe, grad_probe=p, **kw)
+    y.backward(dy)
+    grads = [None if t is None else t.grad for t in leaves]
+    return y.detach(), grads, (p.grad if p is not None else None), st2
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("calibrated", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("shape", [((3, 5), 40, 24), ((7,), 17, 13)])
+def test_layernorm_linear_matches_reference(rname, calibrated, dtype, norm, shape):
+    recipe = RECIPES[rname]
+    if recipe is None and not calibrated:
+        pytest.skip("no state without FP8")
+    lead, K, N = shape
+    rms = norm == "RMSNorm"
+    x, ln_w, ln_b, w, b, dy = _lnl_data(lead, K, N, dtype, rms)
+    st = _lnl_state(recipe, calibrated)
+    y, (dx, dlnw, dlnb, dw, db), pg, st2 = _run_lnl(x, ln_w, ln_b, w, b, dy, st, recipe, normalization=norm)
+    ref = R.layernorm_linear(x, ln_w, ln_b, w, b, st, dy, recipe=recipe, normalization=norm)
+    tol = _tol(dtype, recipe)
+    for name, got, want in [("y", y.reshape(ref["y"].shape), ref["y"]), ("dx", dx, ref["dx"]),
+                            ("dln_w", dlnw, ref["dln_w"]), ("dw", dw, ref["dw"]), ("db", db, ref["db"])]:
+        assert got.dtype == (dtype if name != "dln_w" else ln_w.dtype)
+        assert _rel(got, want) <= tol, f"{name}: rel err {_rel(got, want):.2e} > {tol:.0e}"
+    if not rms:
+        assert _rel(dlnb, ref["dln_b"]) <= tol
+    if recipe is None:
+        assert st2 is None and pg is None
+        return
+    assert torch.allclose(pg, ref["amax_dy"], rtol=1e-2 if dtype != torch.float32 else 1e-6)
+    # row-wise scaling observes the normalised output after its rounding to x.dtype
+    rtol = 1e-2 if recipe.mode == "rowwise" and dtype != torch.float32 else 1e-5
+    assert not st2.input.pending_amax.requires_grad
+    assert torch.allclose(st2.input.pending_amax, ref["amax_ln"], rtol=rtol)
+    assert torch.equal(st2.weight.pending_amax, ref["amax_w"])
+    assert torch.equal(st2.grad_output.pending_amax, st.grad_output.pending_amax)  # arrives through the probe
+
+
+def test_layernorm_linear_returns_differentiable_layernorm_output():
+    x, ln_w, ln_b, w, b, dy = _lnl_data((6,), 24, 16, torch.float32, False)
+    st = _lnl_state(DELAYED, True)
+    leaves = [_leaf(t) for t in (x, ln_w, ln_b, w, b)]
+    (y, ln), _ = fp8ops.layernorm_linear(*leaves, st, recipe=DELAYED, return_layernorm_output=True)
+    ref = R.layernorm_linear(x, ln_w, ln_b, w, b, st, dy, recipe=DELAYED, has_probe=False)
+    assert _rel(ln, ref["ln"]) < 1e-5
+    dln_extra = torch.randn_like(ln)
+    torch.autograd.backward([y, ln], [dy, dln_extra])
+    # the extra gradient flows through the norm's backward, added to the dgrad output
+    x32 = x.clone().requires_grad_()
+    lnr = R.norm(x32, ln_w, ln_b, rms=False, eps=1e-5, zero_centered=False)
+    (dx_extra,) = torch.autograd.grad(lnr, x32, dln_extra)
+    assert _rel(leaves[0].grad, ref["dx"] + dx_extra) < 1e-4
+
+
+def test_zero_centered_gamma_multiplies_by_one_plus_weight():
+    x, ln_w, ln_b, w, b, _dy = _lnl_data((5,), 32, 8, torch.float32, False)
+    y0, _ = fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, None, recipe=None)
+    y1, _ = fp8ops.layernorm_linear(x, ln_w - 1, ln_b, w, b, None, recipe=None, zero_centered_gamma=True)
+    torch.testing.assert_close(y0, y1, rtol=1e-5, atol=1e-5)
+
+
+def test_precision_escapes_match_reference():
+    recipe = DelayedScaling(amax_history_len=4, dgrad=GemmSpec(precision="high"), wgrad=GemmSpec(precision="high"))
+    x, ln_w, ln_b, w, b, dy = _lnl_data((4, 3), 40, 24, torch.float32, False)
+    st = _lnl_state(recipe, True)
+    y, (dx, dlnw, _dlnb, dw, _db), _, _ = _run_lnl(x, ln_w, ln_b, w, b, dy, st, recipe)
+    ref = R.layernorm_linear(x, ln_w, ln_b, w, b, st, dy, recipe=recipe)
+    for got, want in [(y.reshape(ref["y"].shape), ref["y"]), (dx, ref["dx"]), (dw, ref["dw"]), (dlnw, ref["dln_w"])]:
+        assert _rel(got, want) < 2e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# fused_ln_mlp
+
+
+def _mlp_data(M, K, F, act, dtype, rms, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * F if act in GATED else F
+    x = (torch.randn(M, K, generator=g) * 2 - 0.5).to(dtype)
+    ln_w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype)
+    ln_b = None if rms else (0.1 * torch.randn(K, generator=g)).to(dtype)
+    w1 = (torch.randn(C, K, generator=g) / K**0.5).to(dtype)
+    b1 = (0.1 * torch.randn(C, generator=g)).to(dtype)
+    w2 = (torch.randn(K, F, generator=g) / F**0.5).to(dtype)
+    b2 = (0.1 * torch.randn(K, generator=g)).to(dtype)
+    dy = (torch.randn(M, K, generator=g) * 1e-2).to(dtype)
+    return [x, ln_w, ln_b, w1, b1, w2, b2], dy
+
+
+def _run_mlp(args, dy, st, recipe, *, probe=True, **kw):
+    leaves = [_leaf(t) for t in args]
+    p = fp8ops.make_probes(st) if probe and st is not None else None
+    y, st2 = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, grad_probes=p, **kw)
+    y.backward(dy)
+    return y.detach(), [None if t is None else t.grad for t in leaves], (p.grad if p is not None else None), st2
+
+
+def _check_mlp(args, dy, st, recipe, act, norm, dtype, **kw):
+    y, grads, pg, st2 = _run_mlp(args, dy, st, recipe, activation=act, normalization=norm, **kw)
+    ref = R.fused_ln_mlp(*args, st, dy, recipe=recipe, activation_name=act, normalization=norm)
+    tol = _tol(dtype, recipe)
+    names = ["dx", "dln_w", "dln_b", "dw1", "db1", "dw2", "db2"]
+    pairs = [("y", y, ref["y"])] + [(n, g, ref[n]) for n, g in zip(names, grads) if g is not None]
+    for name, got, want in pairs:
+        err = _rel(got, want)
+        assert err <= tol, f"{act}/{norm}/{recipe}: {name} rel err {err:.2e} > {tol:.0e}"
+    if recipe is not None:
+        want = torch.stack([ref["amax_dh"], ref["amax_dy"]])
+        assert torch.allclose(pg, want, rtol=1e-2 if dtype != torch.float32 else 1e-5), (pg, want)
+        # row-wise scaling observes the activations after their rounding to x.dtype
+        rtol = 1e-2 if recipe.mode == "rowwise" and dtype != torch.float32 else 1e-5
+        assert torch.allclose(st2.fc2_input.pending_amax, ref["amax_a"], rtol=rtol)
+        assert torch.allclose(st2.fc1_input.pending_amax, ref["amax_ln"], rtol=rtol)
+        assert torch.equal(st2.fc1_weight.pending_amax, ref["amax_w1"])
+        assert torch.equal(st2.fc2_weight.pending_amax, ref["amax_w2"])
+    return y, grads
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rname", ["none", "delayed", "current"])
+def test_fused_ln_mlp_every_activation(act, rname):
+    recipe = RECIPES[rname]
+    args, dy = _mlp_data(12, 24, 20, act, torch.float32, False)
+    _check_mlp(args, dy, _mlp_state(recipe, True), recipe, act, "LayerNorm", torch.float32)
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("calibrated", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_fused_ln_mlp_recipes_dtypes_norms(rname, calibrated, dtype, norm):
+    recipe = RECIPES[rname]
+    if recipe is None and not calibrated:
+        pytest.skip("no state without FP8")
+    args, dy = _mlp_data(9, 33, 17, "swiglu", dtype, norm == "RMSNorm", seed=1)
+    _check_mlp(args, dy, _mlp_state(recipe, calibrated), recipe, "swiglu", norm, dtype)
+
+
+@pytest.mark.parametrize("rname", ["none", "delayed", "current", "rowwise"])
+@pytest.mark.parametrize("act", ["gelu_tanh", "geglu"])
+def test_recompute_gives_the_same_bits(rname, act):
+    recipe = RECIPES[rname]
+    args, dy = _mlp_data(10, 16, 24, act, torch.bfloat16, False, seed=2)
+    st = _mlp_state(recipe, True)
+    y0, g0, p0, _ = _run_mlp(args, dy, st, recipe, activation=act)
+    y1, g1, p1, _ = _run_mlp(args, dy, st, recipe, activation=act, recompute="activation")
+    assert torch.equal(y0, y1)
+    for a, b in zip(g0, g1):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert (p0 is None and p1 is None) or torch.equal(p0, p1)
+
+
+def test_partial_gradients_and_no_probe():
+    recipe = RECIPES["current"]
+    args, dy = _mlp_data(8, 16, 16, "gelu", torch.float32, False)
+    st = _mlp_state(recipe, True)
+    leaves = [t.clone() for t in args]
+    leaves[5].requires_grad_()  # only fc2's weight
+    y, _ = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, activation="gelu")
+    y.backward(dy)
+    ref = R.fused_ln_mlp(*args, st, dy, recipe=recipe, activation_name="gelu", has_probe=False)
+    assert _rel(leaves[5].grad, ref["dw2"]) < 2e-4
+    assert all(t.grad is None for i, t in enumerate(leaves) if i != 5 and t is not None)
+
+
+@given(M=st.integers(1, 19), K=st.integers(1, 37), F=st.integers(1, 29),
+       act=st.sampled_from(ACTS), rms=st.booleans(), zc=st.booleans())
+def test_fused_ln_mlp_shapes(M, K, F, act, rms, zc):
+    args, dy = _mlp_data(M, K, F, act, torch.float32, rms, seed=M * 7 + K)
+    y, grads, _, _ = _run_mlp(args, dy, _mlp_state(DELAYED, True), DELAYED, activation=act,
+                              normalization="RMSNorm" if rms else "LayerNorm", zero_centered_gamma=zc)
+    ref = R.fused_ln_mlp(*args, _mlp_state(DELAYED, True), dy, recipe=DELAYED, activation_name=act,
+                         normalization="RMSNorm" if rms else "LayerNorm", zero_centered_gamma=zc)
+    assert y.shape == (M, K)
+    # tiny shapes: one FP8 rounding flip can move a small tensor's norm; bound per element instead
+    torch.testing.assert_close(y, ref["y"], rtol=0.07, atol=1e-3)
+    torch.testing.assert_close(grads[3], ref["dw1"], rtol=0.07, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"activation": "tanh"}, "activation"),
+    ({"normalization": "BatchNorm"}, "normalization"),
+    ({"recompute": "all"}, "recompute"),
+    ({"grad_probes": torch.zeros(())}, r"grad_probes must be a \(2,\)"),
+    ({"eps": 0.0}, "eps must be a positive"),
+])
+def test_mlp_errors(kw, match):
+    args, _ = _mlp_data(4, 8, 8, "gelu", torch.float32, False)
+    st = _mlp_state(DELAYED, True)
+    with pytest.raises((ValueError, TypeError), match=match):
+        fp8ops.fused_ln_mlp(*args, st, recipe=DELAYED, **kw)
+
+
+def test_mlp_shape_errors():
+    args, _ = _mlp_data(4, 8, 7, "gelu", torch.float32, False)
+    st = _mlp_state(DELAYED, True)
+    with pytest.raises(ValueError, match="odd number of rows"):
+        fp8ops.fused_ln_mlp(*args, st, recipe=DELAYED, activation="swiglu")
+    bad = list(args)
+    bad[5] = torch.randn(8, 9)
+    with pytest.raises(ValueError, match="fc2_weight"):
+        fp8ops.fused_ln_mlp(*bad, st, recipe=DELAYED)
+    with pytest.raises(TypeError, match="LayerNormMLPState"):
+        fp8ops.fused_ln_mlp(*args, LayerNormLinearState.init(DELAYED), recipe=DELAYED)
+    with pytest.raises(ValueError, match="without a recipe"):
+        fp8ops.fused_ln_mlp(*args, st, recipe=None)
+
+
+def test_layernorm_linear_errors():
+    x, ln_w, ln_b, w, b, _ = _lnl_data((4,), 8, 6, torch.float32, False)
+    st = _lnl_state(DELAYED, True)
+    with pytest.raises(ValueError, match="ln_weight must have shape"):
+        fp8ops.layernorm_linear(x, ln_w[:3], ln_b, w, b, st, recipe=DELAYED)
+    with pytest.raises(ValueError, match="RMSNorm has no bias"):
+        fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, st, recipe=DELAYED, normalization="RMSNorm")
+    with pytest.raises(ValueError, match="weight is"):
+        fp8ops.layernorm_linear(x, ln_w, ln_b, w[:, :5], b, st, recipe=DELAYED)
+    with pytest.raises(ValueError, match="grad_probe is only meaningful"):
+        fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, None, recipe=None, grad_probe=torch.zeros(()))
+
+
+# ------------------------------------------------------------------------------------------------
+# composition canaries
+
+
+def _mlp_loss(params, x, st, probes):
+    y, st2 = fp8ops.fused_ln_mlp(x, params["g"], params["beta"], params["w1"], params["b1"], params["w2"],
+                                 params["b2"], st, recipe=DELAYED, activation="swiglu", grad_probes=probes)
+    return (y.float() ** 2).sum(), st2
+
+
+def _mlp_params():
+    args, _ = _mlp_data(6, 16, 8, "swiglu", torch.float32, False, seed=3)
+    x, g, beta, w1, b1, w2, b2 = args
+    return {"g": g, "beta": beta, "w1": w1, "b1": b1, "w2": w2, "b2": b2}, x
+
+
+def test_func_grad_matches_autograd():
+    params, x = _mlp_params()
+    st = _mlp_state(DELAYED, True)
+    probes = torch.zeros(2)
+    (gparams, gprobe), _ = torch.func.grad(
+        lambda p, pr: _mlp_loss(p, x, st, pr), argnums=(0, 1), has_aux=True
+    )(params, probes)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    probe = fp8ops.make_probes(st)
+    loss, _ = _mlp_loss(leaves, x, st, probe)
+    loss.backward()
+    for k in params:
+        torch.testing.assert_close(gparams[k], leaves[k].grad, rtol=0, atol=0)
+    torch.testing.assert_close(gprobe, probe.grad, rtol=0, atol=0)
+
+
+def test_vmap_is_a_loop():
+    params, x = _mlp_params()
+    st = _mlp_state(DELAYED, True)
+    xs = torch.stack([x, 2 * x, -x])
+
+    def f(xi):
+        y, st2 = fp8ops.fused_ln_mlp(xi, params["g"], params["beta"], params["w1"], params["b1"], params["w2"],
+                                     params["b2"], st, recipe=DELAYED, activation="swiglu")
+        return y, st2.fc2_input.pending_amax
+
+    ys, amaxes = torch.vmap(f)(xs)
+    for i in range(3):
+        y_i, a_i = f(xs[i])
+        torch.testing.assert_close(ys[i], y_i, rtol=0, atol=0)
+        torch.testing.assert_close(amaxes[i], a_i, rtol=0, atol=0)
+
+
+def test_compile_fullgraph_forward_backward_matches_eager():
+    torch._dynamo.reset()
+    params, x = _mlp_params()
+    st = _mlp_state(DELAYED, True)
+
+    def step(p, xx, s, probes):
+        loss, s2 = _mlp_loss(p, xx, s, probes)
+        return loss, s2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    outs = []
+    for fn in (step, compiled):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        probes = fp8ops.make_probes(st)
+        loss, s2 = fn(leaves, x, st, probes)
+        loss.backward()
+        outs.append((loss.detach(), {k: v.grad for k, v in leaves.items()}, probes.grad, s2.fc2_input.pending_amax))
+    (l0, g0, p0, a0), (l1, g1, p1, a1) = outs
+    torch.testing.assert_close(l0, l1)
+    for k in g0:
+        torch.testing.assert_close(g0[k], g1[k])
+    torch.testing.assert_close(p0, p1)
+    torch.testing.assert_close(a0, a1)
+
+
+def test_compile_of_func_grad_raises():
+    torch._dynamo.reset()
+    params, x = _mlp_params()
+    st = _mlp_state(DELAYED, True)
+    f = torch.compile(torch.func.grad(lambda p: _mlp_loss(p, x, st, None)[0]), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="torch.compile cannot trace a torch.func transform"):
+        f(params)
+
+
+def test_update_after_a_step_uses_probe_observations():
+    params, x = _mlp_params()
+    st = LayerNormMLPState.init(DELAYED)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    probes = fp8ops.make_probes(st)
+    loss, st2 = _mlp_loss(leaves, x, st, probes)
+    loss.backward()
+    st3 = fp8ops.update(st2, recipe=DELAYED, grad_amax=probes.grad)
+    assert st3.fc1_grad_output.calibrated and st3.fc2_grad_output.calibrated
+    torch.testing.assert_close(st3.fc1_grad_output.amax_history[0], probes.grad[0])
+    torch.testing.assert_close(st3.fc2_grad_output.amax_history[0], probes.grad[1])

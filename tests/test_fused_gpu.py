@@ -1,0 +1,165 @@
+"""layernorm_linear and fused_ln_mlp on the GPU at real sizes: forward and every gradient vs the
+FP32 reference (same quantization rule, float32 GEMMs), recompute, and torch.compile."""
+
+import pytest
+import torch
+
+import fp8ops
+from fp8ops import (
+    CurrentScaling,
+    DelayedScaling,
+    LayerNormLinearState,
+    LayerNormMLPState,
+)
+from fp8ops.reference import fused as R
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": CurrentScaling(),
+           "rowwise": CurrentScaling(granularity="row")}
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _calibrated(cls, recipe, scale_fwd=32.0, scale_bwd=2.0**14):
+    st = cls.init(recipe, device=DEV)
+    if recipe.mode != "delayed":
+        return st
+    return st.replace(**{
+        n: getattr(st, n).replace(scale=torch.tensor(scale_fwd if r == "forward" else scale_bwd, device=DEV),
+                                  calibrated=True)
+        for n, r in cls.ROLES.items()
+    })
+
+
+def _leaf(t):
+    return None if t is None else t.clone().requires_grad_()
+
+
+# Tolerances: the kernels and the reference quantize the same values with the same scales, so the
+# differences are bf16 output rounding, fp32 accumulation order and rare FP8 rounding flips where the
+# producer's fp32 value differs in its last bits; 2 % of the norm bounds them with margin and is well
+# below the error of a missing or wrong quantization (> 3 % for E4M3/E5M2 operands).
+TOL = 2e-2
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_layernorm_linear_real_size(rname, norm):
+    recipe = RECIPES[rname]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    M, K, N = 4096, 1536, 2304 + 8
+    x = (torch.randn(M, K, device=DEV, generator=g) * 2 + 0.5).to(BF16)
+    ln_w = (1 + 0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    ln_b = None if norm == "RMSNorm" else (0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    w = (torch.randn(N, K, device=DEV, generator=g) / K**0.5).to(BF16)
+    b = torch.randn(N, device=DEV, generator=g).to(BF16)
+    dy = (torch.randn(M, N, device=DEV, generator=g) * 1e-3).to(BF16)
+    st = _calibrated(LayerNormLinearState, recipe)
+    leaves = [_leaf(t) for t in (x, ln_w, ln_b, w, b)]
+    probe = torch.zeros((), device=DEV, requires_grad=True)
+    y, st2 = fp8ops.layernorm_linear(*leaves, st, recipe=recipe, normalization=norm, grad_probe=probe)
+    y.backward(dy)
+    ref = R.layernorm_linear(x, ln_w, ln_b, w, b, st, dy, recipe=recipe, normalization=norm)
+    got = {"y": y, "dx": leaves[0].grad, "dln_w": leaves[1].grad, "dw": leaves[3].grad, "db": leaves[4].grad}
+    if ln_b is not None:
+        got["dln_b"] = leaves[2].grad
+    for name, t in got.items():
+        assert _rel(t, ref[name]) < TOL, f"{name}: {_rel(t, ref[name]):.3e}"
+    torch.testing.assert_close(probe.grad, ref["amax_dy"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(st2.input.pending_amax, ref["amax_ln"], rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("act", ["gelu_tanh", "swiglu", "squared_relu"])
+def test_fused_ln_mlp_real_size(rname, act):
+    recipe = RECIPES[rname]
+    g = torch.Generator(device=DEV).manual_seed(1)
+    M, K, F = 2048, 1024, 2736  # F not a multiple of 16 rows of 64
+    C = 2 * F if act == "swiglu" else F
+    x = (torch.randn(M, K, device=DEV, generator=g) * 2).to(BF16)
+    ln_w = (1 + 0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    ln_b = (0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    w1 = (torch.randn(C, K, device=DEV, generator=g) / K**0.5).to(BF16)
+    b1 = (0.1 * torch.randn(C, device=DEV, generator=g)).to(BF16)
+    w2 = (torch.randn(K, F, device=DEV, generator=g) / F**0.5).to(BF16)
+    b2 = (0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    dy = (torch.randn(M, K, device=DEV, generator=g) * 1e-3).to(BF16)
+    args = [x, ln_w, ln_b, w1, b1, w2, b2]
+    st = _calibrated(LayerNormMLPState, recipe)
+    outs = []
+    for recompute in (None, "activation"):
+        leaves = [_leaf(t) for t in args]
+        probes = fp8ops.make_probes(st)
+        y, st2 = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, activation=act, recompute=recompute,
+                                     grad_probes=probes)
+        y.backward(dy)
+        outs.append((y.detach(), [t.grad for t in leaves], probes.grad, st2))
+    (y, grads, pg, st2), (y_r, grads_r, pg_r, _) = outs
+    assert torch.equal(y, y_r) and torch.equal(pg, pg_r)
+    for a, b in zip(grads, grads_r):
+        assert torch.equal(a, b)  # the recomputed FP8 operand has the same bits
+    ref = R.fused_ln_mlp(*args, st, dy, recipe=recipe, activation_name=act)
+    names = ["dx", "dln_w", "dln_b", "dw1", "db1", "dw2", "db2"]
+    for name, t in [("y", y)] + list(zip(names, grads)):
+        assert _rel(t, ref[name]) < TOL, f"{name}: {_rel(t, ref[name]):.3e}"
+    torch.testing.assert_close(pg, torch.stack([ref["amax_dh"], ref["amax_dy"]]), rtol=2e-2, atol=0)
+    torch.testing.assert_close(st2.fc2_input.pending_amax, ref["amax_a"], rtol=1e-2, atol=0)
+
+
+def test_no_fp8_path_matches_plain_pytorch():
+    g = torch.Generator(device=DEV).manual_seed(2)
+    M, K, F = 1024, 768, 3072
+    x = torch.randn(M, K, device=DEV, generator=g).to(BF16)
+    ln = torch.nn.LayerNorm(K, device=DEV, dtype=BF16)
+    fc1 = torch.nn.Linear(K, F, device=DEV, dtype=BF16)
+    fc2 = torch.nn.Linear(F, K, device=DEV, dtype=BF16)
+    xa = x.clone().requires_grad_()
+    y_ref = fc2(torch.nn.functional.gelu(fc1(ln(xa)), approximate="tanh"))
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+    xb = x.clone().requires_grad_()
+    y, st = fp8ops.fused_ln_mlp(xb, ln.weight, ln.bias, fc1.weight, fc1.bias, fc2.weight, fc2.bias, None,
+                                recipe=None, activation="gelu_tanh")
+    y.backward(dy)
+    assert st is None
+    assert _rel(y, y_ref) < 1e-2 and _rel(xb.grad, xa.grad) < 2e-2
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    recipe = RECIPES["delayed"]
+    g = torch.Generator(device=DEV).manual_seed(3)
+    M, K, F = 512, 512, 1024
+    params = {
+        "g": torch.ones(K, device=DEV, dtype=BF16), "b": torch.zeros(K, device=DEV, dtype=BF16),
+        "w1": (torch.randn(2 * F, K, device=DEV, generator=g) / K**0.5).to(BF16),
+        "w2": (torch.randn(K, F, device=DEV, generator=g) / F**0.5).to(BF16),
+    }
+    x = torch.randn(M, K, device=DEV, generator=g).to(BF16)
+    st = _calibrated(LayerNormMLPState, recipe)
+
+    def loss_fn(p, xx, s, probes):
+        y, s2 = fp8ops.fused_ln_mlp(xx, p["g"], p["b"], p["w1"], None, p["w2"], None, s, recipe=recipe,
+                                    activation="swiglu", grad_probes=probes)
+        return y.float().pow(2).mean(), s2
+
+    res = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        probes = fp8ops.make_probes(st)
+        loss, _ = fn(leaves, x, st, probes)
+        loss.backward()
+        res.append((loss.detach(), {k: v.grad for k, v in leaves.items()}, probes.grad))
+    (l0, g0, p0), (l1, g1, p1) = res
+    torch.testing.assert_close(l0, l1)
+    for k in g0:
+        torch.testing.assert_close(g0[k], g1[k])
+    torch.testing.assert_close(p0, p1)

@@ -1,0 +1,246 @@
+"""layer_norm / rms_norm on CPU: forward and every gradient (x, weight, bias, residual) vs an
+independent float64 formula with the tolerance rule, shapes from hypothesis, errors, opcheck of the
+library ops, and the composition canaries (torch.func, vmap, torch.compile)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp8ops.norm import layer_norm, rms_norm
+from fp8ops.reference import norm as R
+from fp8ops.testing import assert_close_rule
+from fp8ops.testing import strategies as fst
+
+EPS = 1e-5
+NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def _data(shape, dtype, seed=0, wdtype=None):
+    g = torch.Generator().manual_seed(seed)
+    K = shape[-1]
+    x = (torch.randn(*shape, generator=g) * 2 + 0.5).to(dtype)
+    r = torch.randn(*shape, generator=g).to(dtype)
+    w = (1 + 0.2 * torch.randn(K, generator=g)).to(wdtype or dtype)
+    b = (0.2 * torch.randn(K, generator=g)).to(wdtype or dtype)
+    dy = torch.randn(*shape, generator=g).to(dtype)
+    ds = torch.randn(*shape, generator=g).to(dtype)
+    return x, r, w, b, dy, ds
+
+
+def _formula(x, r, w, b, rms, zc, dtype):
+    """The norm written with torch ops at a given precision (float64: the expected values; x's
+    dtype: plain PyTorch at the same precision). Returns (y, s) with s = x + r rounded to x's dtype."""
+    K = x.shape[-1]
+    if r is not None:
+        s_val = (x.detach().double() + r.detach().double()).to(x.dtype).to(dtype)
+        s = s_val + ((x + r).to(dtype) - (x + r).to(dtype).detach())  # value of s, gradient of the sum
+    else:
+        s = x.to(dtype)
+    g = w.to(dtype) + (1.0 if zc else 0.0)
+    if rms:
+        y = F.rms_norm(s, (K,), g, EPS)
+    else:
+        y = F.layer_norm(s, (K,), g, None if b is None else b.to(dtype), EPS)
+    return y, s
+
+
+def _grads(fn, x, r, w, b, dy, ds):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, r, w, b)]
+    y, s = fn(*leaves)
+    outs, cots = [y], [dy.to(y.dtype)]
+    if leaves[1] is not None:
+        outs.append(s)
+        cots.append(ds.to(s.dtype))
+    torch.autograd.backward(outs, cots)
+    return y.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+def _check_all(x, r, w, b, dy, ds, rms, zc, *, k=2.0):
+    def ours(x, r, w, b):
+        out = rms_norm(x, w, eps=EPS, zero_centered_gamma=zc, residual=r) if rms else \
+            layer_norm(x, w, b, eps=EPS, zero_centered_gamma=zc, residual=r)
+        return out if r is not None else (out, x)
+
+    y, g = _grads(ours, x, r, w, b, dy, ds)
+    y64, g64 = _grads(lambda *a: _formula(*a, rms, zc, torch.float64), x, r, w, b, dy, ds)
+    ypt, gpt = _grads(lambda *a: _formula(*a, rms, zc, x.dtype), x, r, w, b, dy, ds)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    scale = max(1.0, float(y64.abs().max())) if y64.numel() else 1.0
+    assert_close_rule(y, y64, ypt, k=k, atol=1e-6 * scale, name="y")
+    for name, a, e, p in zip(("dx", "dresidual", "dweight", "dbias"), g, g64, gpt):
+        if e is None:
+            assert a is None, name
+            continue
+        assert a.dtype == e.dtype or a.dtype != torch.float64, name
+        sc = max(1.0, float(e.abs().max())) if e.numel() else 1.0
+        assert_close_rule(a, e, p, k=k, atol=1e-5 * sc, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=NAMES.get)
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+@pytest.mark.parametrize("zc", [False, True], ids=["gamma", "zero_centered"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_forward_and_gradients(dtype, rms, zc, residual):
+    x, r, w, b, dy, ds = _data((3, 5, 40), dtype)
+    _check_all(x, r if residual else None, w, None if rms else b, dy, ds, rms, zc)
+
+
+def test_fp32_weight_with_bf16_input_and_no_bias():
+    x, r, w, _, dy, ds = _data((7, 33), torch.bfloat16, seed=1, wdtype=torch.float32)
+    _check_all(x, r, w, None, dy, ds, False, False)
+    y, s = layer_norm(x, w, None, residual=r)
+    assert y.dtype == s.dtype == torch.bfloat16
+
+
+@settings(deadline=None)
+@given(shape=fst.shapes(1, 3, max_side=67, max_numel=1500), rms=st.booleans(), residual=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_hypothesis_shapes(shape, rms, residual, seed):
+    x, r, w, b, dy, ds = _data(shape, torch.float32, seed=seed)
+    _check_all(x, r if residual else None, w, None if rms else b, dy, ds, rms, False)
+
+
+def test_reference_matches_public_forward():
+    x, r, w, b, _, _ = _data((4, 6, 24), torch.bfloat16, seed=2)
+    y, s = layer_norm(x, w, b, residual=r)
+    y_ref, s_ref = R.layer_norm(x, w, b, residual=r)
+    assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
+    assert torch.equal(rms_norm(x, w), R.rms_norm(x, w))
+
+
+def test_empty_and_single_row():
+    w = torch.ones(5)
+    assert layer_norm(torch.zeros(0, 5), w, None).shape == (0, 5)
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 10.0]], requires_grad=True)
+    y = layer_norm(x, w, torch.zeros(5))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.zeros_like(x), atol=1e-6, rtol=0)  # sum of a LayerNorm output
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"x": torch.ones(2, 3, dtype=torch.float64)}, ValueError, "x must be float32, bfloat16 or float16"),
+        ({"x": torch.ones(2, 0)}, ValueError, "non-empty last dimension"),
+        ({"weight": torch.ones(4)}, ValueError, r"weight must have shape \(K,\) = \(3,\)"),
+        ({"weight": torch.ones(3, dtype=torch.float16)}, ValueError, "weight must be float32 or x's dtype"),
+        ({"bias": torch.ones(2)}, ValueError, r"bias must have shape \(K,\) = \(3,\)"),
+        ({"residual": torch.ones(3, 3)}, ValueError, r"residual must have x's shape \(2, 3\)"),
+        ({"residual": torch.ones(2, 3, dtype=torch.bfloat16)}, ValueError, "residual must have x's dtype"),
+        ({"eps": 0.0}, ValueError, "eps must be a finite number > 0"),
+        ({"eps": float("nan")}, ValueError, "eps must be a finite number > 0"),
+        ({"zero_centered_gamma": 1}, TypeError, "zero_centered_gamma must be a bool"),
+        ({"weight": None}, TypeError, "weight must be a"),
+        ({"x": [1.0]}, TypeError, "x must be a torch.Tensor"),
+    ],
+)
+def test_errors(kwargs, exc, match):
+    args = {"x": torch.ones(2, 3), "weight": torch.ones(3), "bias": None}
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        layer_norm(args.pop("x"), args.pop("weight"), args.pop("bias"), **args)
+    if "bias" not in kwargs:
+        args = {"x": torch.ones(2, 3), "weight": torch.ones(3)}
+        args.update(kwargs)
+        with pytest.raises(exc, match=match):
+            rms_norm(args.pop("x"), args.pop("weight"), **args)
+
+
+def test_opcheck_every_op():
+    ops = torch.ops.fp8ops
+    x, r, w, b, dy, ds = _data((5, 12), torch.float32, seed=3)
+    one, amax = torch.tensor(2.0), torch.tensor(3.0)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        torch.library.opcheck(ops.norm_fwd.default, (x, r, w, b, EPS, False, False, True, one, None, 0, False, dtype,
+                                                     True))
+        torch.library.opcheck(ops.norm_fwd.default, (x.bfloat16(), None, w, None, EPS, True, True, False, one, amax,
+                                                     1, True, dtype, False))
+    torch.library.opcheck(ops.norm_fwd.default, (x, None, w, b, EPS, False, False, True, None, None, 0, False, None,
+                                                 False))
+    torch.library.opcheck(ops.norm_amax.default, (x, r, w, b, EPS, False, True))
+    torch.library.opcheck(ops.norm_amax.default, (x, None, w, None, EPS, True, False))
+    _, _, _, _, _, _, mean, rstd = ops.norm_fwd(x, None, w, b, EPS, False, False, False, None, None, 0, False, None,
+                                                False)
+    torch.library.opcheck(ops.norm_bwd.default, (dy, x, w, mean, rstd, ds, False, False, True))
+    torch.library.opcheck(ops.norm_bwd.default, (dy.bfloat16(), x, w, rstd, rstd, None, True, True, False))
+
+
+def test_fp8_reference_output():
+    x, r, w, b, _, _ = _data((6, 10), torch.float32, seed=4)
+    y, _, q, q_t, amax, _, _, _ = torch.ops.fp8ops.norm_fwd(x, r, w, b, EPS, False, False, True, torch.tensor(1.0),
+                                                            None, 0, False, torch.float8_e4m3fn, True)
+    assert amax.item() == y.abs().max().item()
+    assert torch.equal(q_t.float(), q.float().t())
+    a = torch.ops.fp8ops.norm_amax(x, r, w, b, EPS, False, False)
+    out = torch.ops.fp8ops.norm_fwd(x, r, w, b, EPS, False, False, False, torch.tensor(1.0), a, 0, False,
+                                    torch.float8_e4m3fn, False)
+    assert out[5].item() == pytest.approx(a.item() / 448.0) and out[0].numel() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# composition canaries
+
+
+def _loss(x, w, b, r):
+    y, s = layer_norm(x, w, b, residual=r)
+    return (y.float() ** 2).sum() + (s.float() * 0.5).sum()
+
+
+@pytest.fixture
+def case():
+    x, r, w, b, _, _ = _data((4, 6, 32), torch.float32, seed=5)
+    return x, w, b, r
+
+
+def _eager(x, w, b, r):
+    xx, ww, bb, rr = (t.clone().requires_grad_() for t in (x, w, b, r))
+    loss = _loss(xx, ww, bb, rr)
+    loss.backward()
+    return loss.detach(), xx.grad, ww.grad, bb.grad, rr.grad
+
+
+def test_torch_func_grad_and_vjp(case):
+    x, w, b, r = case
+    _, gx, gw, gb, gr = _eager(x, w, b, r)
+    fx, fw, fb, fr = torch.func.grad(_loss, argnums=(0, 1, 2, 3))(x, w, b, r)
+    for a, e in ((fx, gx), (fw, gw), (fb, gb), (fr, gr)):
+        assert torch.equal(a, e)
+    _, vjp_fn = torch.func.vjp(lambda w: _loss(x, w, b, r), w)
+    assert torch.equal(vjp_fn(torch.ones(()))[0], gw)
+
+
+def test_vmap_equals_loop(case):
+    _, w, b, _ = case
+    xs = torch.randn(3, 5, 32) * torch.tensor([1.0, 4.0, 0.25])[:, None, None]
+    rs = torch.randn(3, 5, 32)
+    f = torch.func.grad(_loss, argnums=(0, 1))
+    vx, vw = torch.func.vmap(f, in_dims=(0, None, None, 0))(xs, w, b, rs)
+    for i in range(3):
+        lx, lw = f(xs[i], w, b, rs[i])
+        torch.testing.assert_close(vx[i], lx, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(vw[i], lw, rtol=1e-6, atol=1e-6)
+    y = torch.func.vmap(lambda x: rms_norm(x, w))(xs)
+    torch.testing.assert_close(y, torch.stack([rms_norm(x, w) for x in xs]), rtol=0, atol=0)
+
+
+def test_compile_fullgraph_backward_equals_eager(case):
+    x, w, b, r = case
+    loss, gx, gw, gb, gr = _eager(x, w, b, r)
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss, fullgraph=True)
+    xx, ww, bb, rr = (t.clone().requires_grad_() for t in (x, w, b, r))
+    closs = compiled(xx, ww, bb, rr)
+    closs.backward()
+    torch.testing.assert_close(closs.detach(), loss, rtol=1e-6, atol=0)
+    for a, e in ((xx.grad, gx), (ww.grad, gw), (bb.grad, gb), (rr.grad, gr)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_of_func_grad_raises(case):
+    x, w, b, r = case
+    torch._dynamo.reset()
+    f = torch.compile(torch.func.grad(_loss, argnums=(1,)))
+    with pytest.raises(Exception, match="fp8ops"):
+        f(x, w, b, r)

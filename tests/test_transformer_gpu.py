@@ -1,0 +1,126 @@
+"""transformer_layer on CUDA at a real-ish size (hidden 1024, 16 heads, seq 512, batch 2, bf16):
+parity with the seed's BasicTransformerLayer (forward and every gradient, error rule vs float64),
+the FP8 error budget vs bf16, and masks / GQA / packed sequences through the fused kernels."""
+
+import copy
+
+import attrs
+import pytest
+import torch
+
+import fp8ops
+from fp8ops import CurrentScaling, DelayedScaling
+from fp8ops.reference import transformer as R
+from fp8ops.reference.transformer import BasicTransformerLayer
+from fp8ops.testing import assert_close_rule, sqnr
+from fp8ops.transformer import (
+    TransformerConfig,
+    init_transformer_params,
+    init_transformer_state,
+    params_from_basic_layer,
+    transformer_layer,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+S, B, H, FFN, HEADS = 512, 2, 1024, 4096, 16
+CFG = TransformerConfig(hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def seed_layer():
+    torch.manual_seed(0)
+    m = BasicTransformerLayer(H, FFN, HEADS, attention_dropout=0.0, hidden_dropout=0.0)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if n in ("ln1.weight", "ln2.weight") else 0.0))
+    return m.cuda()
+
+
+def _data(seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(S, B, H, device="cuda", generator=g),
+            torch.randn(S, B, H, device="cuda", generator=g) * 1e-2)
+
+
+def _leaf(t, dtype):
+    return t.detach().to(dtype).clone().requires_grad_()
+
+
+def _run_seed(m, x, dy, dtype, mask=None):
+    m = copy.deepcopy(m).to(dtype)
+    xx = _leaf(x, dtype)
+    y = m(xx, mask)
+    y.backward(dy.to(dtype))
+    return y.detach(), xx.grad, {n: p.grad for n, p in m.named_parameters()}
+
+
+def _run_ours(m, x, dy, dtype, cfg=CFG, recipe=None, state=None, **kw):
+    sd = {k: _leaf(v, dtype) for k, v in m.state_dict().items()}
+    params = params_from_basic_layer(sd, cfg)
+    xx = _leaf(x, dtype)
+    probes = fp8ops.make_probes(state) if state is not None else None
+    y, st = transformer_layer(params, xx, state, config=cfg, recipe=recipe, probes=probes, **kw)
+    y.backward(dy.to(dtype))
+    return y.detach(), xx.grad, {k: v.grad for k, v in sd.items()}, st, probes
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_bf16_matches_seed_layer(seed_layer, mask):
+    """err(ours, bf16) <= 2 x err(the seed layer in bf16) + atol, both against the seed in float64."""
+    x, dy = _data()
+    seed_mask, cfg = None, CFG
+    if mask == "causal":
+        seed_mask = torch.ones(S, S, dtype=torch.bool, device="cuda").triu(1)
+        cfg = attrs.evolve(CFG, self_attn_mask_type="causal")
+    y64, dx64, g64 = _run_seed(seed_layer, x, dy, torch.float64, seed_mask)
+    yt, dxt, gt = _run_seed(seed_layer, x, dy, torch.bfloat16, seed_mask)
+    y, dx, g, _, _ = _run_ours(seed_layer, x, dy, torch.bfloat16, cfg)
+    assert_close_rule(y, y64, yt, k=2.0, atol=1e-2, name="y")
+    assert_close_rule(dx, dx64, dxt, k=2.0, atol=1e-4, name="dx")
+    for name in g64:
+        scale = float(g64[name].abs().max())
+        assert_close_rule(g[name], g64[name], gt[name], k=2.0, atol=1e-3 * scale, name=f"d {name}")
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), CurrentScaling()], ids=["delayed", "current"])
+def test_fp8_within_error_budget_of_bf16(seed_layer, recipe):
+    """FP8 (calibrated after one step) vs the same layer in bf16, both against float32: SQNR floors."""
+    x, dy = _data()
+    state = init_transformer_state(CFG, recipe, device="cuda")
+    _, _, _, state, probes = _run_ours(seed_layer, *_data(seed=2), torch.bfloat16, CFG, recipe, state)
+    state = fp8ops.update(state, recipe=recipe, grad_amax={k: p.grad for k, p in probes.items()})
+    y8, dx8, g8, _, _ = _run_ours(seed_layer, x, dy, torch.bfloat16, CFG, recipe, state)
+    y16, dx16, g16, _, _ = _run_ours(seed_layer, x, dy, torch.bfloat16)
+    y32, dx32, g32, _, _ = _run_ours(seed_layer, x, dy, torch.float32)
+    budget = {"y": (y8, y16, y32, 25.0), "dx": (dx8, dx16, dx32, 20.0)}
+    for k in g32:
+        budget[k] = (g8[k], g16[k], g32[k], 12.0)
+    for name, (a8, a16, a32, floor) in budget.items():
+        s8, s16 = sqnr(a8.float(), a32), sqnr(a16.float(), a32)
+        assert s8 > floor, f"{name}: FP8 SQNR {s8:.1f} dB < floor {floor} dB (bf16: {s16:.1f} dB)"
+
+
+def test_gqa_padding_causal_and_packed_match_reference():
+    cfg = TransformerConfig(hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_gqa_groups=2,
+                            hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="padding_causal",
+                            normalization="RMSNorm", activation="swiglu")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    params = init_transformer_params(cfg, device="cuda", generator=g)
+    params = {k: v * 8 if v.dim() == 2 else v for k, v in params.items()}
+    x = torch.randn(96, 3, 256, device="cuda", generator=g)
+    valid = torch.ones(3, 96, dtype=torch.bool, device="cuda")
+    valid[1, 70:] = False
+    valid[2, 17:] = False
+    y, _ = transformer_layer(params, x, None, config=cfg, recipe=None, attention_mask=valid)
+    yr, _ = R.transformer_layer(params, x, config=cfg, attention_mask=valid)
+    torch.testing.assert_close(y, yr, rtol=1e-3, atol=1e-3)
+    # packed: the valid tokens of each sequence, concatenated
+    lens = valid.sum(1).tolist()
+    packed = torch.cat([x[:n, i] for i, n in enumerate(lens)])
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    yp, _ = transformer_layer(params, packed, None, config=cfg, recipe=None, cu_seqlens=cu, max_seqlen=max(lens))
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(yp[cu[i]:cu[i + 1]], y[:n, i], rtol=1e-3, atol=1e-3)
