@@ -1,141 +1,615 @@
-"""``python -m fp8ops.demo``: FP8 quantization error per format and recipe, then a short training
-run with FP8 fake quantization and delayed scaling state, next to the same run in float32.
+"""``python -m fp8ops.demo``: train a small byte-level GPT twice, in BF16 and in FP8, and compare.
 
-Runs on a CUDA GPU when there is one (Triton kernels), else on the CPU (the reference kernels).
+The corpus is the Python standard library's own ``.py`` files, read as bytes (vocabulary 256), so
+every machine has it; files are shuffled by a fixed permutation of their sorted paths and every
+tenth file is held out for validation. The model is a GPT: token + learned position embeddings, a
+stack of :func:`fp8ops.transformer.transformer_layer` (causal self attention, pre-norm, gelu_tanh),
+a final :func:`fp8ops.norm.layer_norm` and a head tied to the token embedding; AdamW with warm-up
+and cosine decay, gradient clipping at 1.0, float32 master weights.
+
+The same model (same initialization, same batches, same schedule) is trained twice:
+
+- **BF16**: ``recipe=None``, every layer computes in bfloat16 (on the CPU in float32: the CPU
+  reference kernels compute in float32, and the output says so);
+- **FP8**: ``DelayedScaling`` (HYBRID: E4M3 forward, E5M2 gradients): the GEMMs of every layer run
+  in FP8 (on the CPU emulated by the reference kernels), the rest as in the BF16 run. The scaling
+  state is a value: each step makes fresh probes (:func:`fp8ops.make_probes`), the forward returns
+  the new state, and :func:`fp8ops.update` folds in the probe gradients once per optimizer step.
+
+Outputs: a live progress line, a final table (train loss, held-out loss, tokens/s, peak memory),
+``demo.json`` (both curves and the final numbers) and ``demo_loss.png`` (both runs, train and
+validation) in ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import math
+import os
+import platform
+import random
+import resource
+import sys
+import sysconfig
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils import _pytree as pytree
 
 import fp8ops
-from fp8ops import CurrentScaling, DelayedScaling, FakeQuantState, Format
+
+__all__ = [
+    "PRESETS",
+    "Corpus",
+    "RunResult",
+    "gpt_loss",
+    "init_gpt",
+    "load_corpus",
+    "main",
+    "train",
+    "train_batches",
+    "train_starts",
+    "val_batches",
+]
+
+VOCAB = 256
+VAL_EVERY_NTH_FILE = 10
+
+# Defaults per device: the CPU size finishes both runs in under 3 minutes on 2 cores (import and
+# data loading included); the GPU size takes a few minutes per run.
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {"steps": 200, "layers": 4, "hidden": 128, "heads": 4, "seq": 128, "batch": 16, "lr": 3e-3,
+            "eval_every": 25, "eval_batches": 4},
+    "cuda": {"steps": 2000, "layers": 6, "hidden": 512, "heads": 8, "seq": 256, "batch": 64, "lr": 1e-3,
+             "eval_every": 100, "eval_batches": 16},
+}
 
 
-def _sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
-    err = (x - y).float().pow(2).mean().item()
-    sig = x.float().pow(2).mean().item()
-    return float("inf") if err == 0 else 10.0 * math.log10(sig / err)
+# ------------------------------------------------------------------------------------------------
+# Data
 
 
-def quantization_table(device: torch.device, seed: int = 0) -> list[tuple[str, str, float, float]]:
-    """Round-trip error of a heavy-tailed activation-like tensor under each format and recipe."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(512, 1024, generator=g) * torch.exp(torch.randn(512, 1, generator=g))  # rows of varied scale
-    x = x.to(device=device, dtype=torch.bfloat16)
-    rows = []
-    for fmt in (Format.E4M3, Format.E5M2):
-        recipes: list[tuple[str, fp8ops.Recipe]] = [
-            ("delayed (history 16)", DelayedScaling(fp8_format=fmt)),
-            ("current, per tensor", CurrentScaling(fp8_format=fmt)),
-            ("current, per row", CurrentScaling(fp8_format=fmt, granularity="row")),
-        ]
-        for name, recipe in recipes:
-            state = recipe.init(role="forward", device=device)
-            if recipe.mode == "delayed":
-                # one step to observe, one update to calibrate; then quantize with the delayed scale
-                _, state = fp8ops.quantize(x, state, recipe=recipe)
-                state = recipe.update(state)
-            q, _ = fp8ops.quantize(x, state, recipe=recipe)
-            y = fp8ops.dequantize(q, dtype=torch.float32)
-            rel = ((y - x.float()).norm() / x.float().norm()).item()
-            rows.append((fmt.value, name, rel, _sqnr_db(x.float(), y)))
-    return rows
+@dataclass(frozen=True)
+class Corpus:
+    """Byte streams of the training and validation files (uint8, files joined by a blank line)."""
+
+    train: Tensor
+    val: Tensor
+    train_files: int
+    val_files: int
+    root: str
 
 
-def _mlp(params: dict[str, torch.Tensor], x: torch.Tensor, states, probes, recipe):
-    """A 2-layer MLP; with ``states``, activations and their gradients pass through FP8."""
-    new_states = {}
-    h = x
-    for name in ("l1", "l2"):
-        if states is not None:
-            h, new_states[name] = fp8ops.fake_quantize(h, states[name], recipe=recipe, grad_probe=probes[name])
-        h = h @ params[f"{name}.w"].t() + params[f"{name}.b"]
-        if name == "l1":
-            h = torch.nn.functional.gelu(h, approximate="tanh")
-    return h, new_states
+def load_corpus(max_bytes: int | None = None) -> Corpus:
+    """Read the standard library's ``.py`` files as bytes; hold out every tenth file.
+
+    The sorted file list is shuffled by a fixed permutation (so that a byte cap still samples the
+    whole library), then file ``i`` goes to validation when ``i % 10 == 0``. Deterministic on a
+    given Python installation. ``max_bytes`` stops reading once that many bytes are in.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts) and p.is_file())
+    if not files:
+        raise RuntimeError(f"fp8ops.demo: no .py files under the standard library folder {root}")
+    random.Random(0).shuffle(files)
+    train: list[bytes] = []
+    val: list[bytes] = []
+    total = 0
+    for i, path in enumerate(files):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        (val if i % VAL_EVERY_NTH_FILE == 0 else train).append(data)
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+
+    def stream(chunks: list[bytes]) -> Tensor:
+        return torch.frombuffer(bytearray(b"\n\n".join(chunks)), dtype=torch.uint8)
+
+    return Corpus(stream(train), stream(val), len(train), len(val), str(root))
 
 
-def train(device: torch.device, *, fp8: bool, steps: int, micro_batches: int, seed: int = 0, on_step=None):
-    """Regression on a fixed random teacher; returns (losses, final states)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    d_in, d_h, d_out = 64, 256, 16
-    teacher = torch.randn(d_out, d_in, generator=g) / math.sqrt(d_in)
-    params = {
-        "l1.w": torch.randn(d_h, d_in, generator=g) / math.sqrt(d_in),
-        "l1.b": torch.zeros(d_h),
-        "l2.w": torch.randn(d_out, d_h, generator=g) / math.sqrt(d_h),
-        "l2.b": torch.zeros(d_out),
+def _windows(data: Tensor, starts: Tensor, seq: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    # (B, seq + 1) windows of the byte stream -> inputs (B, seq) and next-byte targets (B, seq)
+    idx = starts[:, None] + torch.arange(seq + 1)
+    w = data[idx].to(device).long()  # bytes travel as uint8
+    return w[:, :-1], w[:, 1:]
+
+
+def train_starts(data: Tensor, *, batch: int, seq: int, steps: int, seed: int) -> Tensor:
+    """(steps, batch) random window starts in the training stream (the same for every run)."""
+    if data.numel() < seq + 2:
+        raise ValueError(f"fp8ops.demo: the training stream ({data.numel()} bytes) is shorter than --seq {seq}")
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, data.numel() - seq - 1, (steps, batch), generator=g)
+
+
+def train_batches(data: Tensor, *, batch: int, seq: int, steps: int, seed: int) -> list[tuple[Tensor, Tensor]]:
+    """``steps`` batches ``(tokens, targets)``, each (batch, seq), of :func:`train_starts`'s windows."""
+    return [_windows(data, s, seq) for s in train_starts(data, batch=batch, seq=seq, steps=steps, seed=seed)]
+
+
+def val_batches(data: Tensor, *, batch: int, seq: int, count: int) -> list[tuple[Tensor, Tensor]]:
+    """``count`` batches of windows spread evenly over the validation stream (fixed, seed-independent)."""
+    if data.numel() < seq + 2:
+        raise ValueError(f"fp8ops.demo: the validation stream ({data.numel()} bytes) is shorter than --seq {seq}")
+    starts = torch.linspace(0, data.numel() - seq - 2, count * batch).long()
+    return [_windows(data, s, seq) for s in starts.view(count, batch)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Model
+
+
+def make_config(hidden: int, heads: int) -> Any:
+    """The layer configuration: causal self attention, pre-norm, gelu_tanh MLP (4x), no dropout."""
+    from fp8ops.transformer import TransformerConfig
+
+    return TransformerConfig(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=heads,
+                             hidden_dropout=0.0, attention_dropout=0.0, normalization="LayerNorm",
+                             activation="gelu_tanh", norm_position="pre", self_attn_mask_type="causal")
+
+
+def init_gpt(config: Any, *, layers: int, seq: int, seed: int, device: torch.device) -> dict[str, Any]:
+    """Float32 parameters ``{"tok", "pos", "layers": [...], "lnf.weight", "lnf.bias"}`` on ``device``.
+
+    Built on the CPU from one generator (the same values on every device), then moved.
+    """
+    from fp8ops.transformer import init_transformer_params
+
+    g = torch.Generator().manual_seed(seed)
+    h = config.hidden_size
+    params: dict[str, Any] = {
+        "tok": torch.randn(VOCAB, h, generator=g) * 0.02,
+        "pos": torch.randn(seq, h, generator=g) * 0.01,
+        "layers": [init_transformer_params(config, dtype=torch.float32, generator=g) for _ in range(layers)],
+        "lnf.weight": torch.ones(h),
+        "lnf.bias": torch.zeros(h),
     }
-    params = {k: v.to(device).requires_grad_() for k, v in params.items()}
-    opt = torch.optim.Adam(params.values(), lr=3e-3)
-    recipe = DelayedScaling(amax_history_len=8)
-    states = {n: FakeQuantState.init(recipe, device=device) for n in ("l1", "l2")} if fp8 else None
-    losses = []
-    for _ in range(steps):
-        merged_states, merged_probes, step_loss = None, None, 0.0
-        for _ in range(micro_batches):
-            x = torch.randn(128, d_in, generator=g).to(device)
-            y = torch.tanh(x @ teacher.t().to(device)) * 3.0
-            probes = fp8ops.make_probes(states) if fp8 else None  # fresh probes every forward
-            out, new_states = _mlp(params, x, states, probes, recipe)
-            loss = torch.nn.functional.mse_loss(out, y) / micro_batches
+    return pytree.tree_map(lambda t: t.to(device).requires_grad_(), params)
+
+
+def gpt_loss(
+    params: dict[str, Any],
+    states: list[Any] | None,
+    probes: list[Any] | None,
+    tokens: Tensor,
+    targets: Tensor,
+    *,
+    config: Any,
+    recipe: Any,
+    dtype: torch.dtype,
+    training: bool = True,
+) -> tuple[Tensor, list[Any] | None]:
+    """Mean next-byte cross-entropy of ``tokens`` (B, S) against ``targets`` (B, S), and new states.
+
+    The float32 master parameters are cast to ``dtype`` on the way in (gradients flow back to them);
+    with ``recipe`` the layers' GEMMs run in FP8 and their new scaling states are returned.
+    """
+    from fp8ops.norm import layer_norm
+    from fp8ops.transformer import transformer_layer
+
+    S = tokens.shape[1]
+    x = F.embedding(tokens, params["tok"]) + params["pos"][:S]  # (B, S, H)
+    x = x.to(dtype).transpose(0, 1).contiguous()  # (S, B, H): the layer's "sbhd" layout
+    new_states = []
+    for i, lp in enumerate(params["layers"]):
+        lp = {k: v.to(dtype) for k, v in lp.items()}
+        st = None if states is None else states[i]
+        pr = None if probes is None else probes[i]
+        x, ns = transformer_layer(lp, x, st, config=config, recipe=recipe, probes=pr, training=training)
+        new_states.append(ns)
+    x = layer_norm(x, params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype),
+                   eps=config.layernorm_epsilon)
+    logits = x.transpose(0, 1) @ params["tok"].to(dtype).t()  # (B, S, V), head tied to the embedding
+    loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+    return loss, (new_states if states is not None else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass
+class RunResult:
+    """What one training run produced."""
+
+    label: str
+    precision: str
+    train_loss: list[float]
+    val_steps: list[int]
+    val_loss: list[float]
+    tokens_per_s: float
+    peak_memory_bytes: int
+    peak_memory_what: str
+    seconds: float
+    compiled: bool
+    states: Any = field(default=None, repr=False)
+
+    @property
+    def final_train_loss(self) -> float:
+        """Mean train loss over the last tenth of the steps (at least 1, at most 50 steps)."""
+        k = max(1, min(50, len(self.train_loss) // 10))
+        return sum(self.train_loss[-k:]) / k
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label, "precision": self.precision, "train_loss": self.train_loss,
+            "val_steps": self.val_steps, "val_loss": self.val_loss, "final_train_loss": self.final_train_loss,
+            "final_val_loss": self.val_loss[-1] if self.val_loss else None, "tokens_per_s": self.tokens_per_s,
+            "peak_memory_bytes": self.peak_memory_bytes, "peak_memory_what": self.peak_memory_what,
+            "seconds": self.seconds, "compiled": self.compiled,
+        }
+
+
+def _lr_at(step: int, steps: int, lr: float) -> float:
+    # linear warm-up over 5% of the steps, then cosine decay to 10% of the peak
+    warm = max(1, steps // 20)
+    if step < warm:
+        return lr * (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def train(
+    *,
+    fp8: bool,
+    corpus: Corpus,
+    device: torch.device,
+    steps: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    batch: int,
+    lr: float,
+    eval_every: int,
+    eval_batches: int = 4,
+    seed: int = 0,
+    compile: bool = False,
+    on_progress: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Train the GPT for ``steps`` steps (BF16 or FP8) and return the curves and the final numbers."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    recipe = fp8ops.DelayedScaling() if fp8 else None
+    label = "FP8" if fp8 else "BF16"
+    rest = "bf16" if dtype == torch.bfloat16 else "float32"
+    if fp8:
+        where = "Triton kernels" if device.type == "cuda" else "emulated by the CPU reference kernels"
+        precision = f"FP8 GEMMs (E4M3 fwd / E5M2 grad, delayed scaling; {where}), rest {rest}"
+    else:
+        precision = "bf16 compute" if dtype == torch.bfloat16 else "float32 (CPU; bf16 autocast off)"
+    precision += ", fp32 master weights"
+
+    config = make_config(hidden, heads)
+    params = init_gpt(config, layers=layers, seq=seq, seed=seed, device=device)
+    leaves = pytree.tree_leaves(params)
+    decay = [p for p in leaves if p.dim() >= 2]
+    no_decay = [p for p in leaves if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    states = None
+    if fp8:
+        from fp8ops.transformer import init_transformer_state
+
+        states = [init_transformer_state(config, recipe, device=device) for _ in range(layers)]
+
+    loss_fn: Callable[..., tuple[Tensor, Any]] = functools.partial(gpt_loss, config=config, recipe=recipe, dtype=dtype)
+    compiled = False
+    if compile:
+        torch._dynamo.reset()  # each run compiles afresh (the runs share gpt_loss's code object)
+        loss_fn = torch.compile(loss_fn)
+        compiled = True
+    starts = train_starts(corpus.train, batch=batch, seq=seq, steps=steps, seed=seed)
+    vbatches = [(x.to(device), y.to(device)) for x, y in val_batches(corpus.val, batch=batch, seq=seq,
+                                                                     count=eval_batches)]
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            total = torch.zeros((), device=device)
+            for x, y in vbatches:
+                loss, _ = loss_fn(params, states, None, x, y, training=False)
+                total = total + loss.float()
+            return float(total / len(vbatches))
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    tokens_per_step = batch * seq
+    # steps kept out of tokens/s: kernel compilation, warm-up (compiled: the graphs of the first
+    # step, where the delayed-scaling state is not calibrated yet, and of the second)
+    warm = min(steps, max(3 if compiled else 1, min(10, steps // 10)))
+    log_every = max(1, min(eval_every, steps // 20 or 1))
+    losses: list[Tensor] = []
+    val_steps: list[int] = [0]
+    val_loss: list[float] = []
+    try:
+        val_loss.append(evaluate())
+    except Exception:
+        if not compiled:
+            raise
+        loss_fn, compiled = _fall_back(loss_fn, on_progress)
+        val_loss.append(evaluate())
+    counted_time, counted_tokens = 0.0, 0
+    t_start = time.perf_counter()
+    t_mark, last = time.perf_counter(), 0
+    for step in range(steps):
+        x, y = _windows(corpus.train, starts[step], seq, device)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, steps, lr)
+        probes = fp8ops.make_probes(states) if fp8 else None  # fresh probes for every forward
+        try:
+            loss, new_states = loss_fn(params, states, probes, x, y)
             loss.backward()
-            step_loss += loss.item()
-            if fp8:
-                grads = {k: p.grad for k, p in probes.items()}
-                merged_states = new_states if merged_states is None else fp8ops.merge(merged_states, new_states)
-                merged_probes = grads if merged_probes is None else fp8ops.merge(merged_probes, grads)
+        except Exception:
+            if not compiled or step > 0:
+                raise
+            opt.zero_grad(set_to_none=True)
+            loss_fn, compiled = _fall_back(loss_fn, on_progress)
+            probes = fp8ops.make_probes(states) if fp8 else None
+            loss, new_states = loss_fn(params, states, probes, x, y)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(leaves, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if fp8:  # once per optimizer step: observations in, scales out
-            states = fp8ops.update(merged_states, recipe=recipe, grad_amax=merged_probes)
-        losses.append(step_loss)
-        if on_step is not None:
-            on_step(len(losses), step_loss)
-    return losses, states
+        if fp8:  # once per optimizer step: forward observations + probe gradients in, new scales out
+            grads = pytree.tree_map(lambda p: p.grad, probes)
+            # the state carries observations, never autograd history, from one step to the next
+            new_states = pytree.tree_map(lambda t: t.detach(), new_states)
+            states = fp8ops.update(new_states, recipe=recipe, grad_amax=grads)
+        losses.append(loss.detach())
+        done = step + 1
+        evaluating = done % eval_every == 0 or done == steps
+        if done == warm or done % log_every == 0 or evaluating:
+            _sync(device)
+            now = time.perf_counter()
+            rate = (done - last) * tokens_per_step / max(now - t_mark, 1e-9)
+            if done > warm:
+                counted_time += now - t_mark
+                counted_tokens += (done - last) * tokens_per_step
+            last = done
+            msg = f"{label:<4} step {done:>5}/{steps}  loss {losses[-1].item():.4f}  {rate:>9,.0f} tokens/s"
+            if evaluating:
+                val_steps.append(done)
+                val_loss.append(evaluate())
+                msg += f"  val {val_loss[-1]:.4f}"
+            if on_progress is not None:
+                on_progress(msg)
+            t_mark = time.perf_counter()
+    seconds = time.perf_counter() - t_start
+    if counted_time > 0:
+        tokens_per_s = counted_tokens / counted_time
+    else:  # too few steps to leave out the warm-up ones
+        tokens_per_s = steps * tokens_per_step / max(seconds, 1e-9)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        peak_what = "torch.cuda.max_memory_allocated during this run"
+    else:
+        peak = _max_rss_bytes()
+        peak_what = "max resident set size of the process so far (CPU: getrusage, includes earlier runs)"
+    return RunResult(label, precision, [float(v) for v in torch.stack(losses).tolist()] if losses else [],
+                     val_steps, val_loss, tokens_per_s, peak, peak_what, seconds, compiled, states)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8ops.demo", description=__doc__)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
-    print(f"fp8ops {fp8ops.__version__} on {device} (torch {torch.__version__})\n")
+def _fall_back(loss_fn: Any, on_progress: Callable[[str], None] | None) -> tuple[Any, bool]:
+    # torch.compile could not build the loss here (no C++ compiler, an unsupported op): run eagerly
+    exc = sys.exc_info()[1]
+    if on_progress is not None:
+        on_progress(f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                    "running eagerly")
+    return getattr(loss_fn, "_torchdynamo_orig_callable", loss_fn), False
 
-    print("1. Round-trip error of a bf16 tensor (512 x 1024, rows of varied scale)")
-    print(f"   {'format':<7}{'recipe':<24}{'rel. error':>12}{'SQNR dB':>10}")
-    for fmt, name, rel, sqnr in quantization_table(device):
-        print(f"   {fmt:<7}{name:<24}{rel:>12.4f}{sqnr:>10.1f}")
 
-    print(f"\n2. Training a 2-layer MLP, {args.steps} steps x {args.micro_batches} micro-batches")
-    results = {}
-    for label, fp8 in (("float32", False), ("fp8 fake-quant, delayed scaling", True)):
-        every = max(1, args.steps // 4)
+# ------------------------------------------------------------------------------------------------
+# Output
 
-        def progress(step: int, loss: float, label: str = label, every: int = every) -> None:
-            if step == 1 or step % every == 0:
-                print(f"   {label:<34} step {step:>4}/{args.steps}  loss {loss:.4f}", flush=True)
 
-        t0 = time.perf_counter()
-        losses, states = train(device, fp8=fp8, steps=args.steps, micro_batches=args.micro_batches, on_step=progress)
-        results[label] = (losses, states, time.perf_counter() - t0)
-        print(f"   {label:<34} final loss {sum(losses[-10:]) / 10:.4f}  ({results[label][2]:.1f} s)")
-    _, states, _ = results["fp8 fake-quant, delayed scaling"]
-    print("\n   scaling state after training (input / grad_output scale):")
-    for name, st in states.items():
-        print(f"   {name}: {st.input.scale.item():10.2f} / {st.grad_output.scale.item():12.1f}"
-              f"   history[0] = {st.input.amax_history[0].item():.3f} / {st.grad_output.amax_history[0].item():.2e}")
-    base = sum(results["float32"][0][-10:]) / 10
-    fp8_loss = sum(results["fp8 fake-quant, delayed scaling"][0][-10:]) / 10
-    print(f"\n   FP8 / float32 final loss ratio: {fp8_loss / base:.3f}")
-    return 0
+def results_table(results: Sequence[RunResult]) -> str:
+    """The final table: one row per run."""
+    heads = ["run", "final train loss", "val loss", "tokens/s", "peak memory"]
+    rows = [[r.label, f"{r.final_train_loss:.4f}", f"{r.val_loss[-1]:.4f}" if r.val_loss else "-",
+             f"{r.tokens_per_s:,.0f}", f"{r.peak_memory_bytes / 2**20:,.0f} MiB"] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
+
+    def line(items: Sequence[str]) -> str:
+        return "  ".join(s.ljust(w) if i == 0 else s.rjust(w) for i, (s, w) in enumerate(zip(items, widths)))
+
+    lines = [line(heads), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    return "\n".join(lines + [""] + [f"{r.label}: {r.precision}" for r in results])
+
+
+def write_plot(path: Path, results: Sequence[RunResult], title: str) -> Path | None:
+    """Loss curves of every run (train: thin line, validation: markers) as a PNG; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {"BF16": "tab:blue", "FP8": "tab:orange"}
+    for r in results:
+        c = colors.get(r.label)
+        steps = range(1, len(r.train_loss) + 1)
+        ax.plot(steps, r.train_loss, color=c, alpha=0.35, linewidth=0.8, label=f"{r.label} train")
+        k = max(1, len(r.train_loss) // 50)  # a running mean to read the trend
+        if k > 1:
+            run = [sum(r.train_loss[max(0, i - k + 1):i + 1]) / (i - max(0, i - k + 1) + 1)
+                   for i in range(len(r.train_loss))]
+            ax.plot(steps, run, color=c, linewidth=1.4, label=f"{r.label} train (mean of {k})")
+        ax.plot(r.val_steps, r.val_loss, color=c, marker="o", markersize=3.5, linestyle="--", linewidth=1.0,
+                label=f"{r.label} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(linewidth=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+class _ProgressLine:
+    """A live progress line: rewritten in place on a terminal, one line per update otherwise."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.width = 0
+
+    def __call__(self, msg: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + msg.ljust(self.width))
+            self.width = len(msg)
+        else:
+            self.stream.write(msg + "\n")
+        self.stream.flush()
+
+    def end(self) -> None:
+        if self.tty and self.width:
+            self.stream.write("\n")
+            self.stream.flush()
+        self.width = 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; size defaults come from :data:`PRESETS` for the chosen device."""
+    p = argparse.ArgumentParser(prog="python -m fp8ops.demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    p.add_argument("--layers", type=int, default=None, help="transformer layers")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (the MLP is 4x)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads")
+    p.add_argument("--seq", type=int, default=None, help="sequence length in bytes")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (warm-up, cosine decay)")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between validation evaluations")
+    p.add_argument("--eval-batches", type=int, default=None, help="validation batches per evaluation")
+    p.add_argument("--seed", type=int, default=0, help="seed of initialization and batch order")
+    p.add_argument("--out", default="demo_out", help="folder for demo.json and demo_loss.png")
+    p.add_argument("--compile", action="store_true", help="torch.compile the loss (falls back to eager on failure)")
+    p.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of source files")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; return the exit status (0, or 1 if a run produced a non-finite loss)."""
+    t_start = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("fp8ops.demo: --device cuda, but no CUDA device is available; use --device cpu", file=sys.stderr)
+        return 2
+    preset = PRESETS["cuda" if device.type == "cuda" else "cpu"]
+    cfg = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in preset.items()}
+    if cfg["hidden"] % cfg["heads"]:
+        print(f"fp8ops.demo: --hidden ({cfg['hidden']}) must be a multiple of --heads ({cfg['heads']})",
+              file=sys.stderr)
+        return 2
+    for k in ("steps", "layers", "hidden", "heads", "seq", "batch", "eval_every", "eval_batches"):
+        if cfg[k] < 1:
+            print(f"fp8ops.demo: --{k.replace('_', '-')} must be >= 1, got {cfg[k]}", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    print(f"fp8ops {fp8ops.__version__} | torch {torch.__version__} | python {platform.python_version()} | "
+          f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
+                                f" ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"))
+
+    t0 = time.perf_counter()
+    max_bytes = None if args.max_data_mb is None else int(args.max_data_mb * 1e6)
+    corpus = load_corpus(max_bytes)
+    print(f"data: {corpus.root}/**/*.py as bytes: train {corpus.train.numel() / 1e6:.1f} MB "
+          f"({corpus.train_files} files), validation {corpus.val.numel() / 1e6:.1f} MB ({corpus.val_files} files)"
+          f", read in {time.perf_counter() - t0:.1f} s")
+    n_params = cfg["layers"] * 12 * cfg["hidden"] ** 2 + (VOCAB + cfg["seq"]) * cfg["hidden"]
+    print(f"model: GPT, {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads, ffn "
+          f"{4 * cfg['hidden']}, seq {cfg['seq']}, vocab {VOCAB} (bytes), about {n_params / 1e6:.2f} M parameters;"
+          f" batch {cfg['batch']}, {cfg['steps']} steps, AdamW lr {cfg['lr']:g}, seed {args.seed}\n")
+
+    progress = _ProgressLine(sys.stdout)
+    results: list[RunResult] = []
+    for fp8 in (False, True):
+        r = train(fp8=fp8, corpus=corpus, device=device, steps=cfg["steps"], layers=cfg["layers"],
+                  hidden=cfg["hidden"], heads=cfg["heads"], seq=cfg["seq"], batch=cfg["batch"], lr=cfg["lr"],
+                  eval_every=cfg["eval_every"], eval_batches=cfg["eval_batches"], seed=args.seed,
+                  compile=args.compile, on_progress=progress)
+        progress.end()
+        print(f"{r.label} run: {r.seconds:.1f} s\n")
+        results.append(r)
+
+    print(results_table(results))
+    print("\nfinal train loss: mean over the last tenth of the steps (at most 50); val loss: held-out files, "
+          f"{cfg['eval_batches']} batches of {cfg['batch']} x {cfg['seq']} bytes; tokens/s: training steps only "
+          "(first steps and evaluation left out); peak memory: " + results[0].peak_memory_what)
+    base, f8 = results
+    if base.val_loss and f8.val_loss:
+        print(f"FP8 - BF16: val loss {f8.val_loss[-1] - base.val_loss[-1]:+.4f}, "
+              f"tokens/s x{f8.tokens_per_s / base.tokens_per_s:.2f}")
+
+    title = (f"byte-level GPT on the Python standard library: {cfg['layers']} layers, hidden {cfg['hidden']}, "
+             f"seq {cfg['seq']}, batch {cfg['batch']} ({device.type})")
+    record = {
+        "config": {**cfg, "seed": args.seed, "device": str(device), "compile": args.compile, "vocab": VOCAB,
+                   "ffn": 4 * cfg["hidden"]},
+        "environment": {"fp8ops": fp8ops.__version__, "torch": torch.__version__,
+                        "python": platform.python_version(),
+                        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
+                        platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
+        "data": {"root": corpus.root, "train_bytes": corpus.train.numel(), "val_bytes": corpus.val.numel(),
+                 "train_files": corpus.train_files, "val_files": corpus.val_files},
+        "runs": {r.label: r.as_dict() for r in results},
+        "seconds": time.perf_counter() - t_start,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo.json").write_text(json.dumps(_json_safe(record), indent=1) + "\n")
+    png = write_plot(out / "demo_loss.png", results, title)
+    print(f"\nwrote {out / 'demo.json'}" + (f" and {png}" if png else
+                                           " (no plot: matplotlib is not installed; pip install matplotlib)"))
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+    finite = all(math.isfinite(v) for r in results for v in r.train_loss + r.val_loss)
+    if not finite:
+        print("fp8ops.demo: a run produced a non-finite loss", file=sys.stderr)
+    return 0 if finite else 1
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 if __name__ == "__main__":

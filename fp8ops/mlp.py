@@ -269,6 +269,8 @@ class _FusedLNMLP(torch.autograd.Function):
             else:
                 dyq = dy_inv = dyq_t = dy_inv_t = dy_amax = None
             # Step 2: fc2's wgrad (recomputing the activation's operand if it was not kept) and db2.
+            # Transients are dropped as soon as they are used: this backward is one autograd node,
+            # so its saved tensors live until it returns and only the transients can go early.
             if cfg.need_dw2:
                 if cfg.recompute:
                     a, _, _, aq_t, a_inv_t, _, _ = act_operands(
@@ -276,23 +278,29 @@ class _FusedLNMLP(torch.autograd.Function):
                         amax_in=a_amax_in if a_amax_in.numel() else None,
                     )
                 dw2 = gemm_wgrad(dyq_t, dy_inv_t, dy, aq_t, a_inv_t, a, cfg.wgrad, w2_dtype)
+                del aq_t, a
+            del dyq_t
             if cfg.need_db2:
                 db2 = dy.sum(0, dtype=torch.float32).to(b2_dtype)
             if cfg.need_dh:
                 # Step 3: fc2's dgrad, then dact fused with the FP8 cast of fc1's output gradient.
                 da = gemm_dgrad(dyq, dy_inv, dy, w2q_t, w2_inv_t, w2, cfg.dgrad, x_dtype)  # (M, F)
+                del dyq, dy
                 q1, q1_t = cfg.need_dx and fp8_dgrad, cfg.need_dw1 and fp8_wgrad
                 dh, dhq, dh_inv, dhq_t, dh_inv_t, dh_amax, db1_32 = dact_operands(
                     da, h, cfg.act, s_g1, sp_g1, cfg.has_probe, need_q=q1, need_t=q1_t,
                     need_hp=(cfg.need_dx and not q1) or (cfg.need_dw1 and not q1_t), dbias=cfg.need_db1,
                 )
+                del da
                 if cfg.need_db1:
                     db1 = db1_32.to(b1_dtype)
                 # Step 4: fc1's wgrad and dgrad, then the norm's backward.
                 if cfg.need_dw1:
                     dw1 = gemm_wgrad(dhq_t, dh_inv_t, dh, lnq_t, ln_inv_t, ln, cfg.wgrad, w1_dtype)
+                del dhq_t
                 if cfg.need_dx:
                     dln = gemm_dgrad(dhq, dh_inv, dh, w1q_t, w1_inv_t, w1, cfg.dgrad, x_dtype)
+                    del dhq, dh
                     dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm)
         probe_grad = None
         if cfg.has_probe:
