@@ -21,15 +21,15 @@ No high-precision copy of the normalised output is written unless it is asked fo
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
 from ._checks import check_float_tensor, check_probe, check_recipe
-from .formats import Role
 from .linear import (
+    LinearState,
     _g,
     _or_empty,
     _quantize_grad,
@@ -41,7 +41,7 @@ from .linear import (
 )
 from .quantize import QuantSpec
 from .recipes import Recipe
-from .state import OpState, ScalingState, validate_state
+from .state import validate_state
 
 __all__ = ["LayerNormLinearState", "layernorm_linear"]
 
@@ -50,9 +50,9 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _HIGH = ("high", False, "auto")
 
 
-class LayerNormLinearState(OpState):
-    """State of one :func:`layernorm_linear` call site: ``input`` (the normalised output, the
-    GEMM's input), ``weight`` and ``grad_output``.
+class LayerNormLinearState(LinearState):
+    """State of one :func:`layernorm_linear` call site: the roles of :class:`LinearState`, with
+    ``input`` the normalised output (the GEMM's input).
 
     Example:
         >>> import fp8ops
@@ -60,12 +60,6 @@ class LayerNormLinearState(OpState):
         >>> [st.input.role, st.weight.role, st.grad_output.role]
         ['forward', 'forward', 'backward']
     """
-
-    ROLES: ClassVar[dict[str, Role]] = {"input": "forward", "weight": "forward", "grad_output": "backward"}
-    PROBE_ROLES: ClassVar[tuple[str, ...]] = ("grad_output",)
-    input: ScalingState
-    weight: ScalingState
-    grad_output: ScalingState
 
 
 class NormCfg(NamedTuple):
@@ -162,11 +156,7 @@ class _LayerNormLinear(torch.autograd.Function):
             x, ln_w, ln_b, cfg.norm, x_scale, cfg.x_spec, need_q=fp8_fwd, need_t=need_xt, need_hp=need_hp
         )
         # Step 2: the weight (and its transpose for dgrad).
-        if cfg.fp8:
-            wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
-        else:
-            wq = w_inv = wq_t = w_inv_t = None
-            w_amax = x.new_empty(0, dtype=torch.float32)
+        wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
         # Step 3: the forward GEMM.
         y = gemm_fprop(lnq, ln_inv, ln, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if not need_wt:

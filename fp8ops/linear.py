@@ -162,9 +162,14 @@ def gemm_wgrad(dyq_t: Tensor | None, dy_inv_t: Tensor | None, dy: Tensor, xq_t: 
     return (dy.t() @ x.to(dy.dtype)).to(out_dtype)
 
 
-def quantize_weight_operands(w: Tensor, w_scale: Tensor, spec: QuantSpec, fp8_fprop: bool, need_t: bool
-                             ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor]:
-    """(wq, inv, wq_t, inv_t, amax) of a weight for the fprop GEMM and (transposed) the dgrad GEMM."""
+def quantize_weight_operands(w: Tensor, w_scale: Tensor | None, spec: QuantSpec | None, fp8_fprop: bool,
+                             need_t: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """(wq, inv, wq_t, inv_t, amax) of a weight for the fprop GEMM and (transposed) the dgrad GEMM.
+
+    ``spec=None`` (no FP8): nothing is quantized and the amax is an empty placeholder.
+    """
+    if spec is None:
+        return None, None, None, None, w.new_empty(0, dtype=torch.float32)
     if fp8_fprop or need_t:
         return _quantize_pair(w, w_scale, spec, need_t)
     return None, None, None, None, torch.ops.fp8ops.amax(w)

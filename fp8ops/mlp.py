@@ -198,12 +198,8 @@ class _FusedLNMLP(torch.autograd.Function):
             need_hp=not fp8_fwd or (cfg.need_dw1 and not fp8_wgrad),
         )
         # Step 2: fc1.
-        if cfg.fp8:
-            w1q, w1_inv, w1q_t, w1_inv_t, w1_amax = quantize_weight_operands(
-                w1, s_w1, sp_w1, fp8_fwd, cfg.need_dx and fp8_dgrad)
-        else:
-            w1q = w1_inv = w1q_t = w1_inv_t = None
-            w1_amax = x.new_empty(0, dtype=torch.float32)
+        w1q, w1_inv, w1q_t, w1_inv_t, w1_amax = quantize_weight_operands(
+            w1, s_w1, sp_w1, fp8_fwd, cfg.need_dx and fp8_dgrad)
         h = gemm_fprop(lnq, ln_inv, ln, w1q, w1_inv, w1, b1, cfg.fprop, x.dtype)  # (M, C)
         # Step 3: the activation writes fc2's FP8 operand (and, unless recomputed, its transpose).
         keep_a_t = cfg.need_dw2 and fp8_wgrad and not cfg.recompute
@@ -212,12 +208,8 @@ class _FusedLNMLP(torch.autograd.Function):
             h, cfg.act, s_x2, sp_x2, need_q=fp8_fwd, need_t=keep_a_t, need_hp=not fp8_fwd or keep_a_hp,
         )
         # Step 4: fc2.
-        if cfg.fp8:
-            w2q, w2_inv, w2q_t, w2_inv_t, w2_amax = quantize_weight_operands(
-                w2, s_w2, sp_w2, fp8_fwd, cfg.need_dh and fp8_dgrad)
-        else:
-            w2q = w2_inv = w2q_t = w2_inv_t = None
-            w2_amax = x.new_empty(0, dtype=torch.float32)
+        w2q, w2_inv, w2q_t, w2_inv_t, w2_amax = quantize_weight_operands(
+            w2, s_w2, sp_w2, fp8_fwd, cfg.need_dh and fp8_dgrad)
         y = gemm_fprop(aq, a_inv, a, w2q, w2_inv, w2, b2, cfg.fprop, x.dtype)
         if not (cfg.need_dx and fp8_dgrad):
             w1q_t = w1_inv_t = None

@@ -19,6 +19,7 @@ bytes written; memory-bound kernels are reported as a fraction of it.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import math
 import os
@@ -455,3 +456,46 @@ def write_bar_chart(
     fig.savefig(p, dpi=120)
     plt.close(fig)
     return p
+
+
+# ------------------------------------------------------------------------------------------------
+# Training-step helpers shared by the layer-level suites
+
+
+def clearing_grads(step: Callable[[torch.Tensor, torch.Tensor], Any], params: Sequence[torch.Tensor]
+                   ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """``step(x, dy)`` preceded by ``p.grad = None`` for every parameter and for ``x``, as after
+    ``optimizer.zero_grad(set_to_none=True)``: every timed step allocates its gradients anew."""
+
+    def fn(x: torch.Tensor, dy: torch.Tensor) -> Any:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        return step(x, dy)
+
+    return fn
+
+
+def step_peak_bytes(step: Callable[[torch.Tensor, torch.Tensor], Any], params: Sequence[torch.Tensor],
+                    x: torch.Tensor, dy: torch.Tensor) -> int:
+    """Peak memory of one ``step(x, dy)`` above what is allocated before it (gradients cleared)."""
+    for p in params:
+        p.grad = None
+    x.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = step(x, dy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del y
+    for p in params:
+        p.grad = None
+    x.grad = None
+    return int(peak)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms, float32)."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))

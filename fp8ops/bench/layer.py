@@ -176,39 +176,6 @@ def _fp8ops_case(seed_state: dict[str, Tensor], config: Any, recipe: Any, x0: Te
     return (lambda x, dy: run_step(x, dy, True)), (lambda x, dy: run_step(x, dy, False)), list(params.values())
 
 
-def _clearing(step: Any, params: list[Tensor]) -> Any:
-    def fn(x: Tensor, dy: Tensor) -> Tensor:
-        for p in params:  # as after optimizer.zero_grad(set_to_none=True)
-            p.grad = None
-        x.grad = None
-        return step(x, dy)
-
-    return fn
-
-
-def _peak_bytes(step: Any, params: list[Tensor], x: Tensor, dy: Tensor) -> int:
-    """Peak memory of one step above what is allocated before it (gradients cleared first)."""
-    for p in params:
-        p.grad = None
-    x.grad = None
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    y = step(x, dy)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del y
-    for p in params:
-        p.grad = None
-    x.grad = None
-    return int(peak)
-
-
-def _rel(a: Tensor, b: Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 # ------------------------------------------------------------------------------------------------
 # The physical limit
 
@@ -361,16 +328,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         x_sets = [(x.to(dtype).requires_grad_(), dy.to(dtype)) for x, dy in base_sets]
         try:
             step, eval_step, params = make(*x_sets[0])
-            fn = _clearing(step, params)
+            fn = common.clearing_grads(step, params)
             if label in ("basic SDPA bf16", "fp8ops bf16", FP8OPS, "fp8ops current"):
                 x, dy = x_sets[0]
-                y = _clearing(eval_step, params)(x, dy)
+                y = common.clearing_grads(eval_step, params)(x, dy)
                 checks[label] = (y.detach().clone(), x.grad.detach().clone())
             fn(*x_sets[0])
             te = common.time_cuda(fn, x_sets, samples=samples, use_graph=False)
             tg = (common.time_cuda(fn, x_sets, samples=samples, use_graph=True, on_fallback=notes.append)
                   if use_graph else None)
-            peak = _peak_bytes(step, params, *x_sets[0])
+            peak = common.step_peak_bytes(step, params, *x_sets[0])
         except Exception as exc:  # noqa: BLE001  (recorded as a failed check)
             msg = f"{label}: {type(exc).__name__}: {str(exc)[:300]}"
             progress.note(f"failed: {msg}")
@@ -465,7 +432,7 @@ def _checks(checks: dict[str, tuple[Tensor, Tensor]]) -> list[str]:
             continue
         for i, what in enumerate(("output", "input gradient")):
             bound = bounds[i]
-            err = _rel(checks[label][i], ref[i])
+            err = common.rel_err(checks[label][i], ref[i])
             print(f"  check {label} vs basic SDPA bf16 (no dropout): {what} relative error {err:.2e} (bound {bound:g})")
             if not err < bound:
                 failed.append(f"{label}: {what} differs from basic SDPA bf16: relative error {err:.3e} > {bound:g}")
@@ -498,7 +465,7 @@ def _profile(seed_state: dict[str, Tensor], config: Any, base: tuple[Tensor, Ten
 
     x, dy = base[0].bfloat16().requires_grad_(), base[1].bfloat16()
     step, _, params = _fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x, dy)
-    fn = _clearing(step, params)
+    fn = common.clearing_grads(step, params)
     for _ in range(2):
         fn(x, dy)
     torch.cuda.synchronize()

@@ -182,39 +182,6 @@ def _fp8ops_case(w: dict[str, Tensor], activation: str, recipe: Any, x0: Tensor,
     return step, list(w.values())
 
 
-def _clearing(step: Any, params: list[Tensor]) -> Any:
-    def fn(x: Tensor, dy: Tensor) -> Tensor:
-        for p in params:  # as after optimizer.zero_grad(set_to_none=True)
-            p.grad = None
-        x.grad = None
-        return step(x, dy)
-
-    return fn
-
-
-def _peak_bytes(step: Any, params: list[Tensor], x: Tensor, dy: Tensor) -> int:
-    """Peak memory of one step above what is allocated before it (gradients cleared first)."""
-    for p in params:
-        p.grad = None
-    x.grad = None
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    y = step(x, dy)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del y
-    for p in params:
-        p.grad = None
-    x.grad = None
-    return int(peak)
-
-
-def _rel(a: Tensor, b: Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 # ------------------------------------------------------------------------------------------------
 # The suite
 
@@ -267,7 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress.step(f"{activation}: {label}")
             try:
                 step, params = make(w, activation, *x_sets[0])
-                fn = _clearing(step, params)
+                fn = common.clearing_grads(step, params)
                 # Output and input gradient on the first input set, for the checks.
                 x, dy = x_sets[0]
                 y = fn(x, dy)
@@ -275,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 notes: list[str] = []
                 te = common.time_cuda(fn, x_sets, samples=samples, use_graph=False)
                 tg = common.time_cuda(fn, x_sets, samples=samples, use_graph=True, on_fallback=notes.append)
-                peak = _peak_bytes(step, params, *x_sets[0])
+                peak = common.step_peak_bytes(step, params, *x_sets[0])
             except Exception as exc:  # noqa: BLE001  (recorded as a failed check)
                 msg = f"{label} ({activation}): {type(exc).__name__}: {str(exc)[:300]}"
                 progress.note(f"failed: {msg}")
@@ -337,7 +304,7 @@ def _checks(outputs: dict[str, tuple[Tensor, Tensor]], activation: str) -> list[
             continue
         for i, what in enumerate(("output", "input gradient")):
             bound = bound_of[i]
-            err = _rel(outputs[label][i], outputs[peer][i])
+            err = common.rel_err(outputs[label][i], outputs[peer][i])
             print(f"  check ({activation}) {label} vs {peer}: {what} relative error {err:.2e} (bound {bound:g})")
             if not err < bound:
                 failed.append(f"{label} ({activation}): {what} differs from {peer}: relative error {err:.3e} "
