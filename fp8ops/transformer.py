@@ -585,12 +585,8 @@ def transformer_layer(
         qkv, new_state["qkv"] = layernorm_linear(
             x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
             grad_probe=pr["qkv"], **norm_kw)
-    elif fp8:
-        s_qkv = st["qkv"]
-        lin_state = LinearState(input=s_qkv.input, weight=s_qkv.weight, grad_output=s_qkv.grad_output)
-        qkv, lin_state = fp8_linear(x, w_qkv, b_qkv, lin_state, recipe=recipe, grad_probe=pr["qkv"])
-        new_state["qkv"] = s_qkv.replace(input=lin_state.input, weight=lin_state.weight,
-                                         grad_output=lin_state.grad_output)
+    elif fp8:  # post-norm: the QKV input is x itself (a LayerNormLinearState is a LinearState)
+        qkv, new_state["qkv"] = fp8_linear(x, w_qkv, b_qkv, st["qkv"], recipe=recipe, grad_probe=pr["qkv"])
     else:
         qkv = _hp_linear(x, w_qkv, b_qkv)
 

@@ -123,6 +123,11 @@ def _normalize_tile(
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _row_stats(
     v,  # (BLOCK_M, BLOCK_K) fp32 rows (0 beyond K)
     mask,  # (BLOCK_M, BLOCK_K)
@@ -358,33 +363,40 @@ def _norm_bwd_kernel(
         mask_n = (rm_n < M)[:, None] & col_ok[None, :]
         dy_n = tl.load(dy_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
         s_n = tl.load(s_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+        rstd_n = tl.load(rstd_ptr + rm_n, mask=rm_n < M, other=0.0)
+        mean_n = rstd_n * 0.0
+        if not RMS:
+            mean_n = tl.load(mean_ptr + rm_n, mask=rm_n < M, other=0.0)
         # Step 2: persistent loop over row blocks; dx per row, dγ/dβ partials in registers.
         for blk in range(pid, num_blocks, num_programs):
             rm = rm_n
             mask = mask_n
             dy = dy_n.to(tl.float32)
             s = s_n.to(tl.float32)
-            row_ok = rm < M
-            rstd = tl.load(rstd_ptr + rm, mask=row_ok, other=0.0)
-            mean = rstd * 0.0
-            if not RMS:
-                mean = tl.load(mean_ptr + rm, mask=row_ok, other=0.0)
+            rstd = rstd_n
+            mean = mean_n
             offs = rm[:, None] * K + rk[None, :]
             dsv = dy
             if HAS_DS:
                 dsv = tl.load(ds_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            # prefetch the next row block while this one is reduced
+            # prefetch the next row block (and its statistics) while this one is reduced
             rm_n = rows + (blk + num_programs) * BLOCK_M
             mask_n = (rm_n < M)[:, None] & col_ok[None, :]
             dy_n = tl.load(dy_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
             s_n = tl.load(s_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
+            rstd_n = tl.load(rstd_ptr + rm_n, mask=rm_n < M, other=0.0)
+            if not RMS:
+                mean_n = tl.load(mean_ptr + rm_n, mask=rm_n < M, other=0.0)
             xh = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
             gdy = dy * g[None, :]
-            c2 = tl.sum(gdy * xh, axis=1) / K
             if RMS:
+                c2 = tl.sum(gdy * xh, axis=1) / K
                 dx = (gdy - xh * c2[:, None]) * rstd[:, None]
             else:
-                c1 = tl.sum(gdy, axis=1) / K
+                # both row sums in one reduction (one exchange between warps instead of two)
+                c1, c2 = tl.reduce((gdy, gdy * xh), 1, _add_pair)
+                c1 = c1 / K
+                c2 = c2 / K
                 dx = (gdy - c1[:, None] - xh * c2[:, None]) * rstd[:, None]
             if HAS_DS:
                 dx += dsv
@@ -491,18 +503,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _bwd_default(K: int) -> dict[str, Any]:
-    """Default backward launch config for rows of length K (H200 sweep: K=4096 one row, 4 warps,
-    2 programs per SM; K=8192 one row, 8 warps, 1 program per SM; 4 warps spill at K=8192)."""
+    """Default backward launch config for rows of length K (H200, scripts/probe_norm.py: K=4096 two
+    rows, 8 warps, 1 program per SM; K=8192 one row, 16 warps, 1 program per SM; shorter rows 4 warps,
+    2 programs per SM)."""
     bk = triton.next_power_of_2(K)
     if bk > _BWD_ROW_LIMIT:
         return dict(_BWD_CHUNKED_CFG)
-    warps = 4 if bk <= 4096 else 8
-    return {
-        "BLOCK_M": max(1, min(16, 2048 // bk)),
-        "BLOCK_K": bk,
-        "num_warps": warps,
-        "PROGRAMS_PER_SM": 2 if warps == 4 else 1,
-    }
+    if bk >= 4096:
+        return {"BLOCK_M": 2 if bk == 4096 else 1, "BLOCK_K": bk, "num_warps": 8 if bk == 4096 else 16,
+                "PROGRAMS_PER_SM": 1}
+    return {"BLOCK_M": max(1, min(16, 2048 // bk)), "BLOCK_K": bk, "num_warps": 4, "PROGRAMS_PER_SM": 2}
 
 
 def _check_pow2(name: str, cfg: dict[str, Any]) -> None:
