@@ -38,10 +38,10 @@ Kernels:
   (it is private to that program).
 
 Fast: large M with K in the low thousands, RMSNorm (whole rows in registers, one read of x, one
-write of each output; H200: 83 % of copy bandwidth for the RMSNorm FP8-out forward at 16384 x 8192,
-78-86 % for its backward). Slower: LayerNorm (two dependent reductions per row, 62-72 %), very large
-K (two sweeps per row), the transposed FP8 output (two sweeps of 32-row blocks, 42-45 %), tiny
-tensors (launch latency). See docs/kernels/norm.md and docs/benchmarks/norm.md.
+write of each output; H200: 75-83 % of copy bandwidth for the RMSNorm FP8-out forward, 79-93 % for
+its backward, 70-80 % for the LayerNorm backward). Slower: the LayerNorm forward (two dependent
+reductions per row, 62-65 %), very large K (two sweeps per row), the transposed FP8 output (two
+sweeps of 32-row blocks, 42-54 %), tensors (launch latency). See docs/kernels/norm.md and docs/benchmarks/norm.md.
 
 References: Ba et al., "Layer Normalization" (2016); Zhang & Sennrich, "Root Mean Square Layer
 Normalization" (2019); Chan, Golub & LeVeque, "Algorithms for computing the sample variance" (1983);
