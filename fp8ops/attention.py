@@ -1790,6 +1790,7 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: int | Tensor | None = None,
     deterministic: bool = False,
+    backend: str = "auto",
 ) -> tuple[Any, None]:
     """Scaled dot-product attention with score/mask mods, block sparsity, packed sequences and GQA.
 
@@ -1834,6 +1835,13 @@ def attention(
             ``block_mask``) accumulates dQ with float32 atomics inside the dK/dV kernel, the
             faster scheme there (docs/benchmarks/attention_mods.md); unmasked attention always
             uses the separate dQ kernel, which is faster without masks.
+        backend: ``"triton"`` (fp8ops's fused kernels), ``"sdpa"`` (PyTorch's
+            ``scaled_dot_product_attention``, cuDNN first, then flash) or ``"auto"``: on CUDA, SDPA
+            for the cases it covers — dense bf16/fp16 inputs without ``score_mod``, ``mask_mod``,
+            ``block_mask``, window or packed sequences (``causal`` allowed), without ``return_lse``,
+            ``deterministic`` or an explicit ``dropout_seed`` (SDPA draws its dropout mask from
+            torch's generator) — where cuDNN's attention is the faster kernel; Triton otherwise.
+            The CPU always runs the reference math.
 
     Returns:
         ``(out, None)`` where ``out`` is shaped like q with head dim Dv, or ``((out, lse), None)``
@@ -1972,7 +1980,19 @@ def attention(
             if buf.device != q.device:
                 raise ValueError(f"{where}: a tensor captured by {name} is on {buf.device}, q on {q.device}")
 
-    # Step 3: run, fused kernels on CUDA, the reference math elsewhere.
+    # Step 3: run: SDPA or the fused kernels on CUDA, the reference math elsewhere.
+    if backend not in ("auto", "triton", "sdpa"):
+        raise ValueError(f"{where}: backend must be 'auto', 'triton' or 'sdpa', got {backend!r}")
+    why_not_sdpa = _sdpa_unsupported(
+        q, v, nested=nested, varlen=varlen, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+        left=left, right=right, return_lse=return_lse, deterministic=deterministic, dropout_p=dropout_p,
+        dropout_seed=dropout_seed)
+    if backend == "sdpa" and why_not_sdpa is not None:
+        raise ValueError(f"{where}: backend='sdpa' cannot run this call ({why_not_sdpa}); use backend='triton'")
+    if backend != "triton" and why_not_sdpa is None:
+        q4, k4, v4 = (_ref.to_bhsd(t, layout) for t in (q, k, v))
+        out4 = _sdpa(q4, k4, v4, causal=right == 0, scale=sm_scale, dropout_p=dropout_p, gqa=hq != hkv)
+        return _ref.from_bhsd(out4, layout), None
     if _use_kernels(q):
         if max(d, v.shape[-1]) > 256:
             raise ValueError(f"{where}: head dims up to 256 are supported on CUDA, got {d} and {v.shape[-1]}")
@@ -2004,6 +2024,39 @@ def attention(
         if njt_transposed:
             out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return ((out, lse) if return_lse else out), None
+
+
+def _sdpa_unsupported(q: Tensor, v: Tensor, *, nested: bool, varlen: bool, score_mod: Any, mask_mod: Any,
+                      block_mask: Any, left: int | None, right: int | None, return_lse: bool,
+                      deterministic: bool, dropout_p: float, dropout_seed: Any) -> str | None:
+    """Why PyTorch's SDPA cannot run this call with fp8ops's semantics (None: it can)."""
+    reasons = [
+        (not q.is_cuda, "not on CUDA"),
+        (q.dtype not in (torch.bfloat16, torch.float16), "dtype is not bf16/fp16"),
+        (nested or varlen, "packed sequences"),
+        (score_mod is not None or mask_mod is not None or block_mask is not None, "a score/mask mod or block mask"),
+        (left is not None or right not in (None, 0), "a window"),
+        (return_lse, "return_lse"),
+        (deterministic, "deterministic=True"),
+        (dropout_p > 0.0 and dropout_seed is not None, "an explicit dropout_seed"),
+        (q.shape[-1] != v.shape[-1] or q.shape[-1] > 256 or q.shape[-1] % 8 != 0, "the head dims"),
+    ]
+    return next((why for bad, why in reasons if bad), None)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, dropout_p: float, gqa: bool) -> Tensor:
+    """PyTorch's fused attention on (B, H, S, D) views, cuDNN's kernel first, flash second."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call() -> Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+    if torch.compiler.is_compiling():  # the compiled graph keeps SDPA's own backend choice
+        return call()
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(order, set_priority=True):
+        return call()
 
 
 def _dq_mode(deterministic: bool, *, masked: bool) -> str:

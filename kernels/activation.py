@@ -132,26 +132,16 @@ def _dact(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _cast_fp8(v, DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, CVT_SATURATES: tl.constexpr):
-    # rne(sat(v)) in FP8. On the GPU the conversion (cvt.rn.satfinite) saturates by itself, with
-    # the same result as the explicit clamp (NaN stays NaN); elsewhere clamp first.
-    if CVT_SATURATES:
-        return v.to(DTYPE)
-    else:
-        return _saturate(v, FP8_MAX).to(DTYPE)
-
-
-@triton.jit
-def _tile_coords(num_g, num_n, GROUP_M: tl.constexpr):
-    # Programs in grouped order: GROUP_M row groups side by side, then the next column tile.
+def _tile_coords(num_m, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped along M so neighbouring programs write neighbouring rows of the transposed copy.
     pid = tl.program_id(0)
     per_group = GROUP_M * num_n
     group = pid // per_group
-    first_g = group * GROUP_M
-    size_g = tl.minimum(num_g - first_g, GROUP_M)
-    pid_g = first_g + (pid % per_group) % size_g
-    pid_n = (pid % per_group) // size_g
-    return pid, pid_g, pid_n
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid, pid_m, pid_n
 
 
 @triton.jit
@@ -168,7 +158,6 @@ def _act_fwd_kernel(
     F,
     stride_hm,
     num_m,  # number of row tiles (at least 1)
-    num_g,  # number of row groups of TILES row tiles: programs along M (at least 1)
     num_n,  # number of column tiles (at least 1)
     ACT: tl.constexpr,
     GATED: tl.constexpr,
@@ -183,19 +172,24 @@ def _act_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
-    TILES: tl.constexpr,
-    CVT_SATURATES: tl.constexpr,
 ):
-    # Step 1: this program's column tile and its row group of up to TILES row tiles.
-    pid, pid_g, pid_n = _tile_coords(num_g, num_n, GROUP_M)
+    # Step 1: tile coordinates.
+    pid, pid_m, pid_n = _tile_coords(num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = rn < F
-    first = pid_g * TILES
-    n_tiles = tl.minimum(num_m - first, TILES)
-    m_end = tl.minimum(M, (first + n_tiles).to(tl.int64) * BLOCK_M)
-    rm = first.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Step 2: the scale.
-    scale = 1.0
+    mask = (rm[:, None] < M) & (rn[None, :] < F)
+    # Step 2: load the tile of h (and of the gate half), activation in fp32.
+    h_rows = h_ptr + rm[:, None] * stride_hm
+    x = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        g = tl.load(h_rows + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = _act(x, ACT) * g
+    else:
+        a = _act(x, ACT)
+    # Step 3: the high-precision output.
+    if STORE_Y:
+        tl.store(y_ptr + rm[:, None] * F + rn[None, :], a.to(y_ptr.dtype.element_ty), mask=mask)
+    # Step 4: the FP8 cast with the given or just-in-time scale, and its transposed copy.
     if HAS_FP8:
         if SCALE_FROM_AMAX:
             scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
@@ -203,46 +197,15 @@ def _act_fwd_kernel(
             scale = tl.load(scale_ptr)
         if pid == 0:
             tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
-    # Step 3: load the first tile of h (and of the gate half).
-    mask = (rm[:, None] < m_end) & col_ok[None, :]
-    h_tile = h_ptr + rm[:, None] * stride_hm + rn[None, :]
-    x_next = tl.load(h_tile, mask=mask, other=0.0)
-    if GATED:
-        g_next = tl.load(h_tile + F, mask=mask, other=0.0)
-    row_max = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    for _ in range(n_tiles):
-        # Step 4: issue the next tile's loads before this tile's math and stores, so each
-        # program keeps a tile of reads in flight (all masked off after the last tile).
-        x = x_next.to(tl.float32)
-        if GATED:
-            g = g_next.to(tl.float32)
-        rm_next = rm + BLOCK_M
-        mask_next = (rm_next[:, None] < m_end) & col_ok[None, :]
-        h_tile = h_ptr + rm_next[:, None] * stride_hm + rn[None, :]
-        x_next = tl.load(h_tile, mask=mask_next, other=0.0)
-        if GATED:
-            g_next = tl.load(h_tile + F, mask=mask_next, other=0.0)
-            a = _act(x, ACT) * g
-        else:
-            a = _act(x, ACT)
-        # Step 5: the high-precision output.
-        if STORE_Y:
-            tl.store(y_ptr + rm[:, None] * F + rn[None, :], a.to(y_ptr.dtype.element_ty), mask=mask)
-        # Step 6: the FP8 cast and its transposed copy (a layout conversion through shared memory).
-        if HAS_FP8:
-            q = _cast_fp8(a * scale, q_ptr.dtype.element_ty, FP8_MAX, CVT_SATURATES)
-            if STORE_Q:
-                tl.store(q_ptr + rm[:, None] * F + rn[None, :], q, mask=mask)
-            if TRANSPOSE:
-                tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
-        # Step 7: amax on the float bits, reduced along the rows only (within a warp); masked
-        # elements hold act(0) * 0 = 0, so they need no select.
-        bits = tl.abs(a).to(tl.int32, bitcast=True)
-        row_max = tl.maximum(row_max, tl.max(bits, axis=1))
-        rm = rm_next
-        mask = mask_next
-    # Step 8: one atomic per program.
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(row_max, axis=0), sem="relaxed")
+        q = _saturate(a * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+        if STORE_Q:
+            tl.store(q_ptr + rm[:, None] * F + rn[None, :], q, mask=mask)
+        if TRANSPOSE:
+            tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    # Step 5: amax of the tile on the float bits, one atomic per program.
+    bits = tl.where(mask, tl.abs(a), 0.0).to(tl.int32, bitcast=True)
+    tile_max = tl.max(tl.max(bits, axis=1), axis=0)
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile_max, sem="relaxed")
 
 
 @triton.jit
@@ -251,27 +214,33 @@ def _bwd_epilogue(
     rm,  # (BLOCK_M,) int64 row indices
     cols,  # (BLOCK_N,) int64 column indices into C
     mask,  # (BLOCK_M, BLOCK_N) valid elements
+    col_ok,  # (BLOCK_N,) valid columns of this half
     scale,  # fp32 scale (unused without HAS_FP8)
     dh_ptr,  # (M, C) output in h's dtype, contiguous
     q_ptr,  # (M, C) fp8 output, contiguous
     qt_ptr,  # (C, M) fp8 output, contiguous
+    part_ptr,  # (num_m, C) fp32 partial column sums
+    pid_m,
     M,
     C,
     HAS_FP8: tl.constexpr,
     STORE_DH: tl.constexpr,
     TRANSPOSE: tl.constexpr,
+    DBIAS: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    CVT_SATURATES: tl.constexpr,
 ):
+    d = tl.where(mask, d, 0.0)
     if STORE_DH:
         tl.store(dh_ptr + rm[:, None] * C + cols[None, :], d.to(dh_ptr.dtype.element_ty), mask=mask)
     if HAS_FP8:
-        q = _cast_fp8(d * scale, q_ptr.dtype.element_ty, FP8_MAX, CVT_SATURATES)
+        q = _saturate(d * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm[:, None] * C + cols[None, :], q, mask=mask)
         if TRANSPOSE:
             tl.store(qt_ptr + cols[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
-    # Row maxima of |d| on the float bits (a reduction within a warp).
-    return tl.max(tl.abs(d).to(tl.int32, bitcast=True), axis=1)
+    if DBIAS:
+        tl.store(part_ptr + pid_m.to(tl.int64) * C + cols, tl.sum(d, axis=0), mask=col_ok)
+    bits = tl.abs(d).to(tl.int32, bitcast=True)
+    return tl.max(tl.max(bits, axis=1), axis=0)
 
 
 @triton.jit
@@ -281,7 +250,7 @@ def _act_bwd_kernel(
     dh_ptr,  # (M, C) output in h's dtype, contiguous (written when STORE_DH)
     q_ptr,  # (M, C) fp8 output, contiguous (written when HAS_FP8)
     qt_ptr,  # (C, M) fp8 output, contiguous: the transposed copy (written when TRANSPOSE)
-    part_ptr,  # (num_g, C) fp32 partial column sums of dh32, one row per row group (written when DBIAS)
+    part_ptr,  # (num_m, C) fp32 partial column sums of dh32 (written when DBIAS)
     scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
     amax_in_ptr,  # () fp32 amax of dh32 (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
@@ -291,7 +260,6 @@ def _act_bwd_kernel(
     stride_dam,
     stride_hm,
     num_m,  # number of row tiles (at least 1)
-    num_g,  # number of row groups of TILES row tiles: programs along M (at least 1)
     num_n,  # number of column tiles over F (at least 1)
     ACT: tl.constexpr,
     GATED: tl.constexpr,
@@ -306,18 +274,13 @@ def _act_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
-    TILES: tl.constexpr,
-    CVT_SATURATES: tl.constexpr,
 ):
-    # Step 1: this program's column tile (over the (M, F) grid of da) and its row group.
-    pid, pid_g, pid_n = _tile_coords(num_g, num_n, GROUP_M)
+    # Step 1: tile coordinates (over the (M, F) grid of da).
+    pid, pid_m, pid_n = _tile_coords(num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = rn < F
-    first = pid_g * TILES
-    n_tiles = tl.minimum(num_m - first, TILES)
-    m_end = tl.minimum(M, (first + n_tiles).to(tl.int64) * BLOCK_M)
-    rm = first.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    C = 2 * F if GATED else F
+    mask = (rm[:, None] < M) & col_ok[None, :]
     # Step 2: the scale.
     scale = 1.0
     if HAS_FP8:
@@ -327,58 +290,25 @@ def _act_bwd_kernel(
             scale = tl.load(scale_ptr)
         if pid == 0:
             tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
-    # Step 3: load the first tiles of da and h.
-    mask = (rm[:, None] < m_end) & col_ok[None, :]
-    da_next = tl.load(da_ptr + rm[:, None] * stride_dam + rn[None, :], mask=mask, other=0.0)
-    h_tile = h_ptr + rm[:, None] * stride_hm + rn[None, :]
-    x_next = tl.load(h_tile, mask=mask, other=0.0)
+    # Step 3: load da and h once; the gradient in fp32 and the epilogue of each half.
+    da = tl.load(da_ptr + rm[:, None] * stride_dam + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    h_rows = h_ptr + rm[:, None] * stride_hm
+    x = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     if GATED:
-        g_next = tl.load(h_tile + F, mask=mask, other=0.0)
-    row_max = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    sum_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    sum_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(n_tiles):
-        # Step 4: issue the next tile's loads before this tile's math and stores (all masked
-        # off after the last tile).
-        da = da_next.to(tl.float32)
-        x = x_next.to(tl.float32)
-        if GATED:
-            g = g_next.to(tl.float32)
-        rm_next = rm + BLOCK_M
-        mask_next = (rm_next[:, None] < m_end) & col_ok[None, :]
-        da_next = tl.load(da_ptr + rm_next[:, None] * stride_dam + rn[None, :], mask=mask_next, other=0.0)
-        h_tile = h_ptr + rm_next[:, None] * stride_hm + rn[None, :]
-        x_next = tl.load(h_tile, mask=mask_next, other=0.0)
-        if GATED:
-            g_next = tl.load(h_tile + F, mask=mask_next, other=0.0)
-        # Step 5: the gradient in fp32 and the epilogue of each half. Masked elements are
-        # 0 * act'(0) = 0 (da, h and the gate load as 0), so they need no select.
-        if GATED:
-            d_a = (da * g) * _dact(x, ACT)
-            d_b = da * _act(x, ACT)
-            m1 = _bwd_epilogue(d_a, rm, rn, mask, scale, dh_ptr, q_ptr, qt_ptr, M, C,
-                               HAS_FP8, STORE_DH, TRANSPOSE, FP8_MAX, CVT_SATURATES)
-            m2 = _bwd_epilogue(d_b, rm, rn + F, mask, scale, dh_ptr, q_ptr, qt_ptr, M, C,
-                               HAS_FP8, STORE_DH, TRANSPOSE, FP8_MAX, CVT_SATURATES)
-            row_max = tl.maximum(row_max, tl.maximum(m1, m2))
-            if DBIAS:
-                sum_b += d_b
-        else:
-            d_a = da * _dact(x, ACT)
-            row_max = tl.maximum(row_max, _bwd_epilogue(d_a, rm, rn, mask, scale, dh_ptr, q_ptr, qt_ptr, M, C,
-                                                        HAS_FP8, STORE_DH, TRANSPOSE, FP8_MAX, CVT_SATURATES))
-        # Step 6: the bias gradient accumulates elementwise in registers over the row group.
-        if DBIAS:
-            sum_a += d_a
-        rm = rm_next
-        mask = mask_next
-    # Step 7: the row group's column sums (one store per column) and the amax (one atomic).
-    if DBIAS:
-        part_row = part_ptr + pid_g.to(tl.int64) * C
-        tl.store(part_row + rn, tl.sum(sum_a, axis=0), mask=col_ok)
-        if GATED:
-            tl.store(part_row + F + rn, tl.sum(sum_b, axis=0), mask=col_ok)
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(row_max, axis=0), sem="relaxed")
+        C = 2 * F
+        g = tl.load(h_rows + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        d_a = (da * g) * _dact(x, ACT)
+        d_b = da * _act(x, ACT)
+        m1 = _bwd_epilogue(d_a, rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr, pid_m, M, C,
+                           HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+        m2 = _bwd_epilogue(d_b, rm, rn + F, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr, pid_m, M, C,
+                           HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+        tile_max = tl.maximum(m1, m2)
+    else:
+        tile_max = _bwd_epilogue(da * _dact(x, ACT), rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr,
+                                 pid_m, M, F, HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+    # Step 4: the amax, one atomic per program.
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile_max, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,8 +316,8 @@ def _act_bwd_kernel(
 
 # Defaults measured on an H200 (scripts/time_activation.py, bf16 8192 x 16384 and 8192 x 32768): a
 # forward tile of 64 x 128 with 4 warps ran 1.3-1.6x slower than 32 x 128 (register pressure).
-_FWD_CFG = {"BLOCK_M": 32, "BLOCK_N": 128, "GROUP_M": 8, "TILES": 1, "num_warps": 4, "maxnreg": None}
-_BWD_CFG = {"BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 1, "TILES": 16, "num_warps": 4, "maxnreg": None}
+_FWD_CFG = {"BLOCK_M": 32, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4}
+_BWD_CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4}
 
 
 def _check_act(name: str, act: str) -> tuple[str, bool]:
@@ -432,10 +362,8 @@ def _fp8_setup(
     return _FP8_MAX[out_dtype], torch.empty((), dtype=torch.float32, device=h.device)
 
 
-def _tiles(M: int, N: int, cfg: dict[str, Any]) -> tuple[int, int, int]:
-    """(row tiles, row groups of TILES row tiles, column tiles), each at least 1."""
-    num_m = max(1, triton.cdiv(M, cfg["BLOCK_M"]))
-    return num_m, triton.cdiv(num_m, cfg["TILES"]), max(1, triton.cdiv(N, cfg["BLOCK_N"]))
+def _tiles(M: int, N: int, cfg: dict[str, Any]) -> tuple[int, int]:
+    return max(1, triton.cdiv(M, cfg["BLOCK_M"])), max(1, triton.cdiv(N, cfg["BLOCK_N"]))
 
 
 def act_fwd_launch(
@@ -485,14 +413,13 @@ def act_fwd_launch(
     amax = torch.zeros((), dtype=torch.float32, device=dev)
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=dev)
-    num_m, num_g, num_n = _tiles(M, F, cfg)
-    _act_fwd_kernel[(num_g * num_n,)](
+    num_m, num_n = _tiles(M, F, cfg)
+    _act_fwd_kernel[(num_m * num_n,)](
         h, y, q, qt, scale, amax_in if amax_in is not None else amax, amax, inv if has_fp8 else amax,
-        M, F, h.stride(0), num_m, num_g, num_n,
+        M, F, h.stride(0), num_m, num_n,
         ACT=ACT, GATED=gated, HAS_FP8=has_fp8, STORE_Y=bool(store_y), STORE_Q=store_q, TRANSPOSE=transpose,
         FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], TILES=cfg["TILES"],
-        CVT_SATURATES=h.is_cuda, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
     )
     return y, q, qt, amax, inv
 
@@ -550,19 +477,18 @@ def act_bwd_launch(
     q = torch.empty((M, C), dtype=qdt, device=dev) if has_fp8 else torch.empty(0, dtype=qdt, device=dev)
     qt = torch.empty((C, M), dtype=qdt, device=dev) if transpose else torch.empty(0, dtype=qdt, device=dev)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
-    num_m, num_g, num_n = _tiles(M, F, cfg)
-    part = torch.empty((num_g, C), dtype=torch.float32, device=dev) if dbias else amax
+    num_m, num_n = _tiles(M, F, cfg)
+    part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else amax
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=dev)
-    _act_bwd_kernel[(num_g * num_n,)](
+    _act_bwd_kernel[(num_m * num_n,)](
         da, h, dh, q, qt, part, scale, amax_in if amax_in is not None else amax, amax, inv if has_fp8 else amax,
-        M, F, da.stride(0), h.stride(0), num_m, num_g, num_n,
+        M, F, da.stride(0), h.stride(0), num_m, num_n,
         ACT=ACT, GATED=gated, HAS_FP8=has_fp8, STORE_DH=bool(store_dh), TRANSPOSE=transpose, DBIAS=bool(dbias),
         FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], TILES=cfg["TILES"],
-        CVT_SATURATES=h.is_cuda, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
     )
-    # Finalize the bias gradient: a fixed-order sum over the row groups' partial sums.
+    # Finalize the bias gradient: a fixed-order sum over the row tiles' partial sums.
     db = part.sum(dim=0) if dbias else h.new_empty(0, dtype=torch.float32)
     return dh, q, qt, amax, inv, db
 

@@ -768,3 +768,15 @@ def test_deterministic_flag_is_validated_and_masks_choose_the_dq_scheme():
     assert A._dq_mode(False, masked=True) == "atomic"
     assert A._dq_mode(True, masked=True) == "separate"
     assert A._dq_mode(False, masked=False) == "separate"
+
+
+def test_backend_argument_is_validated():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="backend must be"):
+        fp8ops.attention(q, q, q, backend="cudnn")
+    with pytest.raises(ValueError, match="backend='sdpa' cannot run this call .not on CUDA"):
+        fp8ops.attention(q, q, q, backend="sdpa")
+    why = A._sdpa_unsupported(q, q, nested=False, varlen=False, score_mod=None, mask_mod=None, block_mask=None,
+                              left=None, right=0, return_lse=False, deterministic=False, dropout_p=0.0,
+                              dropout_seed=None)
+    assert why == "not on CUDA"

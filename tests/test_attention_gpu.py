@@ -316,3 +316,19 @@ def test_torch_func_grad_and_vmap_of_grad():
         qq = qs[i].clone().requires_grad_()
         loss(qq).backward()
         assert (vg[i].float() - qq.grad.float()).abs().max() <= 1e-6 * float(qq.grad.abs().max())
+
+
+def test_auto_backend_uses_sdpa_where_it_applies_and_matches_triton():
+    q, k, v = _qkv(2, 8, 2, 512, 512, 128, BF16)
+    outs = {}
+    for backend in ("auto", "triton", "sdpa"):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = A.attention(qq, kk, vv, causal=True, backend=backend)[0]
+        outs[backend] = (out, *_grads(out, None, [qq, kk, vv], 5))
+    assert torch.equal(outs["auto"][0], outs["sdpa"][0])  # auto took SDPA (its forward is deterministic)
+    for a, b in zip(outs["auto"][1:], outs["sdpa"][1:]):
+        assert (a.float() - b.float()).abs().max() <= 1e-3 * float(b.float().abs().max())
+    for a, b in zip(outs["sdpa"], outs["triton"]):
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * float(b.float().abs().max())
+    with pytest.raises(ValueError, match="backend='sdpa' cannot run this call .a window"):
+        A.attention(q, k, v, window=64, backend="sdpa")

@@ -106,7 +106,7 @@ def _fp8ops_fn(variant: str, S: int, H: int, docs: torch.Tensor | None, dq_mode:
         kw = dict(block_mask=A.create_block_mask(mm, None, None, S, S, device="cuda"))
     if fwd_config is None and bwd_config is None and dq_mode in (None, "separate"):
         # the public op: its default dQ scheme, or deterministic=True for the separate dQ kernel
-        return lambda q, k, v: A.attention(q, k, v, deterministic=dq_mode == "separate", **kw)[0]
+        return lambda q, k, v: A.attention(q, k, v, deterministic=dq_mode == "separate", backend="triton", **kw)[0]
     dq_mode = dq_mode or "separate"
     left, right = R.normalize_window(kw.get("window"), kw.get("causal", False))
     bm = kw.get("block_mask")
