@@ -376,8 +376,6 @@ def train(
         opt.zero_grad(set_to_none=True)
         if fp8:  # once per optimizer step: forward observations + probe gradients in, new scales out
             grads = pytree.tree_map(lambda p: p.grad, probes)
-            # the state carries observations, never autograd history, from one step to the next
-            new_states = pytree.tree_map(lambda t: t.detach(), new_states)
             states = fp8ops.update(new_states, recipe=recipe, grad_amax=grads)
         losses.append(loss.detach())
         done = step + 1

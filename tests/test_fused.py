@@ -15,6 +15,7 @@ from fp8ops import (
     LayerNormMLPState,
 )
 from fp8ops.reference import fused as R
+from fp8ops.reference import norm as RN
 
 DELAYED = DelayedScaling(amax_history_len=4)
 RECIPES = {"none": None, "delayed": DELAYED, "current": CurrentScaling(), "rowwise": CurrentScaling(granularity="row")}
@@ -124,7 +125,7 @@ def test_layernorm_linear_returns_differentiable_layernorm_output():
     torch.autograd.backward([y, ln], [dy, dln_extra])
     # the extra gradient flows through the norm's backward, added to the dgrad output
     x32 = x.clone().requires_grad_()
-    lnr = R.norm(x32, ln_w, ln_b, rms=False, eps=1e-5, zero_centered=False)
+    lnr = RN.norm32(x32, ln_w, ln_b, rms=False, eps=1e-5, zero_centered_gamma=False)
     (dx_extra,) = torch.autograd.grad(lnr, x32, dln_extra)
     assert _rel(leaves[0].grad, ref["dx"] + dx_extra) < 1e-4
 
@@ -394,3 +395,25 @@ def test_update_after_a_step_uses_probe_observations():
     assert st3.fc1_grad_output.calibrated and st3.fc2_grad_output.calibrated
     torch.testing.assert_close(st3.fc1_grad_output.amax_history[0], probes.grad[0])
     torch.testing.assert_close(st3.fc2_grad_output.amax_history[0], probes.grad[1])
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CurrentScaling()], ids=["delayed", "current"])
+def test_returned_states_carry_no_autograd_history(recipe):
+    """A state is passed from step to step; a tensor with a grad_fn in it would keep the step's graph
+    alive and make the next backward fail. Every op returns observations only."""
+    cfg = fp8ops.TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                                   hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal")
+    params = {k: v.requires_grad_() for k, v in fp8ops.init_transformer_params(cfg).items()}
+    x = torch.randn(6, 2, 32, requires_grad=True)
+    st = fp8ops.init_transformer_state(cfg, recipe)
+    probes = fp8ops.make_probes(st)
+    y, st2 = fp8ops.transformer_layer(params, x, st, config=cfg, recipe=recipe, probes=probes)
+    w = torch.randn(16, 32, requires_grad=True)
+    _, lin_st = fp8ops.fp8_linear(x, w, None, fp8ops.LinearState.init(recipe), recipe=recipe)
+    for tree in (st2, lin_st):
+        leaves = torch.utils._pytree.tree_leaves(tree)
+        assert leaves and not any(t.requires_grad for t in leaves)
+    y.sum().backward()
+    st3 = fp8ops.update(st2, recipe=recipe, grad_amax=torch.utils._pytree.tree_map(lambda p: p.grad, probes))
+    y, _ = fp8ops.transformer_layer(params, x, st3, config=cfg, recipe=recipe, probes=fp8ops.make_probes(st3))
+    y.sum().backward()  # a second step from the updated state

@@ -295,6 +295,17 @@ def copy_bandwidth(nbytes: int = 2**30, *, samples: int = 30) -> dict[str, Any]:
     }
 
 
+def copy_bandwidth_again(start_tbps: float, notes: list[str], *, quick: bool, samples: int) -> dict[str, Any]:
+    """The copy ceiling measured again at the end of a run; a drift of more than 3 % from
+    ``start_tbps`` (the card's state changed mid-run) is added to ``notes``."""
+    end = copy_bandwidth(2**29 if quick else 2**30, samples=samples)
+    drift = abs(end["tbps"] / start_tbps - 1.0)
+    if drift > 0.03:
+        notes.append(f"copy ceiling moved by {100 * drift:.1f}% during the run "
+                     f"({start_tbps:.3f} -> {end['tbps']:.3f} TB/s): treat small differences as noise")
+    return end
+
+
 def tbps(nbytes: float, us: float) -> float:
     """Bytes over microseconds, in TB/s (1e12 bytes per second)."""
     return nbytes / us / 1e6

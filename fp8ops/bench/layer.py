@@ -151,7 +151,7 @@ def _fp8ops_case(seed_state: dict[str, Tensor], config: Any, recipe: Any, x0: Te
         y, new_state = transformer_layer(params, x0, state, config=config, recipe=recipe, probes=probes)
         y.backward(dy0)
         grads = pytree.tree_map(lambda p: p.grad, probes)
-        state = fp8ops.update(pytree.tree_map(lambda t: t.detach(), new_state), recipe=recipe, grad_amax=grads)
+        state = fp8ops.update(new_state, recipe=recipe, grad_amax=grads)
         for t in [*params.values(), x0]:
             t.grad = None
         del y, new_state, probes, grads

@@ -43,7 +43,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
 from . import common
 
@@ -162,9 +161,6 @@ def _fp8ops_case(w: dict[str, Tensor], activation: str, recipe: Any, x0: Tensor,
         probes = torch.zeros(2, device="cuda", requires_grad=True)
         y, new_state = mlp(x0, state, probes)
         y.backward(dy0)
-        # the state carries observations, never autograd history (which would keep this step's
-        # graph, and its gradient accumulators, alive)
-        new_state = pytree.tree_map(lambda t: t.detach(), new_state)
         state = fp8ops.update(new_state, recipe=recipe, grad_amax=probes.grad)
         del y
         for t in list(w.values()) + [x0]:

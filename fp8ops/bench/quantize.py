@@ -438,12 +438,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # Step 3: the ceiling again (a drift between the two says the card's state changed mid-run).
     progress.step("copy ceiling again")
-    ceiling_end = common.copy_bandwidth(2**29 if quick else 2**30, samples=samples)
+    ceiling_end = common.copy_bandwidth_again(cbw, notes, quick=quick, samples=samples)
     record["ceiling"]["end"] = ceiling_end
-    drift = abs(ceiling_end["tbps"] / cbw - 1.0)
-    if drift > 0.03:
-        notes.append(f"copy ceiling moved by {100 * drift:.1f}% during the run "
-                     f"({cbw:.3f} -> {ceiling_end['tbps']:.3f} TB/s): treat small differences as noise")
 
     # Output: table, JSON, plot.
     print()

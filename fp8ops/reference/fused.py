@@ -1,7 +1,7 @@
 """FP32 references for :func:`fp8ops.layernorm_linear` and :func:`fp8ops.fused_ln_mlp`.
 
-Written from the equations, forward and backward by hand: the norm and the activation are plain
-float32 PyTorch (their derivatives through ``torch.autograd.grad`` of the float32 formula), every
+Written from the equations, forward and backward by hand: the norm and the activation are the
+float32 references of those ops (their derivatives through ``torch.autograd.grad``), every
 GEMM operand is quantized-dequantized with the op's rule (:func:`fp8ops.reference.linear.qdq`) and
 multiplied in float32. Intermediates the op stores in the input precision (fc1's output h, the
 dgrad outputs) are rounded to it here too, so that the comparison isolates the kernels.
@@ -9,54 +9,18 @@ dgrad outputs) are rounded to it here too, so that the comparison isolates the k
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..recipes import Recipe
+from .activation import activation
 from .linear import qdq
+from .norm import norm32
 from .quantize import amax
 
-__all__ = ["activation", "fused_ln_mlp", "layernorm_linear", "norm"]
-
-_GATED = ("swiglu", "geglu", "reglu")
-
-
-def norm(x: Tensor, w: Tensor, b: Tensor | None, *, rms: bool, eps: float, zero_centered: bool) -> Tensor:
-    """LayerNorm / RMSNorm of the rows of ``x`` (float32 math, differentiable)."""
-    x = x.to(torch.float32)
-    g = w.to(torch.float32) + (1.0 if zero_centered else 0.0)
-    if rms:
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    else:
-        mu = x.mean(-1, keepdim=True)
-        y = (x - mu) * torch.rsqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
-    y = y * g
-    return y if b is None else y + b.to(torch.float32)
-
-
-def _gelu_tanh(t: Tensor) -> Tensor:
-    return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t**3)))
-
-
-def activation(h: Tensor, act: str) -> Tensor:
-    """The MLP activation in float32 (gated ones take h = [a | b])."""
-    h = h.to(torch.float32)
-    if act in _GATED:
-        a, b = h.chunk(2, dim=-1)
-        inner = {"swiglu": torch.nn.functional.silu, "geglu": _gelu_tanh, "reglu": torch.relu}[act]
-        return inner(a) * b
-    fns = {
-        "gelu": lambda t: 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0))),
-        "gelu_tanh": _gelu_tanh,
-        "relu": torch.relu,
-        "squared_relu": lambda t: torch.relu(t) ** 2,
-        "silu": torch.nn.functional.silu,
-        "qgelu": lambda t: t * torch.sigmoid(1.702 * t),
-    }
-    return fns[act](h)
+__all__ = ["fused_ln_mlp", "layernorm_linear"]
 
 
 def _scales(state: Any, names: tuple[str, ...]) -> list[tuple[Tensor | None, bool]]:
@@ -84,7 +48,7 @@ def layernorm_linear(
     x32 = x.detach().reshape(-1, K).to(torch.float32).requires_grad_()
     g = ln_w.detach().to(torch.float32).requires_grad_()
     beta = None if ln_b is None else ln_b.detach().to(torch.float32).requires_grad_()
-    ln = norm(x32, g, beta, rms=normalization == "RMSNorm", eps=eps, zero_centered=zero_centered_gamma)
+    ln = norm32(x32, g, beta, rms=normalization == "RMSNorm", eps=eps, zero_centered_gamma=zero_centered_gamma)
     lnv = ln.detach()
     fp8 = recipe is not None
     sx, sw, sg = _scales(state, ("input", "weight", "grad_output")) if fp8 else [(None, False)] * 3
@@ -120,7 +84,7 @@ def fused_ln_mlp(
     x32 = x.detach().reshape(-1, K).to(torch.float32).requires_grad_()
     g = ln_w.detach().to(torch.float32).requires_grad_()
     beta = None if ln_b is None else ln_b.detach().to(torch.float32).requires_grad_()
-    ln = norm(x32, g, beta, rms=normalization == "RMSNorm", eps=eps, zero_centered=zero_centered_gamma)
+    ln = norm32(x32, g, beta, rms=normalization == "RMSNorm", eps=eps, zero_centered_gamma=zero_centered_gamma)
     lnv = ln.detach()
     fp8 = recipe is not None
     names = ("fc1_input", "fc1_weight", "fc1_grad_output", "fc2_input", "fc2_weight", "fc2_grad_output")

@@ -28,7 +28,7 @@ from ..recipes import compute_scale
 from .quantize import amax as _amax
 from .quantize import saturating_cast
 
-__all__ = ["layer_norm", "norm_amax", "norm_bwd", "norm_fwd", "rms_norm"]
+__all__ = ["layer_norm", "norm32", "norm_amax", "norm_bwd", "norm_fwd", "rms_norm"]
 
 
 def _sum_input(x: Tensor, residual: Tensor | None) -> Tensor:
@@ -142,6 +142,12 @@ def norm_bwd(
     dweight = (dy32 * xh).sum(dim=0).to(weight.dtype)
     dbias = dy32.sum(dim=0).to(weight.dtype) if has_bias else weight.new_empty(0)
     return dx.to(s.dtype), dweight, dbias
+
+
+def norm32(x: Tensor, weight: Tensor, bias: Tensor | None, *, eps: float, rms: bool,
+           zero_centered_gamma: bool) -> Tensor:
+    """The normalised output of the rows of ``x`` (M, K) in float32, differentiable with autograd."""
+    return _y32(x, None, weight, bias, eps, rms, zero_centered_gamma)[1]
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, *, eps: float = 1e-5,
