@@ -16,7 +16,7 @@ Implementations (all from the same weights):
   four Linear modules converted by ``torchao.float8.convert_to_float8_training``, compiled;
 - ``fp8ops bf16``: :func:`fp8ops.transformer.transformer_layer` with ``recipe=None``;
   ``fp8ops delayed`` (state calibrated by one real step, fresh probes each step),
-  ``fp8ops current`` (per-tensor current scaling), ``fp8ops delayed + compile``
+  ``fp8ops current`` (per-tensor current scaling), ``fp8ops current row-wise``, ``fp8ops delayed + compile``
   (``torch.compile(fullgraph=True)``).
 
 Measured: the step time (median of CUDA-event-timed loops of plain launches after warm-up, what an
@@ -306,6 +306,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
          lambda x0, dy0: _fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x0, dy0)),
         ("fp8ops current", torch.bfloat16,
          lambda x0, dy0: _fp8ops_case(seed_state, config, fp8ops.CurrentScaling(), x0, dy0)),
+        ("fp8ops current row-wise", torch.bfloat16,
+         lambda x0, dy0: _fp8ops_case(seed_state, config, fp8ops.CurrentScaling(granularity="row"), x0, dy0)),
     ]
     if not args.no_compile:
         impls.append(("fp8ops delayed + compile", torch.bfloat16,
@@ -329,7 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             step, eval_step, params = make(*x_sets[0])
             fn = common.clearing_grads(step, params)
-            if label in ("basic SDPA bf16", "fp8ops bf16", FP8OPS, "fp8ops current"):
+            if label in ("basic SDPA bf16", "fp8ops bf16", FP8OPS, "fp8ops current", "fp8ops current row-wise"):
                 x, dy = x_sets[0]
                 y = common.clearing_grads(eval_step, params)(x, dy)
                 checks[label] = (y.detach().clone(), x.grad.detach().clone())
@@ -427,7 +429,8 @@ def _checks(checks: dict[str, tuple[Tensor, Tensor]]) -> list[str]:
     if ref is None:
         return ["checks: the basic SDPA bf16 layer did not run; nothing to compare with"]
     # (label, bound on the output, bound on the input gradient)
-    for label, *bounds in (("fp8ops bf16", 2e-2, 2e-2), (FP8OPS, 0.1, 0.2), ("fp8ops current", 0.1, 0.2)):
+    for label, *bounds in (("fp8ops bf16", 2e-2, 2e-2), (FP8OPS, 0.1, 0.2), ("fp8ops current", 0.1, 0.2),
+                           ("fp8ops current row-wise", 0.1, 0.2)):
         if label not in checks:
             continue
         for i, what in enumerate(("output", "input gradient")):
