@@ -170,6 +170,9 @@ class _LayerNormLinear(torch.autograd.Function):
         _, ln, _, _, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t = output
         # one call: a second mark_non_differentiable replaces the first set
         ctx.mark_non_differentiable(*output[2:], *(() if cfg.return_ln else (ln,)))
+        # No zero gradients for the outputs that never get one; dy or dln_out may then be None.
+        ctx.set_materialize_grads(False)
+        ctx.y_shape = output[0].shape
         keep_ln = cfg.need_dw and cfg.wgrad[0] != "fp8"
         keep_w = cfg.need_dx and cfg.dgrad[0] != "fp8"
         ctx.save_for_backward(
@@ -180,12 +183,14 @@ class _LayerNormLinear(torch.autograd.Function):
         ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor, dln_out: Tensor | None, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: Tensor | None, dln_out: Tensor | None, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
         x, ln_w, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t, g_scale, ln, w = ctx.saved_tensors
         cfg: _Cfg = ctx.cfg
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dx = dln_w = dln_b = dw = db = None
         with torch.no_grad():
+            if dy is None:  # only the returned norm output is used downstream
+                dy = torch.zeros(ctx.y_shape, dtype=x_dtype, device=ln_w.device)
             dy = dy.contiguous()
             fp8_dgrad = cfg.need_dx and cfg.dgrad[0] == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad[0] == "fp8"

@@ -251,6 +251,7 @@ class _FP8Linear(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg = inputs
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # no zero gradients for the outputs that never get one
         _, _, _, xq_t, x_inv_t, wq_t, w_inv_t = output
         if cfg.use_cache:
             wq_t, w_inv_t = c_data_t, (c_inv_t if c_inv_t is not None else c_inv)

@@ -16,9 +16,16 @@ Backward::
     dx, dg, dbeta = norm_backward(dln)
 
 Saved for the backward: x, the norm statistics, lnq^T, the FP8 weights' transposed copies, h and
-aq^T. ``recompute="activation"`` drops aq^T and recomputes it from h in the backward (same scale,
-same bits). Six tensor roles are quantized, each with its own scaling state; the two gradient roles
-report through one probe of shape (2,) (``make_probes``).
+aq^T. ``recompute="activation"`` (with FP8) stores fc1's output in FP8 instead, hq = q(h) (E4M3,
+role ``fc1_output``), and saves neither h nor aq^T: the forward's activation reads dq(hq), and the
+backward recomputes aq^T from hq (same scale, same bits) and the activation gradient from dq(hq)::
+
+    hq = q(h);  aq = q(act(dq(hq)))           forward: the activation's input is the stored hq
+    aq^T = q(act(dq(hq)))^T;  dh = da * act'(dq(hq))     backward
+
+so the backward is the gradient of exactly the function the forward computed. Seven tensor roles
+are quantized, each with its own scaling state (``fc1_output`` only with recompute); the two
+gradient roles report through one probe of shape (2,) (``make_probes``).
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from .linear import (
     gemm_wgrad,
     quantize_weight_operands,
 )
-from .quantize import QuantSpec
+from .quantize import QuantSpec, quantize_2d
 from .recipes import Recipe
 from .state import OpState, ScalingState
 
@@ -61,11 +68,13 @@ _ops = torch.ops.fp8ops
 
 
 class LayerNormMLPState(OpState):
-    """State of one :func:`fused_ln_mlp` call site: input, weight and output gradient of fc1 and fc2.
+    """State of one :func:`fused_ln_mlp` call site: input, weight and output gradient of fc1 and fc2,
+    and fc1's output.
 
-    ``fc1_input`` is the normalised input, ``fc2_input`` the activation's output. The probe of a
-    ``LayerNormMLPState`` (from :func:`fp8ops.make_probes`) has shape (2,): amax of fc1's and of
-    fc2's output gradient.
+    ``fc1_input`` is the normalised input, ``fc2_input`` the activation's output, ``fc1_output``
+    the FP8 copy of fc1's output that ``recompute="activation"`` stores (observed only then). The
+    probe of a ``LayerNormMLPState`` (from :func:`fp8ops.make_probes`) has shape (2,): amax of
+    fc1's and of fc2's output gradient.
 
     Example:
         >>> import fp8ops
@@ -77,6 +86,7 @@ class LayerNormMLPState(OpState):
     ROLES: ClassVar[dict[str, Role]] = {
         "fc1_input": "forward", "fc1_weight": "forward", "fc1_grad_output": "backward",
         "fc2_input": "forward", "fc2_weight": "forward", "fc2_grad_output": "backward",
+        "fc1_output": "forward",
     }
     PROBE_ROLES: ClassVar[tuple[str, ...]] = ("fc1_grad_output", "fc2_grad_output")
     fc1_input: ScalingState
@@ -85,20 +95,22 @@ class LayerNormMLPState(OpState):
     fc2_input: ScalingState
     fc2_weight: ScalingState
     fc2_grad_output: ScalingState
+    fc1_output: ScalingState
 
 
 def act_operands(
     h: Tensor, act: str, scale: Tensor | None, spec: QuantSpec | None, *, need_q: bool, need_t: bool,
-    need_hp: bool, amax_in: Tensor | None = None,
+    need_hp: bool, amax_in: Tensor | None = None, h_inv: Tensor | None = None, hp_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
     """``act(h)`` in the forms fc2 needs: ``(hp, q, inv, q_t, inv_t, amax, amax_in)``.
 
     ``amax_in`` (current scaling, or a first uncalibrated step) is the amax the scale was computed
     from; passing it back in reproduces the same scale, so a recomputation writes the same bits.
+    With ``h_inv``, h holds FP8 codes (read as ``code * h_inv``) and ``hp`` is of ``hp_dtype``.
     """
     fp8 = need_q or need_t
     if not fp8 or spec is None or spec.mode == "rowwise":
-        y, _, _, amax, _ = _ops.act_fwd(h, act, True, None, None, 0, False, None, False, False)
+        y, _, _, amax, _ = _ops.act_fwd(h, act, True, None, None, 0, False, None, False, False, h_inv, hp_dtype)
         if not fp8 or spec is None:
             return y, None, None, None, None, amax, None
         q, inv, q_t, inv_t, amax = _quantize_pair(y, None, spec, need_t)
@@ -106,9 +118,9 @@ def act_operands(
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=h.device)
     if amax_in is None and (spec.mode != "delayed" or not spec.calibrated):
-        amax_in = _ops.act_amax(h, act)
+        amax_in = _ops.act_amax(h, act, h_inv)
     y, q, q_t, amax, inv = _ops.act_fwd(
-        h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_q, need_t
+        h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_q, need_t, h_inv, hp_dtype
     )
     return ((y if need_hp else None), (q if need_q else None), inv, (q_t if need_t else None),
             (inv if need_t else None), amax, amax_in)
@@ -116,13 +128,16 @@ def act_operands(
 
 def dact_operands(
     da: Tensor, h: Tensor, act: str, g_scale: Tensor | None, spec: QuantSpec | None, has_probe: bool, *,
-    need_q: bool, need_t: bool, need_hp: bool, dbias: bool,
+    need_q: bool, need_t: bool, need_hp: bool, dbias: bool, h_inv: Tensor | None = None,
+    hp_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
     """``dh = da * act'(h)`` in the forms fc1's backward GEMMs need:
-    ``(hp, q, inv, q_t, inv_t, amax, dbias)``; without a probe, current scaling."""
+    ``(hp, q, inv, q_t, inv_t, amax, dbias)``; without a probe, current scaling. ``h_inv``,
+    ``hp_dtype``: as :func:`act_operands`."""
     fp8 = need_q or need_t
     if not fp8 or spec is None or spec.mode == "rowwise":
-        dh, _, _, amax, _, db = _ops.act_bwd(da, h, act, True, None, None, 0, False, None, False, dbias)
+        dh, _, _, amax, _, db = _ops.act_bwd(da, h, act, True, None, None, 0, False, None, False, dbias, h_inv,
+                                             hp_dtype)
         db = db if dbias else None
         if not fp8 or spec is None:
             return dh, None, None, None, None, amax, db
@@ -134,9 +149,9 @@ def dact_operands(
         scale = torch.ones((), dtype=torch.float32, device=h.device)
     amax_in = None
     if spec.mode != "delayed" or not spec.calibrated:
-        amax_in = _ops.act_bwd_amax(da, h, act)
+        amax_in = _ops.act_bwd_amax(da, h, act, h_inv)
     dh, q, q_t, amax, inv, db = _ops.act_bwd(
-        da, h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_t, dbias
+        da, h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_t, dbias, h_inv, hp_dtype
     )
     return ((dh if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax,
             (db if dbias else None))
@@ -149,7 +164,7 @@ class _Cfg(NamedTuple):
     act: str
     fp8: bool
     recompute: bool
-    specs: tuple[QuantSpec | None, ...]  # fc1_input, fc1_weight, fc1_grad, fc2_input, fc2_weight, fc2_grad
+    specs: tuple[QuantSpec | None, ...]  # fc1_input, fc1_weight, fc1_grad, fc2_input, fc2_weight, fc2_grad, fc1_output
     fprop: tuple[str, bool, str]
     dgrad: tuple[str, bool, str]
     wgrad: tuple[str, bool, str]
@@ -178,18 +193,19 @@ class _FusedLNMLP(torch.autograd.Function):
         b1: Tensor | None,  # (C,)
         w2: Tensor,  # (K2, F)
         b2: Tensor | None,  # (K2,)
-        s_x1: Tensor | None,  # () scales of the six roles (None without FP8)
+        s_x1: Tensor | None,  # () scales of the seven roles (None without FP8)
         s_w1: Tensor | None,
         s_g1: Tensor | None,
         s_x2: Tensor | None,
         s_w2: Tensor | None,
         s_g2: Tensor | None,
+        s_h1: Tensor | None,
         probes: Tensor | None,  # (2,)
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             torch.ops.fp8ops.guard([x, ln_w, ln_b, w1, b1, w2, b2, probes])  # see fp8ops::guard
-        sp_x1, sp_w1, _, sp_x2, sp_w2, _ = cfg.specs
+        sp_x1, sp_w1, _, sp_x2, sp_w2, _, sp_h1 = cfg.specs
         fp8_fwd = cfg.fprop[0] == "fp8"
         fp8_wgrad, fp8_dgrad = cfg.wgrad[0] == "fp8", cfg.dgrad[0] == "fp8"
         # Step 1: the norm writes fc1's FP8 operand (and its transpose for fc1's wgrad).
@@ -201,11 +217,17 @@ class _FusedLNMLP(torch.autograd.Function):
         w1q, w1_inv, w1q_t, w1_inv_t, w1_amax = quantize_weight_operands(
             w1, s_w1, sp_w1, fp8_fwd, cfg.need_dx and fp8_dgrad)
         h = gemm_fprop(lnq, ln_inv, ln, w1q, w1_inv, w1, b1, cfg.fprop, x.dtype)  # (M, C)
+        h_inv = h_amax = None
+        if cfg.recompute and cfg.fp8:
+            # Step 2b: fc1's output in FP8 (per tensor): what is stored, and what the activation reads.
+            assert sp_h1 is not None
+            h, h_inv, _, h_amax = quantize_2d(h, s_h1, sp_h1)
         # Step 3: the activation writes fc2's FP8 operand (and, unless recomputed, its transpose).
         keep_a_t = cfg.need_dw2 and fp8_wgrad and not cfg.recompute
         keep_a_hp = cfg.need_dw2 and not fp8_wgrad and not cfg.recompute
         a, aq, a_inv, aq_t, a_inv_t, a_amax, a_amax_in = act_operands(
             h, cfg.act, s_x2, sp_x2, need_q=fp8_fwd, need_t=keep_a_t, need_hp=not fp8_fwd or keep_a_hp,
+            h_inv=h_inv, hp_dtype=x.dtype,
         )
         # Step 4: fc2.
         w2q, w2_inv, w2q_t, w2_inv_t, w2_amax = quantize_weight_operands(
@@ -217,24 +239,27 @@ class _FusedLNMLP(torch.autograd.Function):
             w2q_t = w2_inv_t = None
         e = x
         return (
-            y, ln_amax, w1_amax, a_amax, w2_amax, mean, rstd,
+            y, ln_amax, w1_amax, a_amax, w2_amax, _or_empty(h_amax, e), mean, rstd,
             _or_empty(lnq_t, e), _or_empty(ln_inv_t, e), _or_empty(ln if cfg.need_dw1 and not fp8_wgrad else None, e),
-            _or_empty(w1q_t, e), _or_empty(w1_inv_t, e), h,
+            _or_empty(w1q_t, e), _or_empty(w1_inv_t, e), h, _or_empty(h_inv, e),
             _or_empty(aq_t, e), _or_empty(a_inv_t, e), _or_empty(a if keep_a_hp else None, e),
             _or_empty(a_amax_in, e), _or_empty(w2q_t, e), _or_empty(w2_inv_t, e),
         )
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, cfg = inputs
+        x, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, cfg = inputs
         ctx.mark_non_differentiable(*output[1:])
-        (_, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, aq_t, a_inv_t, a, a_amax_in,
+        # The other outputs never get a gradient: without this, autograd would allocate a zero
+        # gradient of each one's shape (the FP8 operands saved for backward among them) per step.
+        ctx.set_materialize_grads(False)
+        (_, _, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
          w2q_t, w2_inv_t) = output
         fp8_dgrad = cfg.dgrad[0] == "fp8"
         ctx.save_for_backward(
             x if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t,
             w1 if cfg.need_dx and not fp8_dgrad else None,
-            h, aq_t, a_inv_t, a, a_amax_in, w2q_t, w2_inv_t,
+            h, h_inv, aq_t, a_inv_t, a, a_amax_in, w2q_t, w2_inv_t,
             w2 if cfg.need_dh and not fp8_dgrad else None,
             s_g1, s_x2, s_g2,
         )
@@ -243,11 +268,12 @@ class _FusedLNMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        (x, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, w1, h, aq_t, a_inv_t, a, a_amax_in,
+        (x, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, w1, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
          w2q_t, w2_inv_t, w2, s_g1, s_x2, s_g2) = ctx.saved_tensors
         cfg: _Cfg = ctx.cfg
         x_dtype, w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
-        _, _, sp_g1, sp_x2, _, sp_g2 = cfg.specs
+        _, _, sp_g1, sp_x2, _, sp_g2, _ = cfg.specs
+        h_inv = h_inv if h_inv.numel() else None  # h holds FP8 codes when recompute stored it in FP8
         fp8_dgrad, fp8_wgrad = cfg.dgrad[0] == "fp8", cfg.wgrad[0] == "fp8"
         dx = dln_w = dln_b = dw1 = db1 = dw2 = db2 = None
         dh_amax = None
@@ -267,7 +293,7 @@ class _FusedLNMLP(torch.autograd.Function):
                 if cfg.recompute:
                     a, _, _, aq_t, a_inv_t, _, _ = act_operands(
                         h, cfg.act, s_x2, sp_x2, need_q=False, need_t=fp8_wgrad, need_hp=not fp8_wgrad,
-                        amax_in=a_amax_in if a_amax_in.numel() else None,
+                        amax_in=a_amax_in if a_amax_in.numel() else None, h_inv=h_inv, hp_dtype=x_dtype,
                     )
                 dw2 = gemm_wgrad(dyq_t, dy_inv_t, dy, aq_t, a_inv_t, a, cfg.wgrad, w2_dtype)
                 del aq_t, a
@@ -282,25 +308,27 @@ class _FusedLNMLP(torch.autograd.Function):
                 dh, dhq, dh_inv, dhq_t, dh_inv_t, dh_amax, db1_32 = dact_operands(
                     da, h, cfg.act, s_g1, sp_g1, cfg.has_probe, need_q=q1, need_t=q1_t,
                     need_hp=(cfg.need_dx and not q1) or (cfg.need_dw1 and not q1_t), dbias=cfg.need_db1,
+                    h_inv=h_inv, hp_dtype=x_dtype,
                 )
                 del da
                 if cfg.need_db1:
                     db1 = db1_32.to(b1_dtype)
-                # Step 4: fc1's wgrad and dgrad, then the norm's backward.
-                if cfg.need_dw1:
-                    dw1 = gemm_wgrad(dhq_t, dh_inv_t, dh, lnq_t, ln_inv_t, ln, cfg.wgrad, w1_dtype)
-                del dhq_t
+                # Step 4: fc1's dgrad and the norm's backward first, so that dhq is freed before
+                # fc1's wgrad allocates its (C, K) output.
                 if cfg.need_dx:
                     dln = gemm_dgrad(dhq, dh_inv, dh, w1q_t, w1_inv_t, w1, cfg.dgrad, x_dtype)
-                    del dhq, dh
+                    del dhq
                     dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm)
+                    del dln
+                if cfg.need_dw1:
+                    dw1 = gemm_wgrad(dhq_t, dh_inv_t, dh, lnq_t, ln_inv_t, ln, cfg.wgrad, w1_dtype)
         probe_grad = None
         if cfg.has_probe:
             assert dy_amax is not None
             if dh_amax is None:
                 dh_amax = torch.zeros_like(dy_amax)
             probe_grad = torch.stack([dh_amax.reshape(()), dy_amax.reshape(())])
-        return (dx, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None, None, None, None, probe_grad, None)
+        return (dx, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None, None, None, None, None, probe_grad, None)
 
 
 _FusedLNMLP.forward.__signature__ = inspect.signature(_FusedLNMLP.forward)  # type: ignore[attr-defined]
@@ -347,8 +375,13 @@ def fused_ln_mlp(
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
         activation: one of gelu, gelu_tanh, relu, squared_relu, silu, qgelu, swiglu, geglu, reglu.
         eps, zero_centered_gamma: as in :func:`fp8ops.layer_norm`.
-        recompute: None, or ``"activation"`` to save fc1's output h only and recompute the
-            activation's FP8 copy in the backward (saves M x F bytes of FP8 per call).
+        recompute: None, or ``"activation"``: store fc1's output h in FP8 (forward format, role
+            ``fc1_output``; per-tensor current scaling under a row-wise recipe) instead of h in
+            the input precision and the activation's FP8 copy, and recompute that copy in the
+            backward. The activation reads the stored FP8 h in forward too, so forward and
+            backward agree; the output differs from ``recompute=None`` by the FP8 rounding of h.
+            Saves M x C bytes plus M x F bytes of FP8 per call (bf16 input). Without FP8
+            (``recipe=None``) h is stored in the input precision.
         grad_probes: a (2,) float32 zero (``make_probes(state)``) whose gradient becomes
             ``[amax(dh), amax(dy)]`` (fc1's and fc2's output gradients); without it the output
             gradients are quantized with current scaling.
@@ -406,13 +439,15 @@ def fused_ln_mlp(
         assert state is not None and recipe is not None
         roles = tuple(LayerNormMLPState.ROLES)
         specs = tuple(QuantSpec.of(recipe, LayerNormMLPState.ROLES[n], getattr(state, n).calibrated) for n in roles)
+        if specs[-1].mode == "rowwise":  # fc1's stored output is dequantized per tensor by the activation kernels
+            specs = (*specs[:-1], specs[-1]._replace(mode="current"))
         gemms = (_g(recipe.fprop), _g(recipe.dgrad), _g(recipe.wgrad))
         scales: list[Tensor | None] = []
         for n in roles:  # autograd.Function under torch.compile rejects one tensor passed twice
             s = getattr(state, n).scale
             scales.append(s.clone() if any(s is o for o in scales) else s)
     else:
-        specs, gemms, scales = (None,) * 6, (_HIGH, _HIGH, _HIGH), [None] * 6
+        specs, gemms, scales = (None,) * 7, (_HIGH, _HIGH, _HIGH), [None] * 7
     cfg = _Cfg(
         norm=NormCfg(normalization == "RMSNorm", float(eps), bool(zero_centered_gamma), ln_bias is not None),
         act=activation, fp8=fp8, recompute=recompute == "activation", specs=specs,
@@ -422,7 +457,7 @@ def fused_ln_mlp(
         need_dw2=needs(fc2_weight), need_db2=needs(fc2_bias),
     )
     lead = x.shape[:-1]
-    y, ln_amax, w1_amax, a_amax, w2_amax, *_ = _FusedLNMLP.apply(
+    y, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = _FusedLNMLP.apply(
         x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, grad_probes, cfg
     )
     new_state = None
@@ -432,4 +467,6 @@ def fused_ln_mlp(
             fc1_input=state.fc1_input.observe(ln_amax), fc1_weight=state.fc1_weight.observe(w1_amax),
             fc2_input=state.fc2_input.observe(a_amax), fc2_weight=state.fc2_weight.observe(w2_amax),
         )
+        if cfg.recompute:
+            new_state = new_state.replace(fc1_output=state.fc1_output.observe(h_amax))
     return y.reshape(*lead, K2), new_state

@@ -154,6 +154,7 @@ def _act_fwd_kernel(
     amax_in_ptr,  # () fp32 amax of act(h) (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
     inv_ptr,  # () fp32 output: 1 / scale (written when HAS_FP8)
+    h_inv_ptr,  # () fp32 inverse scale of h (read when H_FP8: h holds FP8 codes, h = code * h_inv)
     M,
     F,
     stride_hm,
@@ -161,6 +162,7 @@ def _act_fwd_kernel(
     num_n,  # number of column tiles (at least 1)
     ACT: tl.constexpr,
     GATED: tl.constexpr,
+    H_FP8: tl.constexpr,
     HAS_FP8: tl.constexpr,
     STORE_Y: tl.constexpr,
     STORE_Q: tl.constexpr,
@@ -178,11 +180,18 @@ def _act_fwd_kernel(
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
-    # Step 2: load the tile of h (and of the gate half), activation in fp32.
+    # Step 2: load the tile of h (and of the gate half; dequantized when h is FP8), activation in fp32.
     h_rows = h_ptr + rm[:, None] * stride_hm
+    h_inv = 1.0
+    if H_FP8:
+        h_inv = tl.load(h_inv_ptr)
     x = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if H_FP8:
+        x = x * h_inv
     if GATED:
         g = tl.load(h_rows + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        if H_FP8:
+            g = g * h_inv
         a = _act(x, ACT) * g
     else:
         a = _act(x, ACT)
@@ -255,6 +264,7 @@ def _act_bwd_kernel(
     amax_in_ptr,  # () fp32 amax of dh32 (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
     inv_ptr,  # () fp32 output: 1 / scale (written when HAS_FP8)
+    h_inv_ptr,  # () fp32 inverse scale of h (read when H_FP8: h holds FP8 codes, h = code * h_inv)
     M,
     F,
     stride_dam,
@@ -263,6 +273,7 @@ def _act_bwd_kernel(
     num_n,  # number of column tiles over F (at least 1)
     ACT: tl.constexpr,
     GATED: tl.constexpr,
+    H_FP8: tl.constexpr,
     HAS_FP8: tl.constexpr,
     STORE_DH: tl.constexpr,
     TRANSPOSE: tl.constexpr,
@@ -290,13 +301,21 @@ def _act_bwd_kernel(
             scale = tl.load(scale_ptr)
         if pid == 0:
             tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
-    # Step 3: load da and h once; the gradient in fp32 and the epilogue of each half.
+    # Step 3: load da and h once (h dequantized when FP8); the gradient in fp32 and the epilogue
+    # of each half.
     da = tl.load(da_ptr + rm[:, None] * stride_dam + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     h_rows = h_ptr + rm[:, None] * stride_hm
+    h_inv = 1.0
+    if H_FP8:
+        h_inv = tl.load(h_inv_ptr)
     x = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if H_FP8:
+        x = x * h_inv
     if GATED:
         C = 2 * F
         g = tl.load(h_rows + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        if H_FP8:
+            g = g * h_inv
         d_a = (da * g) * _dact(x, ACT)
         d_b = da * _act(x, ACT)
         m1 = _bwd_epilogue(d_a, rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr, pid_m, M, C,
@@ -334,6 +353,29 @@ def _check_2d(name: str, arg: str, t: torch.Tensor) -> None:
             f"{name}: {arg} must be 2-D with unit stride along its last dim, got shape {tuple(t.shape)} "
             f"and strides {tuple(t.stride())}; call .contiguous() first"
         )
+
+
+def _check_h(name: str, h: torch.Tensor, h_inv: torch.Tensor | None, hp_dtype: torch.dtype | None,
+             store_hp: bool) -> torch.dtype:
+    """Validate h (high precision, or FP8 codes with ``h_inv``); the dtype of the high-precision output."""
+    if h.dtype in _FP8_MAX:
+        if h_inv is None:
+            raise ValueError(f"{name}: h is {h.dtype} (FP8 codes); pass its inverse scale h_inv (a 0-d float32 tensor)")
+        _check_scalar(name, "h_inv", h_inv)
+        if h.dim() != 2 or (h.stride(1) != 1 and h.shape[1] > 1):
+            raise ValueError(f"{name}: h must be 2-D with unit stride along its last dim, got shape "
+                             f"{tuple(h.shape)} and strides {tuple(h.stride())}; call .contiguous() first")
+        if hp_dtype is None and store_hp:
+            raise ValueError(f"{name}: h is FP8, so the high-precision output needs a dtype: pass hp_dtype "
+                             "(torch.float32, torch.bfloat16 or torch.float16)")
+    else:
+        _check_2d(name, "h", h)
+        if h_inv is not None:
+            raise ValueError(f"{name}: h_inv is only for FP8 h, but h is {h.dtype}; pass h_inv=None")
+    out = hp_dtype if hp_dtype is not None else (torch.bfloat16 if h.dtype in _FP8_MAX else h.dtype)
+    if out not in _IN_DTYPES:
+        raise ValueError(f"{name}: hp_dtype must be float32, bfloat16 or float16, got {out}")
+    return out
 
 
 def _check_width(name: str, h: torch.Tensor, gated: bool, act: str) -> int:
@@ -377,13 +419,16 @@ def act_fwd_launch(
     out_dtype: torch.dtype | None,
     store_q: bool,
     transpose: bool,
+    h_inv: torch.Tensor | None = None,
+    hp_dtype: torch.dtype | None = None,
     *,
     config: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Activation with its FP8 cast (and transposed copy) in one pass.
 
     Args:
-        h: (M, C) float32/bfloat16/float16, unit stride along C; C = 2F for gated activations.
+        h: (M, C) float32/bfloat16/float16, or FP8 codes with ``h_inv``; unit stride along C;
+            C = 2F for gated activations.
         act: one of :data:`ACTIVATIONS`.
         store_y: write ``y = act(h)`` (M, F) in ``h.dtype``.
         scale: () float32 scale (``amax_in`` None) or fallback scale (current scaling); None means 1.
@@ -391,6 +436,8 @@ def act_fwd_launch(
         margin, power_2: current-scaling parameters (ignored when ``amax_in`` is None).
         out_dtype: torch.float8_e4m3fn / torch.float8_e5m2, or None for no FP8 output.
         store_q: write ``q`` (M, F); transpose: write ``q_t`` (F, M) (both need ``out_dtype``).
+        h_inv: () float32 inverse scale when h is FP8 (the kernel reads ``h = code * h_inv``).
+        hp_dtype: dtype of ``y``; default h's dtype (required with FP8 h and ``store_y``).
 
     Returns:
         ``(y, q, q_t, amax, inv_scale)``; outputs not written are empty (0,) tensors; amax () is
@@ -398,7 +445,7 @@ def act_fwd_launch(
     """
     name = "act_fwd"
     ACT, gated = _check_act(name, act)
-    _check_2d(name, "h", h)
+    ydt = _check_h(name, h, h_inv, hp_dtype, bool(store_y))
     F = _check_width(name, h, gated, act)
     fp8_max, inv = _fp8_setup(name, h, scale, amax_in, out_dtype)
     cfg = merge_config(_FWD_CFG, config, name=name)
@@ -407,7 +454,7 @@ def act_fwd_launch(
     has_fp8 = out_dtype is not None
     store_q, transpose = bool(store_q and has_fp8), bool(transpose and has_fp8)
     qdt = out_dtype if has_fp8 else h.dtype
-    y = torch.empty((M, F), dtype=h.dtype, device=dev) if store_y else h.new_empty(0)
+    y = torch.empty((M, F), dtype=ydt, device=dev) if store_y else torch.empty(0, dtype=ydt, device=dev)
     q = torch.empty((M, F), dtype=qdt, device=dev) if store_q else torch.empty(0, dtype=qdt, device=dev)
     qt = torch.empty((F, M), dtype=qdt, device=dev) if transpose else torch.empty(0, dtype=qdt, device=dev)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
@@ -416,17 +463,18 @@ def act_fwd_launch(
     num_m, num_n = _tiles(M, F, cfg)
     _act_fwd_kernel[(num_m * num_n,)](
         h, y, q, qt, scale, amax_in if amax_in is not None else amax, amax, inv if has_fp8 else amax,
-        M, F, h.stride(0), num_m, num_n,
-        ACT=ACT, GATED=gated, HAS_FP8=has_fp8, STORE_Y=bool(store_y), STORE_Q=store_q, TRANSPOSE=transpose,
+        h_inv if h_inv is not None else amax, M, F, h.stride(0), num_m, num_n,
+        ACT=ACT, GATED=gated, H_FP8=h_inv is not None, HAS_FP8=has_fp8, STORE_Y=bool(store_y), STORE_Q=store_q, TRANSPOSE=transpose,
         FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
     )
     return y, q, qt, amax, inv
 
 
-def act_amax_launch(h: torch.Tensor, act: str, *, config: dict[str, Any] | None = None) -> torch.Tensor:
+def act_amax_launch(h: torch.Tensor, act: str, h_inv: torch.Tensor | None = None, *,
+                    config: dict[str, Any] | None = None) -> torch.Tensor:
     """max |act(h)| as a 0-d float32 tensor: the first pass of current scaling (reads h once)."""
-    return act_fwd_launch(h, act, False, None, None, 0, False, None, False, False, config=config)[3]
+    return act_fwd_launch(h, act, False, None, None, 0, False, None, False, False, h_inv, config=config)[3]
 
 
 def act_bwd_launch(
@@ -441,6 +489,8 @@ def act_bwd_launch(
     out_dtype: torch.dtype | None,
     transpose: bool,
     dbias: bool,
+    h_inv: torch.Tensor | None = None,
+    hp_dtype: torch.dtype | None = None,
     *,
     config: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -448,19 +498,21 @@ def act_bwd_launch(
 
     Args:
         da: (M, F) gradient of the activation output, any float dtype, unit stride along F.
-        h: (M, C) the activation input (C = 2F for gated activations), unit stride along C.
+        h: (M, C) the activation input (C = 2F for gated activations), unit stride along C; FP8
+            codes with ``h_inv``.
         act: one of :data:`ACTIVATIONS`.
         store_dh: write ``dh`` (M, C) in ``h.dtype``.
         scale, amax_in, margin, power_2, out_dtype: as :func:`act_fwd_launch` (amax_in: of dh32).
         transpose: write ``q_t`` (C, M) (needs ``out_dtype``).
         dbias: return the column sums of dh32, (C,) float32.
+        h_inv, hp_dtype: as :func:`act_fwd_launch` (hp_dtype: of ``dh``).
 
     Returns:
         ``(dh, q, q_t, amax, inv_scale, dbias)``; outputs not written are empty (0,) tensors.
     """
     name = "act_bwd"
     ACT, gated = _check_act(name, act)
-    _check_2d(name, "h", h)
+    dhdt = _check_h(name, h, h_inv, hp_dtype, bool(store_dh))
     _check_2d(name, "da", da)
     F = _check_width(name, h, gated, act)
     M, C = h.shape
@@ -473,7 +525,7 @@ def act_bwd_launch(
     has_fp8 = out_dtype is not None
     transpose = bool(transpose and has_fp8)
     qdt = out_dtype if has_fp8 else h.dtype
-    dh = torch.empty((M, C), dtype=h.dtype, device=dev) if store_dh else h.new_empty(0)
+    dh = torch.empty((M, C), dtype=dhdt, device=dev) if store_dh else torch.empty(0, dtype=dhdt, device=dev)
     q = torch.empty((M, C), dtype=qdt, device=dev) if has_fp8 else torch.empty(0, dtype=qdt, device=dev)
     qt = torch.empty((C, M), dtype=qdt, device=dev) if transpose else torch.empty(0, dtype=qdt, device=dev)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
@@ -483,8 +535,8 @@ def act_bwd_launch(
         scale = torch.ones((), dtype=torch.float32, device=dev)
     _act_bwd_kernel[(num_m * num_n,)](
         da, h, dh, q, qt, part, scale, amax_in if amax_in is not None else amax, amax, inv if has_fp8 else amax,
-        M, F, da.stride(0), h.stride(0), num_m, num_n,
-        ACT=ACT, GATED=gated, HAS_FP8=has_fp8, STORE_DH=bool(store_dh), TRANSPOSE=transpose, DBIAS=bool(dbias),
+        h_inv if h_inv is not None else amax, M, F, da.stride(0), h.stride(0), num_m, num_n,
+        ACT=ACT, GATED=gated, H_FP8=h_inv is not None, HAS_FP8=has_fp8, STORE_DH=bool(store_dh), TRANSPOSE=transpose, DBIAS=bool(dbias),
         FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
     )
@@ -493,10 +545,11 @@ def act_bwd_launch(
     return dh, q, qt, amax, inv, db
 
 
-def act_bwd_amax_launch(da: torch.Tensor, h: torch.Tensor, act: str, *,
+def act_bwd_amax_launch(da: torch.Tensor, h: torch.Tensor, act: str, h_inv: torch.Tensor | None = None, *,
                         config: dict[str, Any] | None = None) -> torch.Tensor:
     """max |da * act'(h)| as a 0-d float32 tensor: the first pass of current scaling."""
-    return act_bwd_launch(da, h, act, False, None, None, 0, False, None, False, False, config=config)[3]
+    return act_bwd_launch(da, h, act, False, None, None, 0, False, None, False, False, h_inv,
+                          config=config)[3]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,12 +560,19 @@ def _width(h: torch.Tensor, act: str) -> int:
     return h.shape[1] // 2 if act in GATED else h.shape[1]
 
 
-def _act_fwd_fake(h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose):  # type: ignore[no-untyped-def]
+def _hp(h, hp_dtype):  # type: ignore[no-untyped-def]
+    if hp_dtype is not None:
+        return hp_dtype
+    return torch.bfloat16 if h.dtype in _FP8_MAX else h.dtype
+
+
+def _act_fwd_fake(h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose,  # type: ignore[no-untyped-def]
+                  h_inv=None, hp_dtype=None):
     M, F = h.shape[0], _width(h, act)
     qdt = out_dtype if out_dtype is not None else h.dtype
     has = out_dtype is not None
     return (
-        h.new_empty((M, F) if store_y else (0,)),
+        h.new_empty((M, F) if store_y else (0,), dtype=_hp(h, hp_dtype)),
         h.new_empty((M, F) if store_q and has else (0,), dtype=qdt),
         h.new_empty((F, M) if transpose and has else (0,), dtype=qdt),
         h.new_empty((), dtype=torch.float32),
@@ -520,16 +580,17 @@ def _act_fwd_fake(h, act, store_y, scale, amax_in, margin, power_2, out_dtype, s
     )
 
 
-def _act_amax_fake(h, act):  # type: ignore[no-untyped-def]
+def _act_amax_fake(h, act, h_inv=None):  # type: ignore[no-untyped-def]
     return h.new_empty((), dtype=torch.float32)
 
 
-def _act_bwd_fake(da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias):  # type: ignore[no-untyped-def]
+def _act_bwd_fake(da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias,  # type: ignore[no-untyped-def]
+                  h_inv=None, hp_dtype=None):
     M, C = h.shape
     qdt = out_dtype if out_dtype is not None else h.dtype
     has = out_dtype is not None
     return (
-        h.new_empty((M, C) if store_dh else (0,)),
+        h.new_empty((M, C) if store_dh else (0,), dtype=_hp(h, hp_dtype)),
         h.new_empty((M, C) if has else (0,), dtype=qdt),
         h.new_empty((C, M) if transpose and has else (0,), dtype=qdt),
         h.new_empty((), dtype=torch.float32),
@@ -538,7 +599,7 @@ def _act_bwd_fake(da, h, act, store_dh, scale, amax_in, margin, power_2, out_dty
     )
 
 
-def _act_bwd_amax_fake(da, h, act):  # type: ignore[no-untyped-def]
+def _act_bwd_amax_fake(da, h, act, h_inv=None):  # type: ignore[no-untyped-def]
     return h.new_empty((), dtype=torch.float32)
 
 
@@ -549,27 +610,31 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 
 act_fwd = define(
     "act_fwd(Tensor h, str act, bool store_y, Tensor? scale, Tensor? amax_in, int margin, bool power_2, "
-    "ScalarType? out_dtype, bool store_q, bool transpose) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    cuda=lambda h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose: act_fwd_launch(
-        _unit(h), act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose
+    "ScalarType? out_dtype, bool store_q, bool transpose, Tensor? h_inv=None, ScalarType? hp_dtype=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    cuda=lambda h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose, h_inv=None,
+    hp_dtype=None: act_fwd_launch(
+        _unit(h), act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose, h_inv, hp_dtype
     ),
     fake=_act_fwd_fake,
 )
 """``fp8ops::act_fwd``: activation + FP8 cast, ``(y, q, q_t, amax, inv_scale)``; see :func:`act_fwd_launch`."""
 
 act_amax = define(
-    "act_amax(Tensor h, str act) -> Tensor",
-    cuda=lambda h, act: act_amax_launch(_unit(h), act),
+    "act_amax(Tensor h, str act, Tensor? h_inv=None) -> Tensor",
+    cuda=lambda h, act, h_inv=None: act_amax_launch(_unit(h), act, h_inv),
     fake=_act_amax_fake,
 )
 """``fp8ops::act_amax``: max |act(h)|, float32, NaN-propagating."""
 
 act_bwd = define(
     "act_bwd(Tensor da, Tensor h, str act, bool store_dh, Tensor? scale, Tensor? amax_in, int margin, "
-    "bool power_2, ScalarType? out_dtype, bool transpose, bool dbias) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    cuda=lambda da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias: act_bwd_launch(
-        _unit(da), _unit(h), act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias
+    "bool power_2, ScalarType? out_dtype, bool transpose, bool dbias, Tensor? h_inv=None, "
+    "ScalarType? hp_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    cuda=lambda da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias, h_inv=None,
+    hp_dtype=None: act_bwd_launch(
+        _unit(da), _unit(h), act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias, h_inv,
+        hp_dtype
     ),
     fake=_act_bwd_fake,
 )
@@ -577,8 +642,8 @@ act_bwd = define(
 ``(dh, q, q_t, amax, inv_scale, dbias)``; see :func:`act_bwd_launch`."""
 
 act_bwd_amax = define(
-    "act_bwd_amax(Tensor da, Tensor h, str act) -> Tensor",
-    cuda=lambda da, h, act: act_bwd_amax_launch(_unit(da), _unit(h), act),
+    "act_bwd_amax(Tensor da, Tensor h, str act, Tensor? h_inv=None) -> Tensor",
+    cuda=lambda da, h, act, h_inv=None: act_bwd_amax_launch(_unit(da), _unit(h), act, h_inv),
     fake=_act_bwd_amax_fake,
 )
 """``fp8ops::act_bwd_amax``: max |da * act'(h)|, float32, NaN-propagating."""

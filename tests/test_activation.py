@@ -285,6 +285,11 @@ def test_empty_rows() -> None:
          ValueError, "act must be one of"),
         (lambda: ops.act_bwd(torch.ones(2, 2), torch.ones(2, 3), "swiglu", False, None, None, 0, False, None,
                              False, False), ValueError, "even width"),
+        (lambda: ops.act_fwd(torch.ones(2, 4).to(E4M3), "gelu", False, None, None, 0, False, None, False, False),
+         ValueError, "pass its inverse scale h_inv"),
+        (lambda: ops.act_bwd(torch.ones(2, 4), torch.ones(2, 4).to(E4M3), "gelu", True, None, None, 0, False, None,
+                             False, False, torch.tensor(1.0)), ValueError, "pass hp_dtype"),
+        (lambda: ops.act_amax(torch.ones(2, 4), "gelu", torch.tensor(1.0)), ValueError, "h_inv is only for FP8 h"),
     ],
 )
 def test_errors_name_argument_and_fix(call, exc, match) -> None:  # type: ignore[no-untyped-def]
@@ -310,6 +315,18 @@ def test_opcheck_every_op(act: str) -> None:
                                                     False, dt, False, False))
     torch.library.opcheck(ops.act_fwd.default, (h, act, True, None, None, 0, False, None, False, False))
     torch.library.opcheck(ops.act_bwd.default, (da, h, act, True, None, None, 0, False, None, True, True))
+    # h as FP8 codes with its inverse scale (fused_ln_mlp's recompute="activation"); the schema
+    # check's mutation test compares inputs with allclose, which FP8 tensors lack on CPU.
+    hq, inv = (h * 8.0).to(E4M3), torch.tensor(0.125)
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.act_amax.default, (hq, act, inv), test_utils=utils)
+    torch.library.opcheck(ops.act_bwd_amax.default, (da, hq, act, inv), test_utils=utils)
+    torch.library.opcheck(ops.act_fwd.default, (hq, act, True, s, None, 0, False, E4M3, True, True, inv,
+                                                torch.bfloat16), test_utils=utils)
+    torch.library.opcheck(ops.act_bwd.default, (da, hq, act, True, s, a_in, 0, False, E5M2, True, True, inv,
+                                                torch.float32), test_utils=utils)
+    y = ops.act_fwd(hq, act, True, None, None, 0, False, None, False, False, inv, torch.float32)[0]
+    torch.testing.assert_close(y, R.activation(hq.float() * 0.125, act), rtol=0, atol=0)
 
 
 def test_outputs_are_distinct_tensors() -> None:

@@ -145,6 +145,53 @@ def test_current_scaling(act: str) -> None:
     assert_fp8_close(d.data, qr, exact=act in EXACT, what=f"{act} current dh q")
 
 
+@pytest.mark.parametrize("act", ["gelu_tanh", "swiglu", "reglu"])
+def test_fp8_input_matches_dequantized_and_recomputes_the_same_bits(act: str) -> None:
+    """h as FP8 codes with h_inv (what fused_ln_mlp's recompute stores): every output equals the
+    high-precision kernels' on the dequantized h (the same float32 values), the reference within
+    its rule, and a second pass that writes only the transposed copy (the recompute in backward)
+    writes the same bits as the first pass's data, for delayed and current scaling."""
+    M, C, F = _shape(act)
+    h, da = _inputs(M, C, F, seed=5)
+    s_h = torch.tensor(32.0, device="cuda")
+    hq = (h.float() * s_h).clamp(-448.0, 448.0).to(E4M3)
+    h_inv = exact_reciprocal(s_h)
+    hd = hq.float() * h_inv  # exact: a power-of-two scale
+    s = torch.tensor(20.0, device="cuda")
+    y, q, qt, amax, _ = ops.act_fwd(hq, act, True, s, None, 0, False, E4M3, True, True, h_inv, torch.bfloat16)
+    yd, qd, qtd, amax_d, _ = ops.act_fwd(hd, act, True, s, None, 0, False, E4M3, True, True)
+    yr, qr, _, amax_r, _ = R.act_fwd(hq, act, True, s, None, 0, False, E4M3, True, False, h_inv, torch.bfloat16)
+    assert torch.equal(q.view(torch.uint8), qd.view(torch.uint8)) and torch.equal(qt.view(torch.uint8),
+                                                                                  qtd.view(torch.uint8))
+    assert torch.equal(amax, amax_d)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, yd.bfloat16())
+    assert_fp8_close(q, qr, exact=act in EXACT, what=f"{act} q from FP8 h")
+    assert_bf16_close(y, yr, f"{act} y from FP8 h")
+    torch.testing.assert_close(amax, amax_r, rtol=2.0**-22, atol=0.0)
+    # the recompute: only the transposed copy, same scale (delayed) or same amax_in (current)
+    _, _, qt2, _, _ = ops.act_fwd(hq, act, False, s, None, 0, False, E4M3, False, True, h_inv, torch.bfloat16)
+    assert torch.equal(qt2.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    a_in = ops.act_amax(hq, act, h_inv)
+    assert torch.equal(a_in, amax)
+    fb = torch.tensor(1.0, device="cuda")
+    _, qc, _, _, _ = ops.act_fwd(hq, act, False, fb, a_in, 0, False, E4M3, True, False, h_inv)
+    _, _, qct, _, _ = ops.act_fwd(hq, act, False, fb, a_in, 0, False, E4M3, False, True, h_inv)
+    assert torch.equal(qct.view(torch.uint8), qc.t().contiguous().view(torch.uint8))
+    # backward from FP8 h: as from the dequantized h
+    sd = torch.tensor(4096.0, device="cuda")
+    dh, dq, dqt, damax, _, db = ops.act_bwd(da, hq, act, True, sd, None, 0, False, E5M2, True, True, h_inv,
+                                            torch.bfloat16)
+    dhd, dqd, _, damax_d, _, dbd = ops.act_bwd(da, hd, act, True, sd, None, 0, False, E5M2, True, True)
+    assert torch.equal(dq.view(torch.uint8), dqd.view(torch.uint8)) and torch.equal(damax, damax_d)
+    assert torch.equal(dh, dhd.bfloat16()) and torch.equal(db, dbd)
+    assert torch.equal(dqt.view(torch.uint8), dq.t().contiguous().view(torch.uint8))
+    dhr, dqr, _, damax_r, _, _ = R.act_bwd(da, hq, act, True, sd, None, 0, False, E5M2, False, False, h_inv,
+                                           torch.bfloat16)
+    assert_fp8_close(dq, dqr, exact=act in EXACT, what=f"{act} dh q from FP8 h")
+    assert_bf16_close(dh, dhr, f"{act} dh from FP8 h")
+    torch.testing.assert_close(damax, damax_r, rtol=2.0**-22, atol=0.0)
+
+
 def test_relu_edge_values_bit_exact() -> None:
     """relu is exact in float32, so its cast must be torch's, bit for bit, on the FP8 edge values:
     ties between neighbours, values above the maximum, subnormals, zeros, inf and NaN."""

@@ -125,6 +125,67 @@ def test_switches_and_high_precision_only(act):
     torch.testing.assert_close(db, R.activation_grad(da, h, act).sum(0), rtol=1e-5, atol=1e-4)
 
 
+def _fp8_h(act, M, F, seed):
+    """FP8 codes of an h (E4M3, scale 16) and their inverse scale; the dequantized h in float32."""
+    h, da = _inputs(act, M, F, seed=seed)
+    s = torch.tensor(16.0)
+    hq = (h * s).clamp(-448.0, 448.0).to(E4M3)
+    inv = torch.reciprocal(s)
+    return hq, inv, hq.float() * inv, da
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "swiglu", "geglu"])
+def test_fp8_input_forward(act):
+    """h given as FP8 codes with h_inv: the kernels read code * h_inv; same as the high-precision
+    kernels on the dequantized h, and the reference."""
+    hq, inv, hd, _ = _fp8_h(act, 21, 18, seed=6)
+    s = torch.tensor(5.0)
+    y, q, qt, amax, _ = K.act_fwd_launch(hq, act, True, s, None, 0, False, E4M3, True, True, inv, torch.float32,
+                                         config=CFG)
+    yd, qd, _, amax_d, _ = K.act_fwd_launch(hd, act, True, s, None, 0, False, E4M3, True, False, config=CFG)
+    yr, qr, _, amax_r, _ = R.act_fwd(hq, act, True, s, None, 0, False, E4M3, True, False, inv, torch.float32)
+    assert y.dtype == torch.float32
+    _close32(y, R.activation(hd, act), f"{act} y from FP8 h")
+    _close32(y, yd, f"{act} y from FP8 h vs dequantized")
+    _close32(yr, R.activation(hd, act), f"{act} reference y from FP8 h")
+    assert torch.equal(_u8(q), _u8(qd))
+    _check_fp8(q, qr, None, f"{act} q from FP8 h")
+    assert torch.equal(_u8(qt), _u8(q.t().contiguous()))
+    _close32(amax, amax_r, f"{act} amax from FP8 h")
+    _close32(K.act_amax_launch(hq, act, inv, config=CFG), amax_d, f"{act} act_amax from FP8 h")
+    y16 = K.act_fwd_launch(hq, act, True, None, None, 0, False, None, False, False, inv, torch.bfloat16,
+                           config=CFG)[0]
+    assert y16.dtype == torch.bfloat16 and y16.shape == y.shape
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "squared_relu", "swiglu", "reglu"])
+def test_fp8_input_backward(act):
+    hq, inv, hd, da = _fp8_h(act, 19, 20, seed=7)
+    s = torch.tensor(64.0)
+    dh, q, qt, amax, _, db = K.act_bwd_launch(da, hq, act, True, s, None, 0, False, E5M2, True, True, inv,
+                                              torch.float32, config=CFG)
+    d32 = R.activation_grad(da, hd, act)
+    _close32(dh, d32, f"{act} dh from FP8 h")
+    _, qr, _, amax_r, _, dbr = R.act_bwd(da, hq, act, False, s, None, 0, False, E5M2, False, True, inv)
+    _check_fp8(q, qr, None, f"{act} dh q from FP8 h")
+    assert torch.equal(_u8(qt), _u8(q.t().contiguous()))
+    _close32(amax, amax_r, f"{act} dh amax from FP8 h")
+    torch.testing.assert_close(db, dbr, rtol=1e-5, atol=1e-5 * float(d32.abs().sum(0).max()))
+    _close32(K.act_bwd_amax_launch(da, hq, act, inv, config=CFG), amax_r, f"{act} act_bwd_amax from FP8 h")
+
+
+def test_fp8_input_validation():
+    hq, inv, _, da = _fp8_h("gelu", 4, 6, seed=8)
+    with pytest.raises(ValueError, match="pass its inverse scale h_inv"):
+        K.act_fwd_launch(hq, "gelu", False, None, None, 0, False, E4M3, True, False)
+    with pytest.raises(ValueError, match="pass hp_dtype"):
+        K.act_bwd_launch(da, hq, "gelu", True, None, None, 0, False, None, False, False, inv)
+    with pytest.raises(ValueError, match="h_inv is only for FP8 h"):
+        K.act_fwd_launch(hq.float(), "gelu", False, None, None, 0, False, E4M3, True, False, inv)
+    with pytest.raises(ValueError, match="h_inv must be a 0-d float32"):
+        K.act_amax_launch(hq, "gelu", inv.reshape(1))
+
+
 def test_strided_rows_empty_and_nan():
     base = torch.randn(12, 40)
     h = base[:, :30]  # row stride 40, unit column stride

@@ -81,6 +81,8 @@ def test_fp8_run_updates_scales_and_learns():
     r = demo.train(fp8=True, corpus=corpus, device=torch.device("cpu"), steps=12, layers=1, hidden=32, heads=2,
                    seq=16, batch=8, lr=1e-2, eval_every=12, eval_batches=1, seed=0)
     states = r.states[0]
-    assert all(getattr(s, role).calibrated for s in states.values() for role in type(s).ROLES)
-    assert all(float(getattr(s, role).scale) != 1.0 for s in states.values() for role in type(s).ROLES)
+    used = [getattr(s, role) for s in states.values() for role in type(s).ROLES
+            if role != "fc1_output"]  # fc1_output is observed only with recompute="activation"
+    assert all(st.calibrated for st in used)
+    assert all(float(st.scale) != 1.0 for st in used)
     assert r.val_loss[-1] < r.val_loss[0] - 0.3  # it learns (from about ln 256 = 5.55)

@@ -130,6 +130,21 @@ def test_layernorm_linear_returns_differentiable_layernorm_output():
     assert _rel(leaves[0].grad, ref["dx"] + dx_extra) < 1e-4
 
 
+def test_layernorm_output_alone_carries_the_gradient():
+    # Only the returned norm output feeds the loss: the GEMM's output gets no gradient at all.
+    x, ln_w, ln_b, w, b, _dy = _lnl_data((6,), 24, 16, torch.float32, False)
+    st = _lnl_state(DELAYED, True)
+    leaves = [_leaf(t) for t in (x, ln_w, ln_b, w, b)]
+    (_y, ln), _ = fp8ops.layernorm_linear(*leaves, st, recipe=DELAYED, return_layernorm_output=True)
+    dln = torch.randn_like(ln)
+    ln.backward(dln)
+    x32 = x.clone().requires_grad_()
+    lnr = RN.norm32(x32, ln_w, ln_b, rms=False, eps=1e-5, zero_centered_gamma=False)
+    (dx,) = torch.autograd.grad(lnr, x32, dln)
+    assert _rel(leaves[0].grad, dx) < 1e-5
+    assert float(leaves[3].grad.abs().max()) == 0.0 and float(leaves[4].grad.abs().max()) == 0.0
+
+
 def test_zero_centered_gamma_multiplies_by_one_plus_weight():
     x, ln_w, ln_b, w, b, _dy = _lnl_data((5,), 32, 8, torch.float32, False)
     y0, _ = fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, None, recipe=None)
@@ -173,9 +188,10 @@ def _run_mlp(args, dy, st, recipe, *, probe=True, **kw):
     return y.detach(), [None if t is None else t.grad for t in leaves], (p.grad if p is not None else None), st2
 
 
-def _check_mlp(args, dy, st, recipe, act, norm, dtype, **kw):
-    y, grads, pg, st2 = _run_mlp(args, dy, st, recipe, activation=act, normalization=norm, **kw)
-    ref = R.fused_ln_mlp(*args, st, dy, recipe=recipe, activation_name=act, normalization=norm)
+def _check_mlp(args, dy, st, recipe, act, norm, dtype, recompute=None, **kw):
+    y, grads, pg, st2 = _run_mlp(args, dy, st, recipe, activation=act, normalization=norm, recompute=recompute, **kw)
+    ref = R.fused_ln_mlp(*args, st, dy, recipe=recipe, activation_name=act, normalization=norm,
+                         recompute=recompute == "activation")
     tol = _tol(dtype, recipe)
     names = ["dx", "dln_w", "dln_b", "dw1", "db1", "dw2", "db2"]
     pairs = [("y", y, ref["y"])] + [(n, g, ref[n]) for n, g in zip(names, grads) if g is not None]
@@ -191,6 +207,11 @@ def _check_mlp(args, dy, st, recipe, act, norm, dtype, **kw):
         assert torch.allclose(st2.fc1_input.pending_amax, ref["amax_ln"], rtol=rtol)
         assert torch.equal(st2.fc1_weight.pending_amax, ref["amax_w1"])
         assert torch.equal(st2.fc2_weight.pending_amax, ref["amax_w2"])
+        if recompute == "activation":  # fc1's output is observed only when it is stored in FP8
+            assert torch.allclose(st2.fc1_output.pending_amax, ref["amax_h"], rtol=1e-5)
+        else:
+            assert torch.equal(st2.fc1_output.pending_amax, st.fc1_output.pending_amax)
+            assert torch.equal(st2.fc1_output.amax_history, st.fc1_output.amax_history)
     return y, grads
 
 
@@ -214,18 +235,41 @@ def test_fused_ln_mlp_recipes_dtypes_norms(rname, calibrated, dtype, norm):
     _check_mlp(args, dy, _mlp_state(recipe, calibrated), recipe, "swiglu", norm, dtype)
 
 
-@pytest.mark.parametrize("rname", ["none", "delayed", "current", "rowwise"])
-@pytest.mark.parametrize("act", ["gelu_tanh", "geglu"])
-def test_recompute_gives_the_same_bits(rname, act):
+@pytest.mark.parametrize("rname", ["delayed", "current", "rowwise"])
+@pytest.mark.parametrize("calibrated", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["gelu_tanh", "geglu", "relu"])
+def test_recompute_stores_fc1_output_in_fp8(rname, calibrated, dtype, act):
+    # Output, every gradient and the observations against the reference that quantizes h with the
+    # fc1_output role (its amax observed); the FP8 copy of h is what the backward reads.
     recipe = RECIPES[rname]
+    args, dy = _mlp_data(10, 16, 24, act, dtype, False, seed=2)
+    st = _mlp_state(recipe, calibrated)
+    if calibrated and recipe.mode == "delayed":
+        st = st.replace(fc1_output=st.fc1_output.replace(scale=torch.tensor(32.0), calibrated=True))
+    _check_mlp(args, dy, st, recipe, act, "LayerNorm", dtype, recompute="activation")
+
+
+@pytest.mark.parametrize("rname", ["delayed", "current"])
+def test_recompute_differs_from_the_plain_path_by_the_fp8_rounding_of_h(rname):
+    recipe = RECIPES[rname]
+    args, dy = _mlp_data(16, 32, 48, "swiglu", torch.float32, False, seed=4)
+    st = _mlp_state(recipe, False)
+    y0, g0, _, _ = _run_mlp(args, dy, st, recipe, activation="swiglu")
+    y1, g1, _, _ = _run_mlp(args, dy, st, recipe, activation="swiglu", recompute="activation")
+    assert 0 < _rel(y1, y0) < 0.1  # E4M3 keeps 3 mantissa bits: a few % per element, averaged out
+    for a, b in zip(g0, g1):
+        assert _rel(b, a) < 0.2
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "geglu"])
+def test_recompute_without_fp8_gives_the_same_bits(act):
     args, dy = _mlp_data(10, 16, 24, act, torch.bfloat16, False, seed=2)
-    st = _mlp_state(recipe, True)
-    y0, g0, p0, _ = _run_mlp(args, dy, st, recipe, activation=act)
-    y1, g1, p1, _ = _run_mlp(args, dy, st, recipe, activation=act, recompute="activation")
+    y0, g0, _, _ = _run_mlp(args, dy, None, None, activation=act)
+    y1, g1, _, _ = _run_mlp(args, dy, None, None, activation=act, recompute="activation")
     assert torch.equal(y0, y1)
     for a, b in zip(g0, g1):
         assert (a is None and b is None) or torch.equal(a, b)
-    assert (p0 is None and p1 is None) or torch.equal(p0, p1)
 
 
 def test_partial_gradients_and_no_probe():

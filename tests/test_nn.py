@@ -150,6 +150,8 @@ def test_update_scaling_changes_scales_and_drops_probes():
     assert layer._probes == []
     for key in ("qkv", "proj", "mlp"):
         for role in type(layer.fp8_state[key]).ROLES:
+            if role == "fc1_output":  # observed only with recompute="activation"
+                continue
             s, s0 = getattr(layer.fp8_state[key], role), getattr(before[key], role)
             assert s.calibrated and not torch.equal(s.scale, s0.scale), (key, role)
             assert float(s.pending_amax) == 0.0

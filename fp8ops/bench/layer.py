@@ -17,7 +17,10 @@ Implementations (all from the same weights):
 - ``fp8ops bf16``: :func:`fp8ops.transformer.transformer_layer` with ``recipe=None``;
   ``fp8ops delayed`` (state calibrated by one real step, fresh probes each step),
   ``fp8ops current`` (per-tensor current scaling), ``fp8ops current row-wise``, ``fp8ops delayed + compile``
-  (``torch.compile(fullgraph=True)``).
+  (``torch.compile(fullgraph=True)``), all with ``dropout_seed=None`` (the attention dropout mask from
+  torch's generator, as in the peers: ``attention(backend="auto")`` may run SDPA); with dropout on,
+  also ``fp8ops delayed, explicit dropout seed`` (a mask reproducible from a seed tensor per step: the
+  Triton attention kernels).
 
 Measured: the step time (median of CUDA-event-timed loops of plain launches after warm-up, what an
 eager training loop sees; ``graph µs``: CUDA-graph replays, device time, where capture works; with
@@ -132,7 +135,7 @@ def _torchao_case(m: torch.nn.Module, recipe_name: str) -> tuple[Any, Any, list[
 
 
 def _fp8ops_case(seed_state: dict[str, Tensor], config: Any, recipe: Any, x0: Tensor, dy0: Tensor, *,
-                 compiled: bool = False) -> tuple[Any, Any, list[Tensor]]:
+                 compiled: bool = False, explicit_seed: bool = False) -> tuple[Any, Any, list[Tensor]]:
     import fp8ops
     from fp8ops.transformer import (
         init_transformer_state,
@@ -157,8 +160,11 @@ def _fp8ops_case(seed_state: dict[str, Tensor], config: Any, recipe: Any, x0: Te
         del y, new_state, probes, grads
 
     def layer(x: Tensor, st: Any, probes: Any, seed: Tensor, training: bool) -> Tensor:
+        # dropout_seed=None (the default): the attention dropout mask comes from torch's generator,
+        # as in the peers, and attention(backend="auto") may run SDPA; an explicit seed (a mask
+        # reproducible from the seed alone) runs fp8ops's Triton attention.
         return transformer_layer(params, x, st, config=config, recipe=recipe, probes=probes, training=training,
-                                 dropout_seed=seed)[0]
+                                 dropout_seed=seed if explicit_seed else None)[0]
 
     if compiled:
         torch._dynamo.reset()
@@ -309,6 +315,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("fp8ops current row-wise", torch.bfloat16,
          lambda x0, dy0: _fp8ops_case(seed_state, config, fp8ops.CurrentScaling(granularity="row"), x0, dy0)),
     ]
+    if p > 0:
+        impls.append(("fp8ops delayed, explicit dropout seed", torch.bfloat16,
+                      lambda x0, dy0: _fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x0, dy0,
+                                                   explicit_seed=True)))
     if not args.no_compile:
         impls.append(("fp8ops delayed + compile", torch.bfloat16,
                       lambda x0, dy0: _fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x0, dy0,

@@ -14,8 +14,8 @@ Implementations (all share the same weights and inputs):
 - ``fp8ops bf16``: :func:`fp8ops.mlp.fused_ln_mlp` with ``recipe=None`` (fused norm and activation
   kernels, bf16 GEMMs);
 - ``fp8ops delayed``: ``DelayedScaling`` with a state calibrated by one real step and fresh probes
-  every step; ``... recompute=activation``: the activation recomputed in backward (no saved
-  activation output); ``... + compile``: under ``torch.compile(fullgraph=True)``.
+  every step; ``... recompute=activation``: fc1's output stored in FP8 and the activation's FP8
+  copy recomputed in backward; ``... + compile``: under ``torch.compile(fullgraph=True)``.
 
 Measured per implementation: the forward+backward step time (median of CUDA-event-timed loops
 of plain launches after warm-up, what an eager training loop sees; ``graph µs``: CUDA-graph
@@ -29,7 +29,8 @@ tensorwise + compile at no higher peak memory.
 Checks (recorded in ``failed_checks``), relative errors (norm of the difference over the peer's norm)
 on the first input set: fp8ops bf16 vs torch eager, output and input gradient < 2e-2; fp8ops FP8 vs
 torch eager, output < 0.1 and input gradient < 0.2 (the gradient passes two E5M2 casts, half-ulp
-2^-3 each, in series); recompute vs the plain FP8 path (same calibration) < 1e-2.
+2^-3 each, in series); the same bounds for recompute (fc1's output stored in FP8 adds one E4M3
+rounding of the activation's input).
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ def _checks(outputs: dict[str, tuple[Tensor, Tensor]], activation: str) -> list[
     # (label, peer, bound on the output, bound on the input gradient)
     bounds = [("fp8ops bf16", "torch eager", 2e-2, 2e-2), ("fp8ops delayed", "torch eager", 0.1, 0.2),
               ("fp8ops delayed + compile", "torch eager", 0.1, 0.2),
-              ("fp8ops delayed recompute=activation", "fp8ops delayed", 1e-2, 1e-2)]
+              ("fp8ops delayed recompute=activation", "torch eager", 0.1, 0.2)]
     for label, peer, *bound_of in bounds:
         if label not in outputs or peer not in outputs or ref is None:
             continue

@@ -151,6 +151,22 @@ def _fp8(
     return saturating_cast(v, s, out_dtype), torch.reciprocal(s)
 
 
+def _input(h: Tensor, h_inv: Tensor | None, hp_dtype: torch.dtype | None, store_hp: bool,
+           where: str) -> tuple[Tensor, torch.dtype]:
+    """``(h32, dtype of the high-precision output)``: h in float32, dequantized (``code * h_inv``)
+    when it holds FP8 codes."""
+    _check_2d(h, "h", where)
+    if h.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if h_inv is None:
+            raise ValueError(f"{where}: h is {h.dtype} (FP8 codes); pass its inverse scale h_inv (a 0-d float32 tensor)")
+        if hp_dtype is None and store_hp:
+            raise ValueError(f"{where}: h is FP8, so the high-precision output needs a dtype: pass hp_dtype")
+        return h.to(torch.float32) * h_inv, (hp_dtype if hp_dtype is not None else torch.bfloat16)
+    if h_inv is not None:
+        raise ValueError(f"{where}: h_inv is only for FP8 h, but h is {h.dtype}; pass h_inv=None")
+    return h.to(torch.float32), (hp_dtype if hp_dtype is not None else h.dtype)
+
+
 def act_fwd(
     h: Tensor,
     act: str,
@@ -162,16 +178,19 @@ def act_fwd(
     out_dtype: torch.dtype | None,
     store_q: bool,
     transpose: bool,
+    h_inv: Tensor | None = None,
+    hp_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Reference of ``fp8ops::act_fwd``: ``(y (M, F), q (M, F), q_t (F, M), amax (), inv_scale ())``.
 
     Outputs that are not asked for are empty (0,) tensors (q, q_t of ``out_dtype``, or of h's dtype
-    without one). ``scale`` None means 1.
+    without one). ``scale`` None means 1. With ``h_inv``, h holds FP8 codes and the activation reads
+    ``h = code * h_inv``; ``y`` is then of ``hp_dtype``.
     """
-    _check_2d(h, "h", "act_fwd")
-    a32 = activation(h, act)
+    h32, ydt = _input(h, h_inv, hp_dtype, store_y, "act_fwd")
+    a32 = activation(h32, act)
     qdt = out_dtype if out_dtype is not None else h.dtype
-    y = a32.to(h.dtype) if store_y else h.new_empty(0)
+    y = a32.to(ydt) if store_y else h.new_empty(0, dtype=ydt)
     if store_y and y is a32:
         y = a32.clone()
     q, inv = _fp8(a32, scale, amax_in, margin, power_2, out_dtype)
@@ -181,10 +200,10 @@ def act_fwd(
     return y, q_out, q_t, _amax(a32), inv
 
 
-def act_amax(h: Tensor, act: str) -> Tensor:
+def act_amax(h: Tensor, act: str, h_inv: Tensor | None = None) -> Tensor:
     """Reference of ``fp8ops::act_amax``: max |act(h)| in float32 (NaN-propagating)."""
-    _check_2d(h, "h", "act_amax")
-    return _amax(activation(h, act))
+    h32, _ = _input(h, h_inv, None, False, "act_amax")
+    return _amax(activation(h32, act))
 
 
 def act_bwd(
@@ -199,15 +218,17 @@ def act_bwd(
     out_dtype: torch.dtype | None,
     transpose: bool,
     dbias: bool,
+    h_inv: Tensor | None = None,
+    hp_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Reference of ``fp8ops::act_bwd``:
     ``(dh (M, C), q (M, C), q_t (C, M), amax (), inv_scale (), dbias (C,))``; outputs that are not
-    asked for are empty (0,) tensors."""
-    _check_2d(h, "h", "act_bwd")
+    asked for are empty (0,) tensors. ``h_inv``, ``hp_dtype``: as :func:`act_fwd`."""
+    h32, dhdt = _input(h, h_inv, hp_dtype, store_dh, "act_bwd")
     _check_2d(da, "da", "act_bwd")
-    d32 = activation_grad(da, h, act)
+    d32 = activation_grad(da, h32, act)
     qdt = out_dtype if out_dtype is not None else h.dtype
-    dh = d32.to(h.dtype) if store_dh else h.new_empty(0)
+    dh = d32.to(dhdt) if store_dh else h.new_empty(0, dtype=dhdt)
     if store_dh and dh is d32:
         dh = d32.clone()
     q, inv = _fp8(d32, scale, amax_in, margin, power_2, out_dtype)
@@ -218,8 +239,8 @@ def act_bwd(
     return dh, q_out, q_t, _amax(d32), inv, db
 
 
-def act_bwd_amax(da: Tensor, h: Tensor, act: str) -> Tensor:
+def act_bwd_amax(da: Tensor, h: Tensor, act: str, h_inv: Tensor | None = None) -> Tensor:
     """Reference of ``fp8ops::act_bwd_amax``: max |da * act'(h)| in float32 (NaN-propagating)."""
-    _check_2d(h, "h", "act_bwd_amax")
+    h32, _ = _input(h, h_inv, None, False, "act_bwd_amax")
     _check_2d(da, "da", "act_bwd_amax")
-    return _amax(activation_grad(da, h, act))
+    return _amax(activation_grad(da, h32, act))

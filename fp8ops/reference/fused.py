@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..recipes import Recipe
+from ..recipes import Recipe, compute_scale
 from .activation import activation
 from .linear import qdq
 from .norm import norm32
-from .quantize import amax
+from .quantize import amax, saturating_cast
 
 __all__ = ["fused_ln_mlp", "layernorm_linear"]
 
@@ -75,10 +75,17 @@ def fused_ln_mlp(
     x: Tensor, ln_w: Tensor, ln_b: Tensor | None, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
     state: Any, dy: Tensor, *, recipe: Recipe | None, normalization: str = "LayerNorm",
     activation_name: str = "gelu_tanh", eps: float = 1e-5, zero_centered_gamma: bool = False,
-    has_probe: bool = True,
+    has_probe: bool = True, recompute: bool = False, h_amax: Tensor | None = None,
 ) -> dict[str, Any]:
     """Reference outputs: ``y``, gradients ``dx, dln_w, dln_b, dw1, db1, dw2, db2`` and the
-    observations ``amax_ln, amax_w1, amax_a, amax_w2, amax_dh, amax_dy``."""
+    observations ``amax_ln, amax_w1, amax_a, amax_w2, amax_dh, amax_dy`` (and ``amax_h``).
+
+    ``recompute=True`` (with a recipe) quantizes-dequantizes fc1's output h per tensor with the
+    ``fc1_output`` role before the activation, as ``recompute="activation"`` stores it: the
+    activation and its derivative read the dequantized h, whose gradient passes to fc1 unchanged.
+    ``h_amax`` replaces the amax its just-in-time scale is computed from (the op's own observation:
+    a current scale follows one element of h, so a last-bit difference there moves the whole grid).
+    """
     K = w1.shape[1]
     K2 = w2.shape[0]
     x32 = x.detach().reshape(-1, K).to(torch.float32).requires_grad_()
@@ -97,7 +104,20 @@ def fused_ln_mlp(
     h = _q(lnv, sx1, recipe, "forward", f, dtype=x.dtype) @ _q(w1_32, sw1, recipe, "forward", f).t()
     if b1 is not None:
         h = h + b1.detach().float()
-    h = h.to(x.dtype).float().requires_grad_()  # the op keeps h in the input precision
+    h = h.to(x.dtype).float()  # the op keeps h in the input precision
+    amax_h = amax(h)
+    if fp8 and recompute:  # the op stores q(h) per tensor and the activation reads dq(q(h))
+        sh, cal = _scales(state, ("fc1_output",))[0]
+        fmax = recipe.fp8_max("forward")  # type: ignore[union-attr]
+        if recipe.mode == "delayed" and cal and sh is not None:  # type: ignore[union-attr]
+            s = sh
+        else:
+            fallback = sh if sh is not None else torch.ones(())
+            s = compute_scale(amax_h if h_amax is None else h_amax.float(), fallback, fmax,
+                              margin=recipe.margin,  # type: ignore[union-attr]
+                              power_2_scale=recipe.power_2_scale)  # type: ignore[union-attr]
+        h = saturating_cast(h, s, recipe.dtype("forward")).float() * torch.reciprocal(s)  # type: ignore[union-attr]
+    h = h.requires_grad_()
     a = activation(h, activation_name)
     av = a.detach()
     y = _q(av, sx2, recipe, "forward", f, dtype=x.dtype) @ _q(w2_32, sw2, recipe, "forward", f).t()
@@ -115,5 +135,5 @@ def fused_ln_mlp(
         "y": y, "h": h.detach(), "a": av, "dx": grads[0].reshape(x.shape), "dln_w": grads[1],
         "dln_b": grads[2] if beta is not None else None, "dw1": dw1, "db1": dh.sum(0), "dw2": dw2,
         "db2": dy2.sum(0), "amax_ln": amax(lnv), "amax_w1": amax(w1_32), "amax_a": amax(av),
-        "amax_w2": amax(w2_32), "amax_dh": amax(dh), "amax_dy": amax(dy2),
+        "amax_w2": amax(w2_32), "amax_dh": amax(dh), "amax_dy": amax(dy2), "amax_h": amax_h,
     }
