@@ -37,6 +37,9 @@ Kernels:
   the column sums of the tile into a ``(num_row_tiles, C)`` float32 buffer that the launcher sums
   (deterministic; no float atomics).
 
+Both kernels also read ``h`` as FP8 codes with its inverse scale (``H_FP8``: ``h = code * h_inv``
+after the load), the stored fc1 output of ``fused_ln_mlp(recompute="activation")``.
+
 Traffic per bf16 element of ``h`` with delayed scaling: forward reads 2 B and writes 1 B per FP8
 copy; backward reads 2 + 2 B and writes 1 B per FP8 copy. Current scaling adds the amax pass (one
 more read of the inputs). The kernels are memory-bound in principle. On an H200 the gated forward

@@ -15,7 +15,9 @@ Math (all in float32; ``h`` (M, C), ``a32`` (M, F), C = 2F for gated activations
     backward: dh32 = da * act'(h)  (gated: d a = (da b) act'(a), d b = da act(a));
               dh = dh32.to(h.dtype);  q = rne(sat(dh32 * s));  amax = max |dh32|;  dbias = sum_rows dh32
 
-FP8 is emulated by saturate-then-cast to torch's float8 dtypes (:mod:`fp8ops.reference.quantize`).
+With ``h_inv``, h holds FP8 codes and every function reads ``h = code.float() * h_inv`` (the
+kernels' FP8 input). FP8 is emulated by saturate-then-cast to torch's float8 dtypes
+(:mod:`fp8ops.reference.quantize`).
 ``act_fwd``, ``act_amax``, ``act_bwd`` and ``act_bwd_amax`` have the signatures of the library ops
 ``fp8ops::act_*`` and are their CPU kernels.
 """
