@@ -40,8 +40,14 @@ __all__ = [
     "update",
 ]
 
-SCHEMA_VERSION = 1
-"""Version of the flat ``dict[str, Tensor]`` layout written by :func:`state_dict`."""
+SCHEMA_VERSION = 2
+"""Version of the flat ``dict[str, Tensor]`` layout written by :func:`state_dict`.
+
+Version 2 added the ``fc1_output`` role of :class:`fp8ops.LayerNormMLPState`; a version-1 dict
+still loads, those states keeping the values of ``like``."""
+
+# Roles added in a schema version: a dict of an older version loads without them.
+_ADDED_ROLES = {2: ("fc1_output",)}
 
 _T = TypeVar("_T")
 
@@ -453,6 +459,9 @@ def state_dict(states: Any) -> dict[str, Tensor]:
 def load_state_dict(like: _T, flat: Mapping[str, Tensor]) -> _T:
     """Rebuild states shaped like ``like`` from a dict written by :func:`state_dict`.
 
+    A dict of an older schema version loads too: states of roles added since (see
+    :data:`SCHEMA_VERSION`) keep the values of ``like``.
+
     Raises:
         ValueError: the schema version is missing or unknown, a key is missing, or a tensor's
             shape or dtype differs from ``like``'s.
@@ -460,12 +469,18 @@ def load_state_dict(like: _T, flat: Mapping[str, Tensor]) -> _T:
     if _VERSION_KEY not in flat:
         raise ValueError(f"load_state_dict: no {_VERSION_KEY!r} entry; this dict was not written by fp8ops.state_dict")
     version = int(flat[_VERSION_KEY])
-    if version != SCHEMA_VERSION:
-        raise ValueError(f"load_state_dict: schema version {version} is not supported (this fp8ops reads {SCHEMA_VERSION})")
+    if not 1 <= version <= SCHEMA_VERSION:
+        raise ValueError(
+            f"load_state_dict: schema version {version} is not supported (this fp8ops reads 1 to {SCHEMA_VERSION})"
+        )
+    added = {r for v, roles in _ADDED_ROLES.items() if v > version for r in roles}
     leaves, spec = pytree.tree_flatten_with_path(like, is_leaf=lambda x: isinstance(x, ScalingState))
     out = []
     for path, s in leaves:
         k = _key(path)
+        if k.rsplit(".", 1)[-1] in added and not any(key.startswith(f"{k}.") for key in flat):
+            out.append(s)  # a role this dict's version did not have
+            continue
         fields = {}
         for name in ("amax_history", "scale", "pending_amax", "role", "calibrated"):
             if f"{k}.{name}" not in flat:

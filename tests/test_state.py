@@ -123,6 +123,22 @@ def test_state_dict_round_trip():
             assert torch.equal(getattr(a, f), getattr(b, f))
 
 
+def test_load_state_dict_of_schema_version_1_keeps_new_roles():
+    # Version 1 had no fc1_output role in LayerNormMLPState: such a dict loads, that role fresh.
+    r = DelayedScaling(amax_history_len=3)
+    st = fp8ops.LayerNormMLPState.init(r)
+    st = st.replace(fc1_input=st.fc1_input.observe(torch.tensor(3.0)))
+    flat = {k: v for k, v in fp8ops.state_dict({"mlp": st}).items() if ".fc1_output." not in k}
+    flat["fp8ops.schema_version"] = torch.tensor(1)
+    like = {"mlp": fp8ops.LayerNormMLPState.init(r)}
+    back = fp8ops.load_state_dict(like, flat)
+    assert torch.equal(back["mlp"].fc1_input.pending_amax, torch.tensor(3.0))
+    assert back["mlp"].fc1_output is like["mlp"].fc1_output
+    flat["fp8ops.schema_version"] = torch.tensor(fp8ops.SCHEMA_VERSION)  # current version: required
+    with pytest.raises(ValueError, match="missing key mlp.fc1_output.amax_history"):
+        fp8ops.load_state_dict(like, flat)
+
+
 def test_load_state_dict_errors():
     r = DelayedScaling(amax_history_len=3)
     flat = fp8ops.state_dict({"a": r.init()})
