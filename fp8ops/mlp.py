@@ -463,10 +463,8 @@ def fused_ln_mlp(
     new_state = None
     if fp8:
         assert state is not None
-        new_state = state.replace(
-            fc1_input=state.fc1_input.observe(ln_amax), fc1_weight=state.fc1_weight.observe(w1_amax),
-            fc2_input=state.fc2_input.observe(a_amax), fc2_weight=state.fc2_weight.observe(w2_amax),
-        )
-        if cfg.recompute:
-            new_state = new_state.replace(fc1_output=state.fc1_output.observe(h_amax))
+        seen = {"fc1_input": ln_amax, "fc1_weight": w1_amax, "fc2_input": a_amax, "fc2_weight": w2_amax}
+        if cfg.recompute:  # fc1's output was quantized (stored in FP8) only then
+            seen["fc1_output"] = h_amax
+        new_state = state.replace(**{n: getattr(state, n).observe(a) for n, a in seen.items()})
     return y.reshape(*lead, K2), new_state

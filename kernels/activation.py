@@ -135,6 +135,15 @@ def _dact(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _load_h(ptrs, mask, h_inv_ptr, H_FP8: tl.constexpr):
+    """A tile of h in fp32; FP8 codes are dequantized with the inverse scale (``code * h_inv``)."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if H_FP8:
+        x = x * tl.load(h_inv_ptr)
+    return x
+
+
+@triton.jit
 def _tile_coords(num_m, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped along M so neighbouring programs write neighbouring rows of the transposed copy.
     pid = tl.program_id(0)
@@ -185,16 +194,9 @@ def _act_fwd_kernel(
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     # Step 2: load the tile of h (and of the gate half; dequantized when h is FP8), activation in fp32.
     h_rows = h_ptr + rm[:, None] * stride_hm
-    h_inv = 1.0
-    if H_FP8:
-        h_inv = tl.load(h_inv_ptr)
-    x = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    if H_FP8:
-        x = x * h_inv
+    x = _load_h(h_rows + rn[None, :], mask, h_inv_ptr, H_FP8)
     if GATED:
-        g = tl.load(h_rows + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        if H_FP8:
-            g = g * h_inv
+        g = _load_h(h_rows + F + rn[None, :], mask, h_inv_ptr, H_FP8)
         a = _act(x, ACT) * g
     else:
         a = _act(x, ACT)
@@ -308,17 +310,10 @@ def _act_bwd_kernel(
     # of each half.
     da = tl.load(da_ptr + rm[:, None] * stride_dam + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     h_rows = h_ptr + rm[:, None] * stride_hm
-    h_inv = 1.0
-    if H_FP8:
-        h_inv = tl.load(h_inv_ptr)
-    x = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    if H_FP8:
-        x = x * h_inv
+    x = _load_h(h_rows + rn[None, :], mask, h_inv_ptr, H_FP8)
     if GATED:
         C = 2 * F
-        g = tl.load(h_rows + F + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        if H_FP8:
-            g = g * h_inv
+        g = _load_h(h_rows + F + rn[None, :], mask, h_inv_ptr, H_FP8)
         d_a = (da * g) * _dact(x, ACT)
         d_b = da * _act(x, ACT)
         m1 = _bwd_epilogue(d_a, rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr, pid_m, M, C,
@@ -348,8 +343,8 @@ def _check_act(name: str, act: str) -> tuple[str, bool]:
     return _BASE.get(act, act), act in GATED
 
 
-def _check_2d(name: str, arg: str, t: torch.Tensor) -> None:
-    if t.dtype not in _IN_DTYPES:
+def _check_2d(name: str, arg: str, t: torch.Tensor, *, fp8_ok: bool = False) -> None:
+    if t.dtype not in _IN_DTYPES and not (fp8_ok and t.dtype in _FP8_MAX):
         raise ValueError(f"{name}: {arg} must be float32, bfloat16 or float16, got {t.dtype}")
     if t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] > 1):
         raise ValueError(
@@ -358,24 +353,27 @@ def _check_2d(name: str, arg: str, t: torch.Tensor) -> None:
         )
 
 
+def _hp(h: torch.Tensor, hp_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of y / dh: ``hp_dtype``, else h's (bfloat16 for an FP8 h; only placeholders then)."""
+    if hp_dtype is not None:
+        return hp_dtype
+    return torch.bfloat16 if h.dtype in _FP8_MAX else h.dtype
+
+
 def _check_h(name: str, h: torch.Tensor, h_inv: torch.Tensor | None, hp_dtype: torch.dtype | None,
              store_hp: bool) -> torch.dtype:
     """Validate h (high precision, or FP8 codes with ``h_inv``); the dtype of the high-precision output."""
+    _check_2d(name, "h", h, fp8_ok=True)
     if h.dtype in _FP8_MAX:
         if h_inv is None:
             raise ValueError(f"{name}: h is {h.dtype} (FP8 codes); pass its inverse scale h_inv (a 0-d float32 tensor)")
         _check_scalar(name, "h_inv", h_inv)
-        if h.dim() != 2 or (h.stride(1) != 1 and h.shape[1] > 1):
-            raise ValueError(f"{name}: h must be 2-D with unit stride along its last dim, got shape "
-                             f"{tuple(h.shape)} and strides {tuple(h.stride())}; call .contiguous() first")
         if hp_dtype is None and store_hp:
             raise ValueError(f"{name}: h is FP8, so the high-precision output needs a dtype: pass hp_dtype "
                              "(torch.float32, torch.bfloat16 or torch.float16)")
-    else:
-        _check_2d(name, "h", h)
-        if h_inv is not None:
-            raise ValueError(f"{name}: h_inv is only for FP8 h, but h is {h.dtype}; pass h_inv=None")
-    out = hp_dtype if hp_dtype is not None else (torch.bfloat16 if h.dtype in _FP8_MAX else h.dtype)
+    elif h_inv is not None:
+        raise ValueError(f"{name}: h_inv is only for FP8 h, but h is {h.dtype}; pass h_inv=None")
+    out = _hp(h, hp_dtype)
     if out not in _IN_DTYPES:
         raise ValueError(f"{name}: hp_dtype must be float32, bfloat16 or float16, got {out}")
     return out
@@ -561,12 +559,6 @@ def act_bwd_amax_launch(da: torch.Tensor, h: torch.Tensor, act: str, h_inv: torc
 
 def _width(h: torch.Tensor, act: str) -> int:
     return h.shape[1] // 2 if act in GATED else h.shape[1]
-
-
-def _hp(h, hp_dtype):  # type: ignore[no-untyped-def]
-    if hp_dtype is not None:
-        return hp_dtype
-    return torch.bfloat16 if h.dtype in _FP8_MAX else h.dtype
 
 
 def _act_fwd_fake(h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose,  # type: ignore[no-untyped-def]

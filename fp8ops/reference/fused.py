@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..recipes import Recipe, compute_scale
+from ..recipes import Recipe
 from .activation import activation
 from .linear import qdq
 from .norm import norm32
-from .quantize import amax, saturating_cast
+from .quantize import amax
 
 __all__ = ["fused_ln_mlp", "layernorm_linear"]
 
@@ -108,15 +108,7 @@ def fused_ln_mlp(
     amax_h = amax(h)
     if fp8 and recompute:  # the op stores q(h) per tensor and the activation reads dq(q(h))
         sh, cal = _scales(state, ("fc1_output",))[0]
-        fmax = recipe.fp8_max("forward")  # type: ignore[union-attr]
-        if recipe.mode == "delayed" and cal and sh is not None:  # type: ignore[union-attr]
-            s = sh
-        else:
-            fallback = sh if sh is not None else torch.ones(())
-            s = compute_scale(amax_h if h_amax is None else h_amax.float(), fallback, fmax,
-                              margin=recipe.margin,  # type: ignore[union-attr]
-                              power_2_scale=recipe.power_2_scale)  # type: ignore[union-attr]
-        h = saturating_cast(h, s, recipe.dtype("forward")).float() * torch.reciprocal(s)  # type: ignore[union-attr]
+        h = qdq(h, sh, cal, recipe, "forward", per_tensor=True, amax_in=h_amax)  # type: ignore[arg-type]
     h = h.requires_grad_()
     a = activation(h, activation_name)
     av = a.detach()

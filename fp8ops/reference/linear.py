@@ -20,16 +20,18 @@ if TYPE_CHECKING:
 __all__ = ["fp8_linear", "fp8_linear_grads", "qdq"]
 
 
-def qdq(t: Tensor, scale: Tensor | None, calibrated: bool, recipe: Recipe, role: str, *, dim: int = -1) -> Tensor:
+def qdq(t: Tensor, scale: Tensor | None, calibrated: bool, recipe: Recipe, role: str, *, dim: int = -1,
+        per_tensor: bool = False, amax_in: Tensor | None = None) -> Tensor:
     """Quantize-dequantize ``t`` (2-D) as the op does, in float32.
 
-    Per-tensor modes use ``scale`` (delayed, calibrated) or a just-in-time scale; row-wise mode
-    scales each slice along ``dim`` (``dim=-1``: one scale per row; ``dim=0``: per column).
+    Per-tensor modes use ``scale`` (delayed, calibrated) or a just-in-time scale from ``amax(t)``
+    (or from ``amax_in`` when given); row-wise mode scales each slice along ``dim`` (``dim=-1``: one
+    scale per row; ``dim=0``: per column) unless ``per_tensor`` (then it scales as current scaling).
     """
     t = t.to(torch.float32)
     dtype = recipe.dtype(role)  # type: ignore[arg-type]
     fmax = recipe.fp8_max(role)  # type: ignore[arg-type]
-    if recipe.mode == "rowwise":
+    if recipe.mode == "rowwise" and not per_tensor:
         a = t.abs().amax(dim=dim, keepdim=True)
         s = compute_scale(a, torch.ones_like(a), fmax, margin=recipe.margin, power_2_scale=recipe.power_2_scale)
     else:
@@ -37,7 +39,8 @@ def qdq(t: Tensor, scale: Tensor | None, calibrated: bool, recipe: Recipe, role:
         if recipe.mode == "delayed" and calibrated and scale is not None:
             s = scale
         else:
-            s = compute_scale(amax(t), fallback, fmax, margin=recipe.margin, power_2_scale=recipe.power_2_scale)
+            a = amax(t) if amax_in is None else amax_in.to(torch.float32)
+            s = compute_scale(a, fallback, fmax, margin=recipe.margin, power_2_scale=recipe.power_2_scale)
     return saturating_cast(t, s, dtype).to(torch.float32) * torch.reciprocal(s)
 
 
