@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._glue import refuse_compiled_transform
 from ._checks import check_float_tensor
 from .kernels import activation as _kernels  # noqa: F401  (registers the fp8ops::act_* library ops)
 from .quantize import QuantSpec, _loop_vmap
@@ -257,8 +258,6 @@ class _Activation(torch.autograd.Function):
 
     @staticmethod
     def forward(h: Tensor, act: str) -> Tensor:  # type: ignore[override]
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            _ops.guard([h])  # makes torch.compile(torch.func.grad(...)) raise
         return _ops.act_fwd(h, act, True, None, None, 0, False, None, False, False)[0]
 
     @staticmethod
@@ -325,6 +324,7 @@ def activation(h: Tensor, act: str) -> Tensor:
     F = _output_width(h, act, where)
     lead = h.shape[:-1]
     h2 = h.reshape(math.prod(lead), h.shape[-1])
+    refuse_compiled_transform(where, h)
     y = _Activation.apply(h2, act)
     return y.reshape(*lead, F)
 

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_float_tensor
+from ._glue import refuse_compiled_transform
 from .kernels import attention as _K
 from .kernels._library import define as _define
 from .reference import attention as _ref
@@ -1715,6 +1716,7 @@ def _attention_triton(
         bwd_config=tuple(sorted(bwd_config.items())) if bwd_config else None,
     )
     q4, k4, v4 = _distinct(q4, k4, v4)
+    refuse_compiled_transform("attention", q4)
     out4, lse3 = _AttentionFunction.apply(q4, k4, v4, cu_q, cu_kv, seed, *bm, static, *uniq)
     if varlen:
         return out4, lse3

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .formats import Role
+from ._glue import cast, refuse_compiled_transform
 from ._checks import check_float_tensor, check_probe, check_recipe
 from .quantize import QuantSpec, quantize_2d
 from .recipes import Recipe
@@ -45,7 +46,7 @@ class FakeQuantState(OpState):
 def _qdq(x: Tensor, scale: Tensor | None, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     K = x.shape[-1]
     data, inv, _, amax = quantize_2d(x.reshape(-1, K), scale, spec)
-    y = (data.to(torch.float32) * inv).to(x.dtype)
+    y = cast(data.to(torch.float32) * inv, x.dtype)
     return y.reshape(x.shape), amax
 
 
@@ -61,8 +62,6 @@ class _FakeQuantize(torch.autograd.Function):
         in_spec: QuantSpec,
         grad_spec: QuantSpec,
     ) -> tuple[Tensor, Tensor]:
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            torch.ops.fp8ops.guard([x, probe])  # makes torch.compile(torch.func.grad(...)) raise
         return _qdq(x, in_scale, in_spec)
 
     @staticmethod
@@ -147,8 +146,8 @@ def fake_quantize(
     check_recipe(recipe, where)
     if not isinstance(state, FakeQuantState):
         raise TypeError(f"{where}: state must be a FakeQuantState (FakeQuantState.init(recipe)), got {type(state).__name__}")
-    validate_state(state.input, where=f"{where}: state.input", device=x.device)
-    validate_state(state.grad_output, where=f"{where}: state.grad_output", device=x.device)
+    validate_state(state.input, where=f"{where}: state.input", device=x.device, recipe=recipe)
+    validate_state(state.grad_output, where=f"{where}: state.grad_output", device=x.device, recipe=recipe)
     if recipe.mode == "rowwise":
         raise ValueError(f"{where}: row-wise scaling is not supported here; use CurrentScaling(granularity='tensor')")
     check_probe(grad_probe, where)
@@ -158,5 +157,6 @@ def fake_quantize(
         grad_scale = grad_scale.clone()
     in_spec = QuantSpec.of(recipe, "forward", state.input.calibrated)
     grad_spec = QuantSpec.of(recipe, "backward", state.grad_output.calibrated)
+    refuse_compiled_transform(where, x)
     y, amax = _FakeQuantize.apply(x, in_scale, grad_scale, grad_probe, in_spec, grad_spec)
     return y, state.replace(input=state.input.observe(amax))

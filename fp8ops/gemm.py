@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import kernels as _kernels  # noqa: F401  (registers fp8ops:: ops)
+from ._glue import cast
 from .reference import gemm as _ref
 
 __all__ = ["resolve_backend", "scaled_mm"]
@@ -92,7 +93,7 @@ def _cublas(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor
     if pm or pn:
         out = out[:m, :n]
     if bias is not None and not fused_bias:
-        out = (out.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+        out = cast(out.to(torch.float32) + bias.to(torch.float32), out_dtype)
     return out
 
 

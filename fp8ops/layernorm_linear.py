@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
+from ._glue import refuse_compiled_transform
 from ._checks import check_float_tensor, check_probe, check_recipe
 from .linear import (
     LinearState,
@@ -145,8 +146,6 @@ class _LayerNormLinear(torch.autograd.Function):
         probe: Tensor | None,
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            torch.ops.fp8ops.guard([x, ln_w, ln_b, w, bias, probe])  # see fp8ops::guard
         fp8_fwd = cfg.fprop[0] == "fp8"
         need_xt = cfg.need_dw and cfg.wgrad[0] == "fp8"
         need_wt = cfg.need_dx and cfg.dgrad[0] == "fp8"
@@ -275,7 +274,7 @@ def check_state_recipe(state: Any, recipe: Any, cls: type, x: Tensor, where: str
     if not isinstance(state, cls):
         raise TypeError(f"{where}: state must be a {cls.__name__} ({cls.__name__}.init(recipe)), got {type(state).__name__}")
     for role in cls.ROLES:  # type: ignore[attr-defined]
-        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device)
+        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device, recipe=recipe)
     return True
 
 
@@ -378,6 +377,7 @@ def layernorm_linear(
         if g_scale is x_scale or g_scale is w_scale:
             g_scale = g_scale.clone()
     lead = x.shape[:-1]
+    refuse_compiled_transform(where, x)
     y, ln, ln_amax, w_amax, *_ = _LayerNormLinear.apply(
         x.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe, cfg
     )

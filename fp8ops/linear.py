@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ._glue import cast, refuse_compiled_transform
 from ._checks import check_float_tensor, check_probe, check_recipe
 from .formats import Role
 from .gemm import scaled_mm
@@ -140,8 +141,8 @@ def gemm_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor | None, wq: Te
     if spec[0] == "fp8":
         return scaled_mm(xq, wq, x_inv, w_inv, bias=bias, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
     assert x is not None and w is not None
-    b = None if bias is None else bias.to(x.dtype)
-    return torch.nn.functional.linear(x, w.to(x.dtype), b).to(out_dtype)
+    b = None if bias is None else cast(bias, x.dtype)
+    return cast(torch.nn.functional.linear(x, cast(w, x.dtype), b), out_dtype)
 
 
 def gemm_dgrad(dyq: Tensor | None, dy_inv: Tensor | None, dy: Tensor, wq_t: Tensor | None,
@@ -150,7 +151,7 @@ def gemm_dgrad(dyq: Tensor | None, dy_inv: Tensor | None, dy: Tensor, wq_t: Tens
     if spec[0] == "fp8":
         return scaled_mm(dyq, wq_t, dy_inv, w_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
     assert w is not None
-    return (dy @ w.to(dy.dtype)).to(out_dtype)
+    return cast(dy @ cast(w, dy.dtype), out_dtype)
 
 
 def gemm_wgrad(dyq_t: Tensor | None, dy_inv_t: Tensor | None, dy: Tensor, xq_t: Tensor | None,
@@ -159,7 +160,7 @@ def gemm_wgrad(dyq_t: Tensor | None, dy_inv_t: Tensor | None, dy: Tensor, xq_t: 
     if spec[0] == "fp8":
         return scaled_mm(dyq_t, xq_t, dy_inv_t, x_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
     assert x is not None
-    return (dy.t() @ x.to(dy.dtype)).to(out_dtype)
+    return cast(dy.t() @ cast(x, dy.dtype), out_dtype)
 
 
 def quantize_weight_operands(w: Tensor, w_scale: Tensor | None, spec: QuantSpec | None, fp8_fprop: bool,
@@ -219,8 +220,6 @@ class _FP8Linear(torch.autograd.Function):
         c_inv_t: Tensor | None,  # row-wise (K, 1) scales of c_data_t, else None
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            torch.ops.fp8ops.guard([x, w, bias, probe])  # makes torch.compile(torch.func.grad(...)) raise
 
         fp8_fwd = cfg.fprop[0] == "fp8"
         need_xt = cfg.need_dw and cfg.wgrad[0] == "fp8"
@@ -329,7 +328,7 @@ def quantize_weight(
     if weight.dim() != 2:
         raise ValueError(f"{where}: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
     ws = state.weight if isinstance(state, LinearState) else state
-    validate_state(ws, where=f"{where}: state", device=weight.device)
+    validate_state(ws, where=f"{where}: state", device=weight.device, recipe=recipe)
     spec = QuantSpec.of(recipe, "forward", ws.calibrated)
     q, inv, q_t, inv_t, amax = _quantize_pair(weight.detach(), ws.scale, spec, True)
     cache = WeightCache(Float8Value(q, inv, q_t), inv_t if spec.mode == "rowwise" else None, ws.scale, recipe)
@@ -418,7 +417,7 @@ def fp8_linear(
     if not isinstance(state, LinearState):
         raise TypeError(f"{where}: state must be a LinearState (LinearState.init(recipe)), got {type(state).__name__}")
     for role in ("input", "weight", "grad_output"):
-        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device)
+        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device, recipe=recipe)
     if weight.device != x.device:
         raise ValueError(f"{where}: weight is on {weight.device} but x is on {x.device}")
     check_probe(grad_probe, where)
@@ -467,6 +466,7 @@ def fp8_linear(
     if g_scale is x_scale or g_scale is w_scale:
         g_scale = g_scale.clone()
     c = weight_cache.value if use_cache else None
+    refuse_compiled_transform(where, x)
     y, x_amax, w_amax, *_ = _FP8Linear.apply(
         x2, weight, bias, x_scale, w_scale, g_scale, grad_probe,
         c.data if c is not None else None,

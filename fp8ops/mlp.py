@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from . import activation as _activation
+from ._glue import refuse_compiled_transform
 from ._checks import check_probe
 from .formats import Role
 from .layernorm_linear import (
@@ -203,8 +204,6 @@ class _FusedLNMLP(torch.autograd.Function):
         probes: Tensor | None,  # (2,)
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            torch.ops.fp8ops.guard([x, ln_w, ln_b, w1, b1, w2, b2, probes])  # see fp8ops::guard
         sp_x1, sp_w1, _, sp_x2, sp_w2, _, sp_h1 = cfg.specs
         fp8_fwd = cfg.fprop[0] == "fp8"
         fp8_wgrad, fp8_dgrad = cfg.wgrad[0] == "fp8", cfg.dgrad[0] == "fp8"
@@ -457,6 +456,7 @@ def fused_ln_mlp(
         need_dw2=needs(fc2_weight), need_db2=needs(fc2_bias),
     )
     lead = x.shape[:-1]
+    refuse_compiled_transform(where, x)
     y, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = _FusedLNMLP.apply(
         x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, grad_probes, cfg
     )

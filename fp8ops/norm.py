@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_float_tensor
+from ._glue import refuse_compiled_transform
 from .kernels import norm as _kernels_norm  # noqa: F401  (registers the fp8ops::norm_* library ops)
 from .quantize import _loop_vmap
 from .reference import norm as _ref
@@ -38,8 +39,6 @@ class _Norm(torch.autograd.Function):
         rms: bool,
         zero_centered_gamma: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            torch.ops.fp8ops.guard([x, residual, weight, bias])  # makes torch.compile(torch.func.grad(...)) raise
         y, s, _, _, _, _, mean, rstd = _ops.norm_fwd(
             x, residual, weight, bias, eps, rms, zero_centered_gamma, True, None, None, 0, False, None, False
         )
@@ -122,6 +121,7 @@ def _apply(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | No
     K = x.shape[-1]
     x2 = x.reshape(-1, K)  # (M, K)
     r2 = None if residual is None else residual.reshape(-1, K)
+    refuse_compiled_transform("rms_norm" if rms else "layer_norm", x)
     y, s, _, _ = _Norm.apply(x2, r2, weight, bias, float(eps), rms, zero_centered_gamma)
     if residual is None:
         return y.reshape(x.shape)

@@ -190,7 +190,7 @@ def quantize(
     check_float_tensor(x, "x", where, min_dim=2 if transpose else 1)
     check_recipe(recipe, where)
     if state is not None:
-        validate_state(state, where=where, device=x.device)
+        validate_state(state, where=where, device=x.device, recipe=recipe)
     elif recipe.mode == "delayed":
         raise ValueError("quantize: delayed scaling needs a state; pass recipe.init(role=...) or use CurrentScaling")
     role = _resolve_role(state, role, where)
@@ -264,9 +264,3 @@ def _loop_vmap(op: Any) -> Any:
 for _name in ("amax", "cast", "cast_transpose", "cast_rowwise"):
     torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))
 
-
-def _guard_vmap(info: Any, in_dims: Any, tensors: Any) -> Any:
-    return torch.empty(0), None  # a no-op: nothing is batched
-
-
-torch.library.register_vmap("fp8ops::guard", _guard_vmap)

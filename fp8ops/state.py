@@ -506,7 +506,7 @@ def load_state_dict(like: _T, flat: Mapping[str, Tensor]) -> _T:
     return pytree.tree_unflatten(out, spec)
 
 
-def validate_state(state: Any, *, where: str, device: torch.device | None = None) -> ScalingState:
+def validate_state(state: Any, *, where: str, device: torch.device | None = None, recipe: Any = None) -> ScalingState:
     """Check a ScalingState at an op boundary; return it."""
     if not isinstance(state, ScalingState):
         raise TypeError(f"{where}: state must be a ScalingState, got {type(state).__name__}")

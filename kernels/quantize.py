@@ -429,26 +429,6 @@ def _cast_rowwise_fake(x, margin, power_2, out_dtype):  # type: ignore[no-untype
     )
 
 
-def _guard(tensors: list[torch.Tensor | None]) -> torch.Tensor:
-    return torch.empty(0)
-
-
-_GUARD_MESSAGE = (
-    "fp8ops: torch.compile cannot trace a torch.func transform (grad, vjp, grad_and_value) through "
-    "fp8ops ops: it would drop their custom backward and return wrong gradients (pytorch#193279). "
-    "Use torch.func eagerly, or torch.compile the loss and call .backward() / torch.autograd.grad."
-)
-
-
-def _guard_autograd(tensors: list[torch.Tensor | None]) -> torch.Tensor:
-    # An op's autograd.Function runs its forward with grad mode off; reaching here with grad mode on
-    # and an input that requires grad means a tracer inlined the forward as differentiable code.
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError(_GUARD_MESSAGE)
-    with torch._C._AutoDispatchBelowAutograd():
-        return guard(tensors)
-
-
 amax = define(
     "amax(Tensor x) -> Tensor",
     cuda=lambda x: amax_launch(x.contiguous()),
@@ -483,12 +463,3 @@ cast_rowwise = define(
 )
 """``fp8ops::cast_rowwise``: cast with one scale per row, ``(q, inv_scale (M, 1), amax)``."""
 
-guard = define("guard(Tensor?[] tensors) -> Tensor", cuda=_guard, cpu=_guard, fake=_guard,
-               autograd=_guard_autograd)
-"""``fp8ops::guard``: an opaque no-op (no kernel launch) on an op's differentiable inputs.
-
-Ops call it in their autograd.Function forward, which runs with grad mode off under plain autograd,
-eager torch.func and torch.compile. When torch.compile traces a torch.func transform through the
-Function, the forward is inlined as differentiable code and its custom backward would be dropped
-(pytorch#193279); the guard then sees inputs that require grad with grad mode on, and raises.
-"""

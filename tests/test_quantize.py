@@ -125,7 +125,6 @@ def test_opcheck_every_op():
         torch.library.opcheck(ops.cast_transpose.default, (x, one, None, 0, False, dtype))
         torch.library.opcheck(ops.cast_transpose.default, (x, one, amax, 1, False, dtype))
         torch.library.opcheck(ops.cast_rowwise.default, (x, 0, True, dtype))
-    torch.library.opcheck(ops.guard.default, ([torch.zeros(()), None],))
 
 
 def test_vmap_equals_loop():

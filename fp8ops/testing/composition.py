@@ -1,0 +1,229 @@
+"""Model-level composition harness: one small GPT trained for a few optimizer steps in each
+execution mode, so that every mode can be compared with eager on the loss curve and on every
+gradient.
+
+The model is a stack of :func:`fp8ops.transformer_layer` between a token embedding and a tied
+output head, with a final :func:`fp8ops.layer_norm`; float32 master parameters are cast to the
+compute dtype on the way in. A step is what a user runs: fresh probes, forward, backward (or a
+``torch.func`` transform), :func:`fp8ops.update` of every state, then the optimizer.
+
+Modes (:data:`MODES`):
+
+- ``"eager"``: plain autograd, ``loss.backward()``;
+- ``"compile"``, ``"fullgraph"``, ``"reduce-overhead"``: the loss function under
+  ``torch.compile`` (default, ``fullgraph=True``, ``mode="reduce-overhead"``) + ``.backward()``;
+- ``"func.grad"``, ``"func.grad_and_value"``, ``"func.vjp"``: the loss differentiated by the
+  ``torch.func`` transform with respect to the parameters and the probes, eagerly.
+
+Example:
+    >>> import torch
+    >>> from fp8ops.testing import composition as C
+    >>> r = C.train("eager", recipe=None, dtype=torch.float32, device="cpu", steps=2)
+    >>> len(r.losses)
+    2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+__all__ = ["MODES", "RECIPES", "Model", "StepResult", "gpt_loss", "make_model", "make_recipe", "max_rel_error", "train"]
+
+MODES = ("eager", "compile", "fullgraph", "reduce-overhead", "func.grad", "func.grad_and_value", "func.vjp")
+"""The execution modes :func:`train` knows."""
+
+RECIPES = ("none", "delayed", "current", "rowwise")
+"""Recipe names accepted by :func:`make_recipe`."""
+
+
+def make_recipe(name: str) -> Any:
+    """``None`` (no FP8), delayed scaling (history 4), per-tensor or per-row current scaling."""
+    from fp8ops.recipes import CurrentScaling, DelayedScaling
+
+    recipes = {
+        "none": None,
+        "delayed": DelayedScaling(amax_history_len=4),
+        "current": CurrentScaling(),
+        "rowwise": CurrentScaling(granularity="row"),
+    }
+    if name not in recipes:
+        raise ValueError(f"make_recipe: name must be one of {RECIPES}, got {name!r}")
+    return recipes[name]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A small GPT: its layer configuration, vocabulary, sequence length, layer count and data."""
+
+    config: Any
+    vocab: int
+    seq: int
+    layers: int
+    tokens: Tensor  # (steps, B, S) int64
+    targets: Tensor  # (steps, B, S) int64
+
+
+def make_model(device: torch.device | str, *, layers: int = 2, hidden: int = 32, heads: int = 4, seq: int = 16,
+               batch: int = 2, vocab: int = 64, steps: int = 8, seed: int = 0) -> tuple[Model, dict[str, Any]]:
+    """A :class:`Model` and its float32 master parameters (leaves, ``requires_grad=False``).
+
+    Built on the CPU from one generator (the same values on every device), then moved. The data
+    is a fixed random token stream, one batch per step; the targets are the tokens shifted by one.
+    """
+    from fp8ops.transformer import TransformerConfig, init_transformer_params
+
+    config = TransformerConfig(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=heads,
+                               hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal")
+    g = torch.Generator().manual_seed(seed)
+    params: dict[str, Any] = {
+        "tok": torch.randn(vocab, hidden, generator=g) * 0.5,
+        "pos": torch.randn(seq, hidden, generator=g) * 0.1,
+        "layers": [init_transformer_params(config, dtype=torch.float32, generator=g) for _ in range(layers)],
+        "lnf.weight": torch.ones(hidden) + 0.1 * torch.randn(hidden, generator=g),
+        "lnf.bias": 0.1 * torch.randn(hidden, generator=g),
+    }
+    stream = torch.randint(0, vocab, (steps, batch, seq + 1), generator=g)
+    model = Model(config, vocab, seq, layers, stream[..., :-1].to(device), stream[..., 1:].to(device))
+    return model, pytree.tree_map(lambda t: t.to(device), params)
+
+
+def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[Any] | None, tokens: Tensor,
+             targets: Tensor, *, model: Model, recipe: Any, dtype: torch.dtype) -> tuple[Tensor, list[Any] | None]:
+    """Mean next-token cross-entropy of ``tokens`` (B, S) and the layers' new states."""
+    from fp8ops.norm import layer_norm
+    from fp8ops.transformer import transformer_layer
+
+    x = F.embedding(tokens, params["tok"]) + params["pos"][: tokens.shape[1]]  # (B, S, H)
+    x = x.to(dtype).transpose(0, 1)  # (S, B, H)
+    new_states = []
+    for i, lp in enumerate(params["layers"]):
+        lp = {k: v.to(dtype) for k, v in lp.items()}
+        st = None if states is None else states[i]
+        pr = None if probes is None else probes[i]
+        x, ns = transformer_layer(lp, x, st, config=model.config, recipe=recipe, probes=pr)
+        new_states.append(ns)
+    x = layer_norm(x, params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype))
+    logits = x.transpose(0, 1) @ params["tok"].to(dtype).t()  # (B, S, V), head tied to the embedding
+    loss = F.cross_entropy(logits.float().reshape(-1, model.vocab), targets.reshape(-1))
+    return loss, (new_states if states is not None else None)
+
+
+@dataclass
+class StepResult:
+    """What :func:`train` recorded: the loss of every step, the gradients and probe gradients of
+    the first step, and the final states."""
+
+    losses: list[float]
+    grads: dict[str, Any]
+    probe_grads: Any
+    states: Any
+
+
+def _compiled(fn: Any, mode: str, backend: str) -> Any:
+    if mode == "compile":
+        return torch.compile(fn, backend=backend)
+    if mode == "fullgraph":
+        return torch.compile(fn, backend=backend, fullgraph=True)
+    if mode == "reduce-overhead":
+        if backend != "inductor":  # CUDA graphs are an inductor mode
+            return torch.compile(fn, backend=backend, fullgraph=True)
+        return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    return fn
+
+
+def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | str, steps: int = 8,
+          lr: float = 1e-2, backend: str = "inductor", model: Model | None = None,
+          params: dict[str, Any] | None = None) -> StepResult:
+    """Train the model for ``steps`` AdamW steps in ``mode``; see the module docstring.
+
+    Args:
+        mode: one of :data:`MODES`.
+        recipe: an fp8ops recipe, or None (no FP8).
+        dtype: the compute dtype (float32 or bfloat16); master parameters stay float32.
+        device: where to run.
+        steps: optimizer steps.
+        lr: AdamW learning rate.
+        backend: torch.compile backend of the compiled modes ("inductor", "aot_eager", ...).
+        model, params: from :func:`make_model` (default: ``make_model(device, steps=steps)``).
+
+    Returns:
+        A :class:`StepResult`.
+    """
+    import fp8ops
+
+    if mode not in MODES:
+        raise ValueError(f"train: mode must be one of {MODES}, got {mode!r}")
+    if model is None or params is None:
+        model, params = make_model(device, steps=steps)
+    if model.tokens.shape[0] < steps:
+        raise ValueError(f"train: the model's data holds {model.tokens.shape[0]} steps, asked for {steps}")
+    leaves, spec = pytree.tree_flatten(params)
+    master = [t.detach().clone().requires_grad_() for t in leaves]
+    opt = torch.optim.AdamW(master, lr=lr, weight_decay=0.0)
+    states = None
+    if recipe is not None:
+        states = [fp8ops.init_transformer_state(model.config, recipe, device=device) for _ in range(model.layers)]
+
+    def loss_fn(ps: Any, st: Any, pr: Any, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Any]:
+        return gpt_loss(ps, st, pr, tokens, targets, model=model, recipe=recipe, dtype=dtype)
+
+    compiled = _compiled(loss_fn, mode, backend)
+    torch._dynamo.reset()
+    losses: list[float] = []
+    first_grads: dict[str, Any] = {}
+    first_probe_grads: Any = None
+    for step in range(steps):
+        tokens, targets = model.tokens[step], model.targets[step]
+        p_tree = pytree.tree_unflatten(master, spec)
+        if mode.startswith("func."):
+            probes = None if states is None else fp8ops.make_probes(states, requires_grad=False)
+            plain = pytree.tree_map(lambda t: t.detach(), p_tree)
+
+            def f(ps: Any, pr: Any) -> tuple[Tensor, Any]:
+                return loss_fn(ps, states, pr, tokens, targets)
+
+            if mode == "func.grad":
+                (g_params, g_probes), new_states = torch.func.grad(f, argnums=(0, 1), has_aux=True)(plain, probes)
+                loss = f(plain, probes)[0].detach()  # the value, for the curve (an extra eager forward)
+            elif mode == "func.grad_and_value":
+                (g_params, g_probes), (loss, new_states) = torch.func.grad_and_value(
+                    f, argnums=(0, 1), has_aux=True)(plain, probes)
+            else:
+                loss, vjp_fn, new_states = torch.func.vjp(f, plain, probes, has_aux=True)
+                g_params, g_probes = vjp_fn(torch.ones_like(loss))
+            for m, g in zip(master, pytree.tree_leaves(g_params)):
+                m.grad = g.detach().clone()
+            probe_grads = g_probes
+        else:
+            probes = None if states is None else fp8ops.make_probes(states)
+            loss, new_states = compiled(p_tree, states, probes, tokens, targets)
+            loss.backward()
+            probe_grads = None if probes is None else pytree.tree_map(lambda p: p.grad, probes)
+        if step == 0:
+            first_grads = {str(i): m.grad.detach().clone() for i, m in enumerate(master)}
+            first_probe_grads = pytree.tree_map(
+                lambda t: t.detach().clone() if isinstance(t, Tensor) else t, probe_grads)
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if recipe is not None:
+            states = fp8ops.update(new_states, recipe=recipe, grad_amax=probe_grads)
+    return StepResult(losses, first_grads, first_probe_grads, states)
+
+
+def max_rel_error(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> tuple[float, str]:
+    """The largest ``|a - b| / |a|`` (Frobenius norms) over matching entries, and its key."""
+    worst, key = 0.0, ""
+    for k, t in a.items():
+        u = b[k]
+        err = float((t.float() - u.float()).norm() / t.float().norm().clamp_min(1e-30))
+        if not err <= worst:  # NaN counts as the worst
+            worst, key = err if err == err else float("inf"), k
+    return worst, key
