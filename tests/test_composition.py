@@ -36,8 +36,7 @@ def _eager(recipe: str, dtype: str) -> C.StepResult:
 
 
 def _probe_grads(r: C.StepResult) -> dict[str, torch.Tensor]:
-    leaves = [t for t in pytree.tree_leaves(r.probe_grads) if isinstance(t, torch.Tensor)]
-    return {str(i): t for i, t in enumerate(leaves)}
+    return C._probe_leaves(r)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -59,11 +58,20 @@ def test_mode_is_bitwise_eager(mode: str, recipe: str, dtype: str) -> None:
             assert torch.equal(a, b), f"{mode} {recipe} {dtype}: the states after 8 updates differ"
 
 
-# Inductor's float32 results differ from eager by reassociation only; in bfloat16 the fused
-# casts round differently, which FP8 quantization can amplify locally (an element on the other
-# side of a rounding boundary). The bug these tests guard against gave errors near 1.0.
-GRAD_TOL = {"float32": 1e-3, "bfloat16": 5e-2}
-LOSS_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+# Inductor fuses and reorders the torch ops around fp8ops's kernels. In float32 that is
+# reassociation only: fixed bounds. In bfloat16 the fused casts round differently, and FP8
+# quantization can move an element across a rounding boundary (one E5M2 step is 25 %), so the bound
+# is what bfloat16 itself does to eager: the compiled run must stay within twice the distance
+# between eager bfloat16 and eager float32 (measured: about 1e-2 without FP8, 1e-1 with). The bug
+# these tests guard against gave errors near 1.0.
+FP32_GRAD_TOL, FP32_LOSS_TOL = 1e-4, 1e-5
+
+
+def _bounds(recipe: str, dtype: str) -> tuple[float, float]:
+    if dtype == "float32":
+        return FP32_GRAD_TOL, FP32_LOSS_TOL
+    noise = C.compare(_eager(recipe, "float32"), _eager(recipe, "bfloat16"))
+    return 2 * noise["grad"], 2 * noise["loss"]
 
 
 @pytest.mark.skipif(not HAVE_CXX, reason="Inductor's CPU backend needs a C++ compiler")
@@ -72,12 +80,15 @@ LOSS_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 def test_inductor_fullgraph_matches_eager(recipe: str, dtype: str) -> None:
     want = _eager(recipe, dtype)
     got = C.train("fullgraph", recipe=C.make_recipe(recipe), dtype=DTYPES[dtype], device="cpu", backend="inductor")
-    err, key = C.max_rel_error(want.grads, got.grads)
-    assert err <= GRAD_TOL[dtype], f"{recipe} {dtype}: parameter {key} gradient relative error {err:.2e}"
-    perr, pkey = C.max_rel_error(_probe_grads(want), _probe_grads(got))
-    assert perr <= GRAD_TOL[dtype], f"{recipe} {dtype}: probe {pkey} relative error {perr:.2e}"
-    lerr = max(abs(a - b) / abs(a) for a, b in zip(want.losses, got.losses))
-    assert lerr <= LOSS_TOL[dtype], f"{recipe} {dtype}: loss curves differ by {lerr:.2e}: {got.losses} vs {want.losses}"
+    e = C.compare(want, got)
+    grad_tol, loss_tol = _bounds(recipe, dtype)
+    if dtype == "bfloat16":  # no bias: as close to the float32 run as eager bfloat16 is
+        ref = _eager(recipe, "float32")
+        own, base = C.compare(ref, got)["grad"], C.compare(ref, want)["grad"]
+        assert own <= 1.5 * base, f"{recipe}: {own:.2e} from float32 eager, eager bfloat16 is {base:.2e}"
+    assert e["grad"] <= grad_tol, f"{recipe} {dtype}: parameter {e['grad_key']} gradient error {e['grad']:.2e} > {grad_tol:.2e}"
+    assert e["probe"] <= grad_tol, f"{recipe} {dtype}: probe gradient error {e['probe']:.2e} > {grad_tol:.2e}"
+    assert e["loss"] <= loss_tol, f"{recipe} {dtype}: loss curves differ by {e['loss']:.2e} > {loss_tol:.2e}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,11 +23,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Relative (Frobenius) error bounds against eager, per compute dtype: float32 differs by
-# reassociation and TF32-free cuBLAS choices only; bfloat16's fused casts round differently and FP8
-# quantization can move an element across a rounding boundary.
-GRAD_TOL = {"float32": 2e-3, "bfloat16": 5e-2}
-LOSS_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+# Bounds of the compiled modes against eager: float32 differs by reassociation only (fixed bounds);
+# in bfloat16 the fused casts round differently and FP8 quantization can move an element across a
+# rounding boundary (one E5M2 step is 25 %), so the bound is twice the distance between eager
+# bfloat16 and eager float32 for the same recipe. The bug these tests guard against gave 1.0.
+FP32_GRAD_TOL, FP32_LOSS_TOL = 1e-4, 1e-5
 _EAGER: dict[tuple[str, str], C.StepResult] = {}
 
 
@@ -38,8 +38,14 @@ def _eager(recipe: str, dtype: str) -> C.StepResult:
 
 
 def _probe_grads(r: C.StepResult) -> dict[str, torch.Tensor]:
-    leaves = [t for t in pytree.tree_leaves(r.probe_grads) if isinstance(t, torch.Tensor)]
-    return {str(i): t for i, t in enumerate(leaves)}
+    return C._probe_leaves(r)
+
+
+def _bounds(recipe: str, dtype: str) -> tuple[float, float]:
+    if dtype == "float32":
+        return FP32_GRAD_TOL, FP32_LOSS_TOL
+    noise = C.compare(_eager(recipe, "float32"), _eager(recipe, "bfloat16"))
+    return 2 * noise["grad"], 2 * noise["loss"]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -61,11 +67,16 @@ def test_func_transform_is_bitwise_eager(mode: str, recipe: str, dtype: str) -> 
 def test_compiled_mode_matches_eager(mode: str, recipe: str, dtype: str) -> None:
     want = _eager(recipe, dtype)
     got = C.train(mode, recipe=C.make_recipe(recipe), dtype=DTYPES[dtype], device="cuda")
-    err, key = C.max_rel_error(want.grads, got.grads)
-    perr, _ = C.max_rel_error(_probe_grads(want), _probe_grads(got))
-    lerr = max(abs(a - b) / abs(a) for a, b in zip(want.losses, got.losses))
-    print(f"\ncomposition {mode:16s} {recipe:8s} {dtype:9s} grad {err:.2e} (param {key}) probe {perr:.2e} "
-          f"loss {lerr:.2e}")
-    assert err <= GRAD_TOL[dtype], f"{mode} {recipe} {dtype}: parameter {key} gradient relative error {err:.2e}"
-    assert perr <= GRAD_TOL[dtype], f"{mode} {recipe} {dtype}: probe gradient relative error {perr:.2e}"
-    assert lerr <= LOSS_TOL[dtype], f"{mode} {recipe} {dtype}: loss curves differ by {lerr:.2e}"
+    e = C.compare(want, got)
+    grad_tol, loss_tol = _bounds(recipe, dtype)
+    print(f"\ncomposition {mode:16s} {recipe:8s} {dtype:9s} grad {e['grad']:.2e} (param {e['grad_key']}) "
+          f"probe {e['probe']:.2e} loss {e['loss']:.2e} | bounds grad {grad_tol:.2e} loss {loss_tol:.2e}")
+    if dtype == "bfloat16":
+        # no bias: the compiled run is as close to the float32 run as eager bfloat16 is
+        ref = _eager(recipe, "float32")
+        own, base = C.compare(ref, got)["grad"], C.compare(ref, want)["grad"]
+        print(f"composition {mode:16s} {recipe:8s} vs float32 eager: compiled {own:.2e}, eager bfloat16 {base:.2e}")
+        assert own <= 1.5 * base, f"{mode} {recipe}: {own:.2e} from float32 eager, eager bfloat16 is {base:.2e}"
+    assert e["grad"] <= grad_tol, f"{mode} {recipe} {dtype}: parameter {e['grad_key']} gradient error {e['grad']:.2e}"
+    assert e["probe"] <= grad_tol, f"{mode} {recipe} {dtype}: probe gradient error {e['probe']:.2e}"
+    assert e["loss"] <= loss_tol, f"{mode} {recipe} {dtype}: loss curves differ by {e['loss']:.2e}"

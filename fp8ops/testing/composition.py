@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["MODES", "RECIPES", "Model", "StepResult", "gpt_loss", "make_model", "make_recipe", "max_rel_error", "train"]
+__all__ = ["MODES", "RECIPES", "Model", "StepResult", "compare", "gpt_loss", "make_model", "make_recipe", "max_rel_error",
+           "train"]
 
 MODES = ("eager", "compile", "fullgraph", "reduce-overhead", "func.grad", "func.grad_and_value", "func.vjp")
 """The execution modes :func:`train` knows."""
@@ -187,17 +188,23 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
             plain = pytree.tree_map(lambda t: t.detach(), p_tree)
 
             def f(ps: Any, pr: Any) -> tuple[Tensor, Any]:
-                return loss_fn(ps, states, pr, tokens, targets)
+                loss, ns = loss_fn(ps, states, pr, tokens, targets)
+                return loss, (() if ns is None else ns)  # a transform's aux output holds no None
 
+            # without a recipe there are no probes: differentiate the parameters alone
+            args = (plain,) if probes is None else (plain, probes)
+            fa = (lambda ps: f(ps, None)) if probes is None else f
+            argnums = 0 if probes is None else (0, 1)
             if mode == "func.grad":
-                (g_params, g_probes), new_states = torch.func.grad(f, argnums=(0, 1), has_aux=True)(plain, probes)
-                loss = f(plain, probes)[0].detach()  # the value, for the curve (an extra eager forward)
+                grads, new_states = torch.func.grad(fa, argnums=argnums, has_aux=True)(*args)
+                loss = fa(*args)[0].detach()  # the value, for the curve (an extra eager forward)
             elif mode == "func.grad_and_value":
-                (g_params, g_probes), (loss, new_states) = torch.func.grad_and_value(
-                    f, argnums=(0, 1), has_aux=True)(plain, probes)
+                grads, (loss, new_states) = torch.func.grad_and_value(fa, argnums=argnums, has_aux=True)(*args)
             else:
-                loss, vjp_fn, new_states = torch.func.vjp(f, plain, probes, has_aux=True)
-                g_params, g_probes = vjp_fn(torch.ones_like(loss))
+                loss, vjp_fn, new_states = torch.func.vjp(fa, *args, has_aux=True)
+                grads = vjp_fn(torch.ones_like(loss))
+                grads = grads[0] if probes is None else grads
+            g_params, g_probes = (grads, None) if probes is None else grads
             for m, g in zip(master, pytree.tree_leaves(g_params)):
                 m.grad = g.detach().clone()
             probe_grads = g_probes
@@ -227,3 +234,18 @@ def max_rel_error(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> tuple[flo
         if not err <= worst:  # NaN counts as the worst
             worst, key = err if err == err else float("inf"), k
     return worst, key
+
+
+def _probe_leaves(r: StepResult) -> dict[str, Tensor]:
+    leaves = [t for t in pytree.tree_leaves(r.probe_grads) if isinstance(t, Tensor)]
+    return {str(i): t for i, t in enumerate(leaves)}
+
+
+def compare(want: StepResult, got: StepResult) -> dict[str, Any]:
+    """Errors of ``got`` against ``want``: the worst parameter-gradient and probe-gradient relative
+    errors of the first step (with the parameter's index) and the worst relative loss difference
+    over the steps."""
+    grad, key = max_rel_error(want.grads, got.grads)
+    probe, _ = max_rel_error(_probe_leaves(want), _probe_leaves(got))
+    loss = max(abs(a - b) / abs(a) for a, b in zip(want.losses, got.losses))
+    return {"grad": grad, "grad_key": key, "probe": probe, "loss": loss}
