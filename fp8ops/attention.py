@@ -37,6 +37,7 @@ import hashlib
 import inspect
 import linecache
 import math
+import operator
 import textwrap
 import types
 from collections.abc import Callable, Sequence
@@ -85,6 +86,30 @@ def _is_t(x: Any) -> bool:
     return isinstance(x, Tensor)
 
 
+def _values_readable(t: Tensor) -> bool:
+    """Whether reading ``t``'s values on the host is possible and cheap enough to validate with:
+    not while torch.compile traces, not for meta tensors, nor for tensors wrapped by a ``torch.func``
+    transform (a vmap-batched tensor has no single value to read)."""
+    if torch.compiler.is_compiling() or t.is_meta:
+        return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+class _LoadIndexError(IndexError):
+    """``modmath.load(table, index)`` with an index outside ``[0, table.numel())`` (the eager twin).
+
+    The public ops catch it around mod calls and raise a ValueError naming the mod and the call's
+    sizes; it stays an IndexError for code that calls a mod directly."""
+
+    def __init__(self, table: Tensor, lo: int | None, hi: int | None, detail: str = "") -> None:
+        self.shape = tuple(table.shape)
+        self.numel = table.numel()
+        self.lo, self.hi = lo, hi
+        got = f"indices in [{lo}, {hi}]" if lo is not None else detail
+        super().__init__(f"modmath.load: index out of range for a table of shape {self.shape} "
+                         f"({self.numel} elements, valid flat indices [0, {self.numel - 1}]): got {got}")
+
+
 class _ModMath:
     """The math namespace of score/mask mods: ``from fp8ops import modmath``.
 
@@ -93,7 +118,9 @@ class _ModMath:
 
     ``exp, exp2, log, log2, sqrt, tanh, sigmoid, abs`` (one argument), ``minimum(a, b)``,
     ``maximum(a, b)``, ``where(cond, a, b)``, ``clamp(x, lo, hi)``, and ``load(table, index)``:
-    ``table.reshape(-1)[index]`` for a captured tensor (flat, row-major index).
+    ``table.reshape(-1)[index]`` for a captured tensor (flat, row-major integer index in
+    ``[0, table.numel())``; outside it the eager twin raises IndexError, where the kernels would
+    read outside the table).
 
     Example:
         >>> import torch
@@ -168,7 +195,24 @@ class _ModMath:
 
     @staticmethod
     def load(table: Tensor, index: Any) -> Tensor:
-        return table.reshape(-1)[index]
+        flat = table.reshape(-1)
+        n = flat.numel()
+        if _is_t(index):
+            if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+                raise TypeError(f"modmath.load: index must be an integer tensor (a flat, row-major position "
+                                f"in the table), got {index.dtype}")
+            # Negative indices would wrap here but read before the table in the kernels: refuse both
+            # ends. One host read, skipped where values cannot be read (tracing, vmap-batched).
+            if index.numel() and _values_readable(index):
+                lo, hi = torch.stack(index.aminmax()).tolist()
+                if lo < 0 or hi >= n:
+                    raise _LoadIndexError(table, lo, hi)
+        elif isinstance(index, int) and not isinstance(index, bool) and not 0 <= index < n:
+            raise _LoadIndexError(table, index, index)
+        try:
+            return flat[index]
+        except IndexError as e:
+            raise _LoadIndexError(table, None, None, str(e)) from None
 
 
 modmath = _ModMath()
@@ -1338,6 +1382,12 @@ def create_block_mask(
     Returns:
         A :class:`BlockMask`.
 
+    Raises:
+        TypeError: ``mask_mod`` is not a mask, or does not return a bool tensor.
+        ValueError: bad sizes; a ``mask_mod`` result that does not broadcast to (B, H, Sq, Skv)
+            with 4 dims; a ``modmath.load`` index outside the tensor the mask captures (a mask
+            built for other sizes).
+
     Example:
         >>> import fp8ops
         >>> bm = fp8ops.create_block_mask(fp8ops.sliding_window_mask(128), None, None, 512, 512, block_size=64)
@@ -1356,13 +1406,16 @@ def create_block_mask(
     for name, v in (("Sq", Sq), ("Skv", Skv)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}: {name} must be an int >= 1, got {v!r}")
-    nb = 1 if B is None else int(B)
-    nh = 1 if H is None else int(H)
-    if nb < 1 or nh < 1:
-        raise ValueError(f"{where}: B and H must be >= 1 or None, got {B!r}, {H!r}")
+    for name, v in (("B", B), ("H", H)):
+        if v is not None and (_index(v) is None or _index(v) < 1):  # type: ignore[operator]
+            raise ValueError(f"{where}: {name} must be an int >= 1, or None when the mask does not depend on it, "
+                             f"got {v!r}")
+    nb = 1 if B is None else _index(B)
+    nh = 1 if H is None else _index(H)
     if device is None:
         device = mask_mod.buffers[0].device if mask_mod.buffers else torch.device("cpu")
     dev = torch.device(device)
+    label = _mod_label(mask_mod)
     nq, nkv = -(-Sq // bq), -(-Skv // bkv)
     b_idx = torch.arange(nb, device=dev).view(nb, 1, 1, 1)
     h_idx = torch.arange(nh, device=dev).view(1, nh, 1, 1)
@@ -1378,8 +1431,14 @@ def create_block_mask(
         for r0 in range(0, nq, chunk):
             r1 = min(nq, r0 + chunk)
             q_idx = torch.arange(r0 * bq, min(Sq, r1 * bq), device=dev).view(1, 1, -1, 1)
-            m = torch.broadcast_to(torch.as_tensor(mask_mod(b_idx, h_idx, q_idx, kv_idx), device=dev),
-                                   (nb, nh, q_idx.shape[2], Skv)).to(torch.int32)
+            shape = (nb, nh, q_idx.shape[2], Skv)
+            try:
+                r = mask_mod(b_idx, h_idx, q_idx, kv_idx)
+            except IndexError as e:
+                raise ValueError(
+                    _load_error(e, "mask_mod", label, where, "(B, H, Sq, Skv)", (nb, nh, Sq, Skv))) from None
+            r = _check_mod_result(r, "mask_mod", label, where, shape, "(B, H, Sq, Skv)", (nb, nh, Sq, Skv))
+            m = torch.broadcast_to(torch.as_tensor(r, device=dev), shape).to(torch.int32)
             m = torch.nn.functional.pad(m, (0, pad_kv, 0, (r1 - r0) * bq - q_idx.shape[2]))
             m = m.view(nb, nh, r1 - r0, bq, nkv, bkv)
             counts[:, :, r0:r1] = m.sum(dim=(3, 5))
@@ -1748,15 +1807,31 @@ def _as_mod(m: Any, cls: type, name: str, where: str, arity: int) -> Any:
     return m
 
 
+def _check_seed(seed: Any, where: str) -> None:
+    """``dropout_seed``: None, an int in int64 range or a 1-element integer tensor (checked even when
+    ``dropout_p`` is 0: a wrong seed is a bug either way)."""
+    if seed is None:
+        return
+    if isinstance(seed, Tensor):
+        if seed.dtype == torch.bool or seed.is_floating_point() or seed.is_complex():
+            raise TypeError(f"{where}: dropout_seed must be an int or a 1-element integer tensor, got a tensor of "
+                            f"dtype {seed.dtype}")
+        if seed.numel() != 1:
+            raise ValueError(f"{where}: dropout_seed must be an int or a 1-element integer tensor, got a tensor of "
+                             f"shape {tuple(seed.shape)}")
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where}: dropout_seed must be an int, a 1-element integer tensor or None, got {seed!r}")
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"{where}: dropout_seed must fit in int64 ([-2**63, 2**63)), got {seed}")
+
+
 def _seed_tensor(seed: Any, device: torch.device, where: str) -> Tensor:
+    _check_seed(seed, where)
     if seed is None:
         return torch.randint(-(2**62), 2**62, (), dtype=torch.int64, device=device)
     if isinstance(seed, Tensor):
-        if seed.numel() != 1 or seed.is_floating_point():
-            raise ValueError(f"{where}: dropout_seed must be an int or a 1-element integer tensor")
         return seed.reshape(()).to(device=device, dtype=torch.int64)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{where}: dropout_seed must be an int, a 1-element integer tensor or None, got {seed!r}")
     return torch.tensor(seed, dtype=torch.int64, device=device)
 
 
@@ -1766,8 +1841,387 @@ def _use_kernels(q: Tensor) -> bool:
 
 
 def _max_len(cu: Tensor) -> int:
-    # A host sync: pass max_seqlen_* to avoid it.
+    # A host sync; used only where the offsets were not read by _check_offsets (torch.compile tracing).
     return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+def _check_cu(cu: Any, name: str, device: torch.device, where: str) -> None:
+    """The form of a ``cu_seqlens`` argument (its values are checked by :func:`_check_offsets`)."""
+    what = "a 1-D int32 tensor (B + 1,) of the sequences' start offsets in the packed tokens"
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{where}: {name} must be {what}, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{where}: {name} must be {what}, got dtype {cu.dtype}; convert it once with "
+                         f"{name}.to(torch.int32)")
+    if cu.dim() != 1:
+        raise ValueError(f"{where}: {name} must be {what}, got shape {tuple(cu.shape)}")
+    if cu.numel() < 2:
+        raise ValueError(f"{where}: {name} must be {what} with at least 2 entries (0 and the end of the first "
+                         f"sequence), got {cu.numel()} entr{'y' if cu.numel() == 1 else 'ies'}")
+    if cu.device != device:
+        raise ValueError(f"{where}: {name} must be on q's device {device}, got {cu.device}; move it once with "
+                         f"{name}.to(q.device)")
+
+
+def _shown(vals: list[int]) -> str:
+    return str(vals) if len(vals) <= 12 else f"[{', '.join(map(str, vals[:6]))}, ..., {', '.join(map(str, vals[-3:]))}]"
+
+
+def _check_offsets(cu_q: Tensor, cu_kv: Tensor | None, tq: int, tkv: int, where: str) -> tuple[int, int]:
+    """Check the values of the packed-sequence offsets; returns the longest query and key sequences.
+
+    One device-to-host read for both tensors (``cu_kv`` None: ``cu_q`` serves k and v too). Offsets
+    must start at 0, never decrease, and end at the packed length: ``cu[-1] == T`` (a token after
+    ``cu[-1]`` would belong to no sequence and come out as 0 without a word).
+    """
+    vals = (cu_q if cu_kv is None else torch.cat([cu_q, cu_kv])).tolist()
+    n = cu_q.numel()
+    if cu_kv is None:
+        checks = [("cu_seqlens_q", vals, tq, "q"),
+                  ("cu_seqlens_q (used for k and v too: cu_seqlens_kv is None)", vals, tkv, "k and v")]
+    else:
+        checks = [("cu_seqlens_q", vals[:n], tq, "q"), ("cu_seqlens_kv", vals[n:], tkv, "k and v")]
+    longest = []
+    for name, offs, total, of in checks:
+        short = name.split(" ")[0]
+        if offs[0] != 0:
+            raise ValueError(f"{where}: {name} must start at 0 (offsets of sequences packed without a gap), got "
+                             f"{_shown(offs)}")
+        lens = [b - a for a, b in zip(offs[:-1], offs[1:])]
+        bad = next((i for i, m in enumerate(lens) if m < 0), None)
+        if bad is not None:
+            raise ValueError(f"{where}: {name} must be non-decreasing (sequence i spans {short}[i]:{short}[i + 1]), "
+                             f"got {short}[{bad}] = {offs[bad]} > {short}[{bad + 1}] = {offs[bad + 1]} in "
+                             f"{_shown(offs)}")
+        if offs[-1] != total:
+            where_ = "past" if offs[-1] > total else "before the end of"
+            raise ValueError(f"{where}: {name} ends at {offs[-1]}, {where_} the {total} packed tokens of {of} "
+                             f"(dim 0); the offsets must end at T = {total}, every token in one sequence "
+                             f"({_shown(offs)})")
+        longest.append(max(lens))
+    return longest[0], longest[-1]
+
+
+def _index(v: Any) -> int | None:
+    """``v`` as an int (None stays None) for integer-like arguments; bools and non-integers give None."""
+    if isinstance(v, bool) or isinstance(v, float):
+        return None
+    try:
+        return int(operator.index(v))
+    except TypeError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Checking mods against a call: eager results (the reference path) and, before the kernels run,
+# the index ranges of their modmath.load reads (interval arithmetic on the lowered code).
+
+
+def _mod_label(m: Any) -> str:
+    return str(getattr(m, "name", None) or getattr(m, "__qualname__", None) or repr(m))
+
+
+def _check_mod_result(r: Any, kind: str, label: str, where: str, shape: tuple[int, ...], shown: str,
+                      full: tuple[int, ...] | None = None) -> Any:
+    """The eager result of a mod, checked: a score (real tensor or number) or a mask (bool tensor or
+    bool), of ``shape`` or broadcastable to it with the same number of dims (or 0-d). ``full``: the
+    shape to name in the message (``shape`` is a chunk of it)."""
+    if kind == "mask_mod":
+        if isinstance(r, bool):
+            return r
+        if not isinstance(r, Tensor):
+            raise TypeError(f"{where}: mask_mod {label} must return a bool tensor (True: visible), got "
+                            f"{type(r).__name__}")
+        if r.dtype != torch.bool:
+            raise TypeError(f"{where}: mask_mod {label} must return a bool tensor (True: visible), got dtype "
+                            f"{r.dtype}; return a comparison, e.g. (x != 0) for a 0/1 tensor x")
+    else:
+        if isinstance(r, (int, float)) and not isinstance(r, bool):
+            return torch.tensor(float(r))
+        if not isinstance(r, Tensor):
+            raise TypeError(f"{where}: score_mod {label} must return the new score as a tensor, got "
+                            f"{type(r).__name__}")
+        if r.dtype == torch.bool or r.is_complex():
+            raise TypeError(f"{where}: score_mod {label} must return a real-valued score tensor, got dtype "
+                            f"{r.dtype} (a mask belongs in mask_mod)")
+    if r.dim() != 0 and (r.dim() != len(shape) or any(a not in (1, b) for a, b in zip(r.shape, shape))):
+        args = "(b, h, q_idx, kv_idx)" if kind == "mask_mod" else "(score, b, h, q_idx, kv_idx)"
+        raise ValueError(f"{where}: {kind} {label} returned shape {tuple(r.shape)}; expected the shape of the "
+                         f"scores {shown} = {full or shape}, or one that broadcasts to it with the same "
+                         f"{len(shape)} dims (each 1 or the full size): compute it elementwise from the mod's "
+                         f"arguments {args}, which broadcast to that shape")
+    return r
+
+
+def _load_error(e: IndexError, kind: str, label: str, where: str, dims_name: str, dims: tuple[int, ...]) -> str:
+    if isinstance(e, _LoadIndexError) and e.lo is not None:
+        got = (f"reads a captured tensor of shape {e.shape} ({e.numel} elements) at flat indices "
+               f"[{e.lo}, {e.hi}] with modmath.load, which needs 0 <= index < {e.numel}")
+    else:
+        got = f"raised IndexError ({e}): a tensor it captures is too small"
+    return (f"{where}: {kind} {label} {got}, for this call's {dims_name} = {dims}; the mod was built for other "
+            f"sizes: rebuild it (and the tensors it captures) for these")
+
+
+def _checked_mod(mod: Any, kind: str, where: str, shape: tuple[int, ...], shown: str, dims_name: str,
+                 dims: tuple[int, ...]) -> Any:
+    """``mod`` wrapped for the reference math: its result checked, its read errors made ValueErrors."""
+    if mod is None:
+        return None
+    label = _mod_label(mod)
+
+    def run(*args: Any) -> Any:
+        try:
+            r = mod(*args)
+        except IndexError as e:
+            raise ValueError(_load_error(e, kind, label, where, dims_name, dims)) from None
+        return _check_mod_result(r, kind, label, where, shape, shown)
+
+    return run
+
+
+_IV_INF = math.inf
+
+
+class _Iv(NamedTuple):
+    """An abstract value of lowered mod code: its kind ("bool", "int", "float" or "?") and a range
+    [lo, hi] (possibly infinite) that contains every value it takes."""
+
+    kind: str
+    lo: float
+    hi: float
+
+
+_IV_ANY = _Iv("?", -_IV_INF, _IV_INF)
+
+
+def _iv_kind(a: str, b: str) -> str:
+    if a == b:
+        return a
+    if "?" in (a, b):
+        return "?"
+    return "float" if "float" in (a, b) else "int"
+
+
+def _iv_num(a: str) -> str:
+    return "int" if a == "bool" else a  # arithmetic on bools gives integers
+
+
+def _iv_mul(x: float, y: float) -> float:
+    return 0.0 if x == 0 or y == 0 else x * y
+
+
+def _iv_floordiv(x: float, y: float) -> float:
+    if math.isinf(x):
+        return x
+    return 0.0 if math.isinf(y) else float(x // y)
+
+
+class _IntervalEval:
+    """Interval arithmetic over a lowered mod (its SSA statements), for the ranges of its indices."""
+
+    def __init__(self, low: _Lowered, params: dict[str, _Iv], buf_kinds: tuple[str, ...]) -> None:
+        self.low = low
+        self.env: dict[str, _Iv] = dict(params)
+        self.buf_kinds = buf_kinds
+        self.loads: list[tuple[int, _Iv]] = []  # (buffer slot, index range) per load site
+
+    def run(self) -> _Iv:
+        for name, expr in self.low.stmts:
+            self.env[name] = self.ev(expr, self.env)
+        return self.ev(self.low.ret, self.env)
+
+    def ev(self, node: ast.expr, env: dict[str, _Iv]) -> _Iv:
+        if isinstance(node, ast.Constant):
+            v = node.value
+            kind = "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "float"
+            return _Iv(kind, float(v), float(v)) if not math.isnan(float(v)) else _Iv(kind, -_IV_INF, _IV_INF)
+        if isinstance(node, ast.Name):
+            return env.get(node.id, _IV_ANY)
+        if isinstance(node, ast.UnaryOp):
+            a = self.ev(node.operand, env)
+            if isinstance(node.op, ast.USub):
+                return _Iv(_iv_num(a.kind), -a.hi, -a.lo)
+            if isinstance(node.op, ast.UAdd):
+                return a
+            if isinstance(node.op, ast.Invert) and a.kind == "bool":
+                return _Iv("bool", 0.0, 1.0)
+            return _Iv(a.kind, -_IV_INF, _IV_INF)
+        if isinstance(node, ast.Compare):
+            return _Iv("bool", 0.0, 1.0)
+        if isinstance(node, ast.BinOp):
+            return self.binop(node.op, self.ev(node.left, env), self.ev(node.right, env))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            fname = node.func.id
+            if fname == "float":  # float('inf') / float('nan') constants
+                return _Iv("float", -_IV_INF, _IV_INF)
+            name = fname[len("_fp8_mm_"):]
+            if name == "load":
+                slot = int(node.args[0].id[len("_fp8_t"):])  # type: ignore[attr-defined]
+                self.loads.append((slot, self.ev(node.args[1], env)))
+                kind = self.buf_kinds[slot] if slot < len(self.buf_kinds) else "?"
+                return _Iv(kind, 0.0, 1.0) if kind == "bool" else _Iv(kind, -_IV_INF, _IV_INF)
+            if name == "where":
+                return self.where(node.args, env)
+            args = [self.ev(a, env) for a in node.args]
+            if name == "minimum":
+                return _Iv(_iv_kind(args[0].kind, args[1].kind), min(args[0].lo, args[1].lo),
+                           min(args[0].hi, args[1].hi))
+            if name == "maximum":
+                return _Iv(_iv_kind(args[0].kind, args[1].kind), max(args[0].lo, args[1].lo),
+                           max(args[0].hi, args[1].hi))
+            if name == "clamp":
+                x, lo, hi = args
+                kind = _iv_kind(_iv_kind(x.kind, lo.kind), hi.kind)
+                return _Iv(kind, min(max(x.lo, lo.lo), hi.lo), min(max(x.hi, lo.hi), hi.hi))
+            if name == "abs":
+                a = args[0]
+                if a.lo >= 0:
+                    return a
+                if a.hi <= 0:
+                    return _Iv(a.kind, -a.hi, -a.lo)
+                return _Iv(a.kind, 0.0, max(-a.lo, a.hi))
+            return _Iv("float", -_IV_INF, _IV_INF)  # exp, log, tanh, ...: not index material
+        return _IV_ANY
+
+    @staticmethod
+    def binop(op: ast.operator, a: _Iv, b: _Iv) -> _Iv:
+        kind = _iv_kind(_iv_num(a.kind), _iv_num(b.kind))
+        if isinstance(op, ast.Add):
+            return _Iv(kind, a.lo + b.lo, a.hi + b.hi)
+        if isinstance(op, ast.Sub):
+            return _Iv(kind, a.lo - b.hi, a.hi - b.lo)
+        if isinstance(op, ast.Mult):
+            ps = [_iv_mul(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+            return _Iv(kind, min(ps), max(ps))
+        if isinstance(op, ast.Div):
+            return _Iv("float", -_IV_INF, _IV_INF)
+        # // and % floor in PyTorch and truncate in Triton: bounded here only for non-negative operands.
+        if isinstance(op, ast.FloorDiv) and a.lo >= 0 and b.lo > 0:
+            return _Iv(kind, _iv_floordiv(a.lo, b.hi), _iv_floordiv(a.hi, b.lo))
+        if isinstance(op, ast.Mod) and a.lo >= 0 and b.lo > 0:
+            return a if a.hi < b.lo else _Iv(kind, 0.0, min(a.hi, b.hi - 1))
+        if isinstance(op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+            if a.kind == "bool" and b.kind == "bool":
+                return _Iv("bool", 0.0, 1.0)
+            if isinstance(op, ast.BitAnd) and a.lo >= 0 and b.lo >= 0:
+                return _Iv(kind, 0.0, min(a.hi, b.hi))
+        return _Iv(kind, -_IV_INF, _IV_INF)
+
+    def where(self, args: list[ast.expr], env: dict[str, _Iv]) -> _Iv:
+        # Each branch under what the condition says about a name it compares (index guards such as
+        # where(i < n, i, 0)); a branch that cannot be taken does not count.
+        outs = []
+        for branch, truth in ((args[1], True), (args[2], False)):
+            benv = self.narrow(args[0], truth, env)
+            if benv is not None:
+                outs.append(self.ev(branch, benv))
+        if not outs:
+            return _IV_ANY
+        kind = outs[0].kind if len(outs) == 1 else _iv_kind(outs[0].kind, outs[1].kind)
+        return _Iv(kind, min(o.lo for o in outs), max(o.hi for o in outs))
+
+    _FLIP = {ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE, ast.Eq: ast.Eq, ast.NotEq: ast.NotEq}
+    _NEGATE = {ast.Lt: ast.GtE, ast.LtE: ast.Gt, ast.Gt: ast.LtE, ast.GtE: ast.Lt, ast.Eq: ast.NotEq,
+               ast.NotEq: ast.Eq}
+
+    def narrow(self, cond: ast.expr, truth: bool, env: dict[str, _Iv]) -> dict[str, _Iv] | None:
+        """``env`` with the ranges the condition implies when it is ``truth`` (None: impossible)."""
+        if isinstance(cond, ast.BinOp) and isinstance(cond.op, ast.BitAnd) and truth:
+            left = self.narrow(cond.left, True, env)
+            return None if left is None else self.narrow(cond.right, True, left)
+        if isinstance(cond, ast.BinOp) and isinstance(cond.op, ast.BitOr) and not truth:
+            left = self.narrow(cond.left, False, env)
+            return None if left is None else self.narrow(cond.right, False, left)
+        if isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Invert):
+            return self.narrow(cond.operand, not truth, env)
+        if not isinstance(cond, ast.Compare) or len(cond.ops) != 1:
+            return env
+        op, lhs, rhs = type(cond.ops[0]), cond.left, cond.comparators[0]
+        if not isinstance(lhs, ast.Name):
+            if not isinstance(rhs, ast.Name):
+                return env
+            op, lhs, rhs = self._FLIP[op], rhs, lhs
+        if not truth:
+            op = self._NEGATE[op]
+        x, r = self.ev(lhs, env), self.ev(rhs, env)
+        step = 1.0 if x.kind in ("int", "bool") and r.kind in ("int", "bool") else 0.0
+        lo, hi = x.lo, x.hi
+        if op is ast.Lt:
+            hi = min(hi, r.hi - step)
+        elif op is ast.LtE:
+            hi = min(hi, r.hi)
+        elif op is ast.Gt:
+            lo = max(lo, r.lo + step)
+        elif op is ast.GtE:
+            lo = max(lo, r.lo)
+        elif op is ast.Eq:
+            lo, hi = max(lo, r.lo), min(hi, r.hi)
+        if lo > hi:
+            return None
+        out = dict(env)
+        out[lhs.id] = _Iv(x.kind, lo, hi)  # type: ignore[union-attr]
+        return out
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    return "float" if dtype.is_floating_point else "int"
+
+
+@functools.lru_cache(maxsize=1024)
+def _mod_facts(key: str, dims: tuple[int, int, int, int], buf_kinds: tuple[str, ...]
+               ) -> tuple[str, tuple[tuple[int, float, float], ...]]:
+    """(kind of the result, (buffer slot, lo, hi) of every modmath.load index) of the registered mod
+    ``key`` called with b, h, q_idx, kv_idx in [0, dims[i]) ("?" and no loads where unknown)."""
+    spec = _SPECS.get(key)
+    if spec is None:
+        return "?", ()
+    if spec.children:
+        kinds, loads = [], []
+        for child, off in spec.children:
+            kind, child_loads = _mod_facts(child.key, dims, buf_kinds[off:off + child.n_buffers])
+            kinds.append(kind)
+            loads += [(slot + off, lo, hi) for slot, lo, hi in child_loads]
+        bad = next((k for k in kinds if k not in ("bool", "?")), None)
+        return bad or ("bool" if all(k == "bool" for k in kinds) else "?"), tuple(loads)
+    if spec.lowered is None:
+        return "?", ()  # explicit Triton twins: nothing to read
+    low = spec.lowered
+    idx = [_Iv("int", 0.0, float(n - 1)) for n in dims]
+    names = list(low.params)
+    params = dict(zip(names[-4:], idx))
+    if len(names) == 5:
+        params[names[0]] = _Iv("float", -_IV_INF, _IV_INF)
+    ev = _IntervalEval(low, params, buf_kinds)
+    kind = ev.run()
+    return kind.kind, tuple((slot, iv.lo, iv.hi) for slot, iv in ev.loads)
+
+
+def _check_mod_statically(mod: Any, kind: str, where: str, dims_name: str, dims: tuple[int, int, int, int]) -> None:
+    """Before the kernels run a mod: refuse a mask that is not boolean and a modmath.load whose index
+    range (interval arithmetic over b, h, q_idx, kv_idx in [0, dims)) leaves its captured tensor —
+    the kernels would read outside it. Indices that depend on loaded values or the score are not
+    bounded here, and are not checked."""
+    if mod is None or min(dims) < 1 or not isinstance(mod, _Mod):
+        return
+    bufs = mod.buffers
+    result, loads = _mod_facts(mod.key, dims, tuple(_dtype_kind(t.dtype) for t in bufs))
+    label = _mod_label(mod)
+    if kind == "mask_mod" and result in ("int", "float"):
+        raise TypeError(f"{where}: mask_mod {label} must return a bool tensor (True: visible), but it returns "
+                        f"{'an integer' if result == 'int' else 'a float'} expression; return a comparison, e.g. "
+                        f"(x != 0) for a 0/1 value x")
+    for slot, lo, hi in loads:
+        n = bufs[slot].numel()
+        if math.isinf(lo) or math.isinf(hi) or (lo >= 0 and hi < n):
+            continue
+        raise ValueError(
+            f"{where}: {kind} {label} reads a captured tensor of shape {tuple(bufs[slot].shape)} ({n} elements) "
+            f"with modmath.load at flat indices up to [{int(lo)}, {int(hi)}] for this call's {dims_name} = {dims}, "
+            f"which needs 0 <= index < {n}; the mod was built for other sizes: rebuild it (and the tensors it "
+            f"captures) for these, or bound the index with modmath.clamp")
 
 
 def attention(
@@ -1815,19 +2269,31 @@ def attention(
         state: None (attention in the input precision). FP8 attention will take a state here.
         recipe: None (reserved for FP8 attention).
         score_mod: a :class:`ScoreMod` (or a function ``(score, b, h, q_idx, kv_idx) -> score``,
-            wrapped with :func:`score_mod`).
-        mask_mod: a :class:`MaskMod` (or a function ``(b, h, q_idx, kv_idx) -> bool``). Evaluated
-            on every key tile in the band unless ``block_mask`` says which blocks are full.
+            wrapped with :func:`score_mod`). Elementwise: its result has the scores' shape
+            (B, H, Sq, Skv), or broadcasts to it with the same 4 dims (each 1 or the full size).
+        mask_mod: a :class:`MaskMod` (or a function ``(b, h, q_idx, kv_idx) -> bool``) returning a
+            bool tensor shaped like the scores (or broadcasting to them, as for ``score_mod``).
+            Evaluated on every key tile in the band unless ``block_mask`` says which blocks are
+            full. Tensors that mods read with ``modmath.load`` must cover every index the call
+            produces (b < B, h < H, q_idx < Sq, kv_idx < Skv; for packed sequences b is the sequence
+            and the positions are inside it).
         block_mask: a :class:`BlockMask` for (Sq, Skv) from :func:`create_block_mask`; its
             ``mask_mod`` is used when ``mask_mod`` is None. Not with packed sequences.
         causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as SDPA's ``is_causal``).
         window: ``w`` (the ``w`` most recent keys: ``i - w < j <= i``) or ``(left, right)``
             (``i - left <= j <= i + right``, None = unbounded). Combines with ``causal``.
-        scale: score scale, default ``D ** -0.5``.
+        scale: score scale, a finite number > 0; default ``D ** -0.5``.
         layout: ``"bhsd"``, ``"bshd"`` or ``"sbhd"`` for dense inputs (outputs use the same).
-        cu_seqlens_q: (B + 1,) int32 start offsets of the packed sequences in q (no padding).
+        cu_seqlens_q: (B + 1,) int32 start offsets of the packed sequences in q, on q's device:
+            ``0 = cu[0] <= cu[1] <= ... <= cu[B] <= Tq`` (sequence ``i`` is rows
+            ``cu[i]:cu[i + 1]``, no gaps). Rows after ``cu[B]`` belong to no sequence: their
+            output is 0 and their lse ``MASKED_ROW_LSE``.
         cu_seqlens_kv: the same for k/v (default: ``cu_seqlens_q``).
-        max_seqlen_q, max_seqlen_kv: the longest sequences (computed with a host sync if None).
+        max_seqlen_q, max_seqlen_kv: the longest sequences, or None (computed). In eager mode the
+            offsets are validated on every call with one small device-to-host read of
+            ``cu_seqlens_*`` (which also yields these maxima), whether or not they are passed; a
+            value below the longest sequence is an error. Under ``torch.compile`` the offsets are
+            not read (not validated); pass both there to avoid a host sync.
         return_lse: also return the log-sum-exp (natural log), shaped like q without its last dim.
         dropout_p: probability of dropping an attention weight (training); 0 disables it.
         dropout_seed: int or 1-element integer tensor; None draws one from torch's generator. The
@@ -1851,7 +2317,11 @@ def attention(
         through ``lse``.
 
     Raises:
-        TypeError, ValueError: bad input (the message names the argument and the fix).
+        TypeError, ValueError: bad input (the message names the argument and the fix), including
+            offsets that are not valid packed-sequence offsets, a ``score_mod``/``mask_mod`` result
+            of the wrong shape or (masks) not bool, and a ``modmath.load`` index outside its
+            captured tensor (a mod built for a smaller batch, head count or sequence length; on
+            CUDA found before the kernels run for indices computed from b, h, q_idx, kv_idx).
         NotImplementedError: a ``state`` or ``recipe`` (FP8 attention is not available yet).
 
     Example:
@@ -1872,6 +2342,11 @@ def attention(
         raise NotImplementedError(
             f"{where}: FP8 attention (state/recipe) is not available yet; pass state=None and recipe=None "
             f"to run in the input precision")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if m is not None and (_index(m) is None or _index(m) < 0):  # type: ignore[operator]
+            raise TypeError(f"{where}: {name} must be None or an int >= 0 (the longest sequence), got {m!r}")
+    max_seqlen_q = _index(max_seqlen_q)
+    max_seqlen_kv = _index(max_seqlen_kv)
     # Step 1: nested (jagged) tensors are sugar for packed sequences.
     nested = isinstance(q, Tensor) and q.is_nested
     njt_transposed = False
@@ -1906,22 +2381,32 @@ def attention(
     varlen = cu_seqlens_q is not None
     if cu_seqlens_kv is not None and not varlen:
         raise ValueError(f"{where}: cu_seqlens_kv needs cu_seqlens_q")
+    longest: tuple[int, int] | None = None  # (longest q, longest kv sequence) when the offsets were read
     if varlen:
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
-            if cu is None:
-                continue
-            if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.is_floating_point():
-                raise ValueError(f"{where}: {name} must be a 1-D integer tensor (B + 1,) of sequence starts")
-            if cu.device != q.device:
-                raise ValueError(f"{where}: {name} must be on {q.device}, got {cu.device}")
-        cu_q = cu_seqlens_q.to(torch.int32)  # type: ignore[union-attr]
-        cu_kv = cu_seqlens_kv.to(torch.int32) if cu_seqlens_kv is not None else cu_q
-        if cu_kv.shape != cu_q.shape:
+            if cu is not None:
+                _check_cu(cu, name, q.device, where)
+        cu_q = cu_seqlens_q
+        cu_kv = cu_seqlens_kv if cu_seqlens_kv is not None else cu_q
+        if cu_kv.shape != cu_q.shape:  # type: ignore[union-attr]
             raise ValueError(f"{where}: cu_seqlens_q and cu_seqlens_kv must have the same length (B + 1), got "
-                             f"{cu_q.numel()} and {cu_kv.numel()}")
+                             f"{cu_q.numel()} and {cu_kv.numel()}")  # type: ignore[union-attr]
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
             raise ValueError(f"{where}: with cu_seqlens, q, k, v must be packed (T, H, D), got shapes "
                              f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        # The values: one host read of the offsets per call in eager mode, also when max_seqlen_* are
+        # given (wrong offsets silently drop or zero rows); not while torch.compile traces. Nested
+        # tensors' offsets are valid by construction: read only when their longest sequence is unknown.
+        if nested and max_seqlen_q is not None and max_seqlen_kv is not None:
+            longest = (int(max_seqlen_q), int(max_seqlen_kv))
+        elif _values_readable(cu_q) and _values_readable(cu_kv):  # type: ignore[arg-type]
+            longest = _check_offsets(cu_q, None if cu_kv is cu_q else cu_kv,  # type: ignore[arg-type]
+                                     q.shape[0], k.shape[0], where)
+            for name, m, n, of in (("max_seqlen_q", max_seqlen_q, longest[0], "cu_seqlens_q"),
+                                   ("max_seqlen_kv", max_seqlen_kv, longest[1], "cu_seqlens_kv")):
+                if m is not None and m < n:
+                    raise ValueError(f"{where}: {name} = {m} is less than the longest sequence in {of} ({n}); "
+                                     f"the kernels would skip the rows past it. Pass {name} >= {n}, or None")
         if block_mask is not None:
             raise ValueError(f"{where}: block_mask is not available with packed sequences; use mask_mod "
                              f"(positions are inside each sequence), or pack into one batch with document_mask")
@@ -1930,6 +2415,11 @@ def attention(
             raise ValueError(f"{where}: k must be (Tkv, Hkv, {d}) and v (Tkv, Hkv, Dv), got {tuple(k.shape)}, "
                              f"{tuple(v.shape)}")
         eff_layout = "thd"
+        nseq = cu_q.numel() - 1  # type: ignore[union-attr]
+
+        def mod_dims(longest: tuple[int, int] | None) -> tuple[Any, str]:
+            # The ranges of the mods' (b, h, q_idx, kv_idx): sequence index and positions inside it.
+            return (None if longest is None else (nseq, hq, *longest)), "(sequences, H, longest Sq, longest Skv)"
     else:
         if layout not in LAYOUTS:
             raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -1943,6 +2433,10 @@ def attention(
                 f"k {tuple(k4.shape)}, v {tuple(v4.shape)}): k needs q's batch and head dim, v k's (B, H, S)")
         hq, hkv, d = q4.shape[1], k4.shape[1], q4.shape[3]
         eff_layout = layout
+        dense_dims = (q4.shape[0], hq, q4.shape[2], k4.shape[2])
+
+        def mod_dims(longest: tuple[int, int] | None) -> tuple[Any, str]:
+            return dense_dims, "(B, H, Sq, Skv)"
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"{where}: the query heads ({hq}) must be a multiple of the key/value heads ({hkv})")
     if not isinstance(causal, bool):
@@ -1952,8 +2446,12 @@ def attention(
         sm_scale = d**-0.5 if d > 0 else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{where}: scale must be a number or None, got {scale!r}")
+    elif not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{where}: scale must be a finite number > 0 (the softmax temperature), got {scale!r}")
     else:
         sm_scale = float(scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{where}: return_lse must be True or False, got {return_lse!r}")
     score_mod = _as_mod(score_mod, ScoreMod, "score_mod", where, _SCORE_ARITY)
     mask_mod = _as_mod(mask_mod, MaskMod, "mask_mod", where, _MASK_ARITY)
     if block_mask is not None:
@@ -1971,9 +2469,12 @@ def attention(
                              f"block_mask.to(q.device) once, or create_block_mask(..., device=q.device)")
         if mask_mod is None:
             mask_mod = block_mask.mask_mod
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{where}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{where}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
     dropout_p = float(dropout_p)
+    _check_seed(dropout_seed, where)
     seed = _seed_tensor(dropout_seed, q.device, where) if dropout_p > 0.0 else None
     if not isinstance(deterministic, bool):
         raise TypeError(f"{where}: deterministic must be True or False, got {deterministic!r}")
@@ -2003,8 +2504,14 @@ def attention(
         if mask_mod is not None and not isinstance(mask_mod, MaskMod):
             mask_mod = MaskMod(mask_mod)
         if varlen:
-            max_seqlen_q = _max_len(cu_q) if max_seqlen_q is None else int(max_seqlen_q)
-            max_seqlen_kv = _max_len(cu_kv) if max_seqlen_kv is None else int(max_seqlen_kv)
+            if max_seqlen_q is None:
+                max_seqlen_q = longest[0] if longest is not None else _max_len(cu_q)
+            if max_seqlen_kv is None:
+                max_seqlen_kv = longest[1] if longest is not None else _max_len(cu_kv)
+        dims, dims_name = mod_dims(longest)
+        if dims is not None and not torch.compiler.is_compiling():
+            _check_mod_statically(score_mod, "score_mod", where, dims_name, dims)
+            _check_mod_statically(mask_mod, "mask_mod", where, dims_name, dims)
         out, lse = _attention_triton(
             q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, scale=sm_scale,
             left=left, right=right, layout=eff_layout, cu_q=cu_q if varlen else None,
@@ -2017,7 +2524,7 @@ def attention(
         out, lse = _reference_path(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                                    scale=sm_scale, left=left, right=right, layout=eff_layout,
                                    cu_q=cu_q if varlen else None, cu_kv=cu_kv if varlen else None,
-                                   dropout_p=dropout_p, seed=seed)
+                                   dropout_p=dropout_p, seed=seed, dims=mod_dims(longest))
 
     # Step 4: repackage.
     if nested:
@@ -2070,8 +2577,11 @@ def _dq_mode(deterministic: bool, *, masked: bool) -> str:
 
 def _reference_path(q: Tensor, k: Tensor, v: Tensor, *, score_mod: Any, mask_mod: Any, block_mask: Any,
                     scale: float, left: int | None, right: int | None, layout: str, cu_q: Tensor | None,
-                    cu_kv: Tensor | None, dropout_p: float, seed: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The FP32 reference math, differentiable with autograd (the CPU path)."""
+                    cu_kv: Tensor | None, dropout_p: float, seed: Tensor | None,
+                    dims: tuple[Any, str] = (None, "")) -> tuple[Tensor, Tensor]:
+    """The FP32 reference math, differentiable with autograd (the CPU path). ``dims``: the ranges of
+    the mods' (b, h, q_idx, kv_idx) and their name, for the messages of the mod checks."""
+    mod_dims, dims_name = dims
     if layout == "thd":
         assert cu_q is not None and cu_kv is not None
         seg_q, pos_q = _ref.segments(cu_q, q.shape[0])
@@ -2079,12 +2589,19 @@ def _reference_path(q: Tensor, k: Tensor, v: Tensor, *, score_mod: Any, mask_mod
         n = cu_q.numel() - 1
         seg_kv = torch.where(seg_kv >= n, seg_kv + 1, seg_kv)
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        shape = (1, q.shape[1], q.shape[0], k.shape[0])
+        shown = "(1, H, Tq, Tkv) (packed sequences)"
+        score_mod = _checked_mod(score_mod, "score_mod", "attention", shape, shown, dims_name, mod_dims)
+        mask_mod = _checked_mod(mask_mod, "mask_mod", "attention", shape, shown, dims_name, mod_dims)
         out, lse = _ref.attention_math(
             q4, k4, v4, score_mod=score_mod, mask_mod=mask_mod, scale=scale, left=left, right=right,
             seg_q=seg_q, seg_kv=seg_kv, pos_q=pos_q, pos_kv=pos_kv, num_seqs=n,
             dropout_p=dropout_p, dropout_seed=seed)
         return out.squeeze(0).transpose(0, 1).contiguous(), lse.squeeze(0).transpose(0, 1).contiguous()
     q4, k4, v4 = (_ref.to_bhsd(t, layout) for t in (q, k, v))
+    shape = (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])
+    score_mod = _checked_mod(score_mod, "score_mod", "attention", shape, "(B, H, Sq, Skv)", dims_name, mod_dims)
+    mask_mod = _checked_mod(mask_mod, "mask_mod", "attention", shape, "(B, H, Sq, Skv)", dims_name, mod_dims)
     out, lse = _ref.attention_math(q4, k4, v4, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                                    scale=scale, left=left, right=right, dropout_p=dropout_p, dropout_seed=seed)
     return _ref.from_bhsd(out, layout).contiguous(), _ref.lse_from_bhs(lse, layout).contiguous()

@@ -433,11 +433,12 @@ def test_packed_mods_see_the_sequence_index():
         _close(out[a:b_], o[0].transpose(0, 1))
 
 
-def test_packed_tokens_after_the_last_sequence_get_zero():
+def test_packed_tokens_after_the_last_sequence_are_refused():
+    """Offsets that end before T would leave the trailing tokens in no sequence (output 0)."""
     q, k, v, cu_q, _ = _packed([3, 4], [3, 4])
     q2 = torch.cat([q, torch.randn(2, 4, 8)])
-    (out, lse), _ = attention(q2, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q, return_lse=True)
-    assert (out[7:] == 0).all() and (lse[7:] == R.MASKED_ROW_LSE).all()
+    with pytest.raises(ValueError, match=r"cu_seqlens_q ends at 7, before the end of the 9 packed tokens"):
+        attention(q2, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q, return_lse=True)
 
 
 def test_nested_tensors_are_sugar_for_packed():
