@@ -146,11 +146,11 @@ def fake_quantize(
     check_recipe(recipe, where)
     if not isinstance(state, FakeQuantState):
         raise TypeError(f"{where}: state must be a FakeQuantState (FakeQuantState.init(recipe)), got {type(state).__name__}")
-    validate_state(state.input, where=f"{where}: state.input", device=x.device, recipe=recipe)
-    validate_state(state.grad_output, where=f"{where}: state.grad_output", device=x.device, recipe=recipe)
     if recipe.mode == "rowwise":
         raise ValueError(f"{where}: row-wise scaling is not supported here; use CurrentScaling(granularity='tensor')")
-    check_probe(grad_probe, where)
+    validate_state(state.input, where=f"{where}: state.input", device=x.device, recipe=recipe)
+    validate_state(state.grad_output, where=f"{where}: state.grad_output", device=x.device, recipe=recipe)
+    check_probe(grad_probe, where, device=x.device)
     in_scale, grad_scale = state.input.scale, state.grad_output.scale
     if grad_scale is in_scale:
         # The same tensor twice breaks autograd.Function under torch.compile.

@@ -12,6 +12,7 @@ A *role* says which side of training a quantized tensor belongs to:
 from __future__ import annotations
 
 import enum
+import math
 from typing import Literal
 
 import torch
@@ -26,6 +27,12 @@ E4M3_MAX: float = 448.0
 
 E5M2_MAX: float = 57344.0
 """Largest finite value of ``torch.float8_e5m2``."""
+
+E4M3_MIN_NORMAL: float = 2.0**-6
+"""Smallest positive normal value of ``torch.float8_e4m3fn``."""
+
+E5M2_MIN_NORMAL: float = 2.0**-14
+"""Smallest positive normal value of ``torch.float8_e5m2``."""
 
 _ROLES = ("forward", "backward")
 
@@ -67,6 +74,26 @@ class Format(enum.Enum):
     def max(self, role: Role = "forward") -> float:
         """The largest finite value of :meth:`dtype` for ``role``."""
         return E4M3_MAX if self.dtype(role) == torch.float8_e4m3fn else E5M2_MAX
+
+    def min_normal(self, role: Role = "forward") -> float:
+        """The smallest positive normal value of :meth:`dtype` for ``role``."""
+        return E4M3_MIN_NORMAL if self.dtype(role) == torch.float8_e4m3fn else E5M2_MIN_NORMAL
+
+    def max_margin(self) -> int:
+        """The largest scaling margin this format allows, for every role.
+
+        A scale is divided by ``2**margin``, so the largest value of a tensor lands on
+        ``fp8_max / 2**margin``; that must stay at least the smallest normal number, or whole tensors
+        flush to subnormals and zero. The bound is ``floor(log2(fp8_max / min_normal))``: 14 for E4M3
+        (448 / 2**14 >= 2**-6), 29 for E5M2 (57344 / 2**29 >= 2**-14), and the stricter 14 for
+        HYBRID.
+
+        Example:
+            >>> from fp8ops import Format
+            >>> Format.E4M3.max_margin(), Format.E5M2.max_margin(), Format.HYBRID.max_margin()
+            (14, 29, 14)
+        """
+        return min(math.floor(math.log2(self.max(r) / self.min_normal(r))) for r in _ROLES)  # type: ignore[arg-type]
 
 
 def fp8_max_of(dtype: torch.dtype) -> float:

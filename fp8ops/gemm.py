@@ -37,7 +37,7 @@ _MULTIPLE = 16  # torch._scaled_mm needs every dimension to be a multiple of 16
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The backend that runs a GEMM: "reference" on the CPU, else "triton" or "cublas".
 
-    "auto" is cuBLAS: on an H200 it measured faster than the Triton kernel at every seed shape in
+    "auto" is cuBLAS, which measured faster than the Triton kernel at every seed shape in
     full-precision accumulation and on par in fast accumulation (docs/kernels/gemm.md).
     """
     if device.type != "cuda":

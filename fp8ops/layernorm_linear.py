@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
-from ._glue import refuse_compiled_transform
-from ._checks import check_float_tensor, check_probe, check_recipe
+from ._glue import cast, refuse_compiled_transform
+from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
 from .linear import (
     LinearState,
     _g,
@@ -38,16 +38,15 @@ from .linear import (
     gemm_dgrad,
     gemm_fprop,
     gemm_wgrad,
+    hp_linear,
     quantize_weight_operands,
 )
 from .quantize import QuantSpec
 from .recipes import Recipe
-from .state import validate_state
 
 __all__ = ["LayerNormLinearState", "layernorm_linear"]
 
 _ops = torch.ops.fp8ops
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _HIGH = ("high", False, "auto")
 
 
@@ -218,66 +217,6 @@ class _LayerNormLinear(torch.autograd.Function):
 _LayerNormLinear.forward.__signature__ = inspect.signature(_LayerNormLinear.forward)  # type: ignore[attr-defined]
 
 
-def check_norm_args(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, normalization: str, eps: float,
-                    where: str) -> int:
-    """Validate the norm's arguments; returns K (x's last dimension)."""
-    check_float_tensor(x, "x", where)
-    if x.dim() < 1:
-        raise ValueError(f"{where}: x must be (..., K), got a 0-d tensor")
-    K = x.shape[-1]
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"{where}: normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-    check_float_tensor(ln_weight, "ln_weight", where)
-    if tuple(ln_weight.shape) != (K,):
-        raise ValueError(f"{where}: ln_weight must have shape (K,) = ({K},) like x's last dimension, got {tuple(ln_weight.shape)}")
-    if ln_bias is not None:
-        if normalization == "RMSNorm":
-            raise ValueError(f"{where}: RMSNorm has no bias; pass ln_bias=None")
-        check_float_tensor(ln_bias, "ln_bias", where)
-        if tuple(ln_bias.shape) != (K,):
-            raise ValueError(f"{where}: ln_bias must have shape (K,) = ({K},), got {tuple(ln_bias.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{where}: eps must be a positive number, got {eps!r}")
-    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{where}: {name} is on {t.device} but x is on {x.device}")
-    return K
-
-
-def check_weight(weight: Tensor, bias: Tensor | None, K: int, x: Tensor, name: str, where: str) -> int:
-    """Validate a (N, K) weight and its (N,) bias; returns N."""
-    check_float_tensor(weight, name, where)
-    if weight.dim() != 2:
-        raise ValueError(f"{where}: {name} must be 2-D (N, K), got shape {tuple(weight.shape)}")
-    N = weight.shape[0]
-    if weight.shape[1] != K:
-        raise ValueError(f"{where}: {name} is {tuple(weight.shape)} but its input has K={K} in the last dimension")
-    if weight.device != x.device:
-        raise ValueError(f"{where}: {name} is on {weight.device} but x is on {x.device}")
-    bname = name.replace("weight", "bias")
-    if bias is not None:
-        check_float_tensor(bias, bname, where)
-        if tuple(bias.shape) != (N,):
-            raise ValueError(f"{where}: {bname} must have shape (N,) = ({N},), got {tuple(bias.shape)}")
-    return N
-
-
-def check_state_recipe(state: Any, recipe: Any, cls: type, x: Tensor, where: str) -> bool:
-    """Validate ``(state, recipe)``: both given (FP8) or both None (high precision); returns fp8."""
-    if state is None and recipe is None:
-        return False
-    if recipe is None:
-        raise ValueError(f"{where}: a state was given without a recipe; pass recipe=... (the one the state was built with)")
-    check_recipe(recipe, where)
-    if state is None:
-        raise ValueError(f"{where}: recipe given without a state; pass state={cls.__name__}.init(recipe) (or both None for no FP8)")
-    if not isinstance(state, cls):
-        raise TypeError(f"{where}: state must be a {cls.__name__} ({cls.__name__}.init(recipe)), got {type(state).__name__}")
-    for role in cls.ROLES:  # type: ignore[attr-defined]
-        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device, recipe=recipe)
-    return True
-
-
 def layernorm_linear(
     x: Tensor,
     ln_weight: Tensor,
@@ -311,16 +250,19 @@ def layernorm_linear(
             ``recipe=None`` for no FP8 (the fused norm kernels with high-precision GEMMs).
         recipe: the recipe the state was built with.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
-        eps: added to the variance (mean square for RMSNorm).
-        zero_centered_gamma: the norm multiplies by ``1 + ln_weight``.
+        eps: added to the variance (mean square for RMSNorm); a finite number > 0.
+        zero_centered_gamma: a bool; the norm multiplies by ``1 + ln_weight``.
         return_layernorm_output: also return the normalised output (differentiable).
-        grad_probe: a 0-d float32 zero whose gradient becomes amax(dy); without one, dy is
-            quantized with current scaling.
+        grad_probe: a 0-d float32 zero on x's device whose gradient becomes amax(dy); without
+            one, dy is quantized with current scaling.
+
+    All tensors must be on x's device.
 
     Returns:
         ``(y, new_state)`` with y (..., N), or ``((y, ln_out), new_state)`` with
         ``return_layernorm_output``; ``new_state`` has amax(ln) and amax(W) recorded (None
-        without FP8).
+        without FP8). With K = 0 the normalised output is empty, y is the bias broadcast to
+        (..., N) (zeros without one) and the state comes back unchanged (nothing is observed).
 
     Raises:
         TypeError, ValueError: bad input (the message names the argument and the fix).
@@ -344,12 +286,20 @@ def layernorm_linear(
         Normalization" (2019); NVIDIA Transformer Engine ``LayerNormLinear``.
     """
     where = "layernorm_linear"
-    K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, where)
+    K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     N = check_weight(weight, bias, K, x, "weight", where)
     fp8 = check_state_recipe(state, recipe, LayerNormLinearState, x, where)
-    check_probe(grad_probe, where)
+    check_probe(grad_probe, where, device=x.device)
     if grad_probe is not None and not fp8:
         raise ValueError(f"{where}: grad_probe is only meaningful with FP8 (a state and a recipe); pass grad_probe=None")
+    if K == 0:
+        # Nothing to normalise or quantize: the normalised output is empty and y is the bias
+        # broadcast (zeros without one), as torch.nn.functional.linear gives; nothing is observed.
+        ln0 = x * cast(ln_weight, x.dtype)
+        if ln_bias is not None:
+            ln0 = ln0 + cast(ln_bias, x.dtype)
+        y0 = hp_linear(ln0, weight, bias)
+        return ((y0, ln0) if return_layernorm_output else y0), state
     grad_on = torch.is_grad_enabled()
     need_norm_grad = grad_on and (x.requires_grad or ln_weight.requires_grad
                                   or (ln_bias is not None and ln_bias.requires_grad))

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ._glue import cast, refuse_compiled_transform
-from ._checks import check_float_tensor, check_probe, check_recipe
+from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
 from .formats import Role
 from .gemm import scaled_mm
 from .quantize import Float8Value, QuantSpec, quantize_2d
@@ -56,20 +56,24 @@ class WeightCache:
     """An FP8 weight quantized once per optimizer step, for every micro-batch of that step.
 
     Built by :func:`quantize_weight`; holds the FP8 weight (N, K), its transposed copy (K, N) for
-    the dgrad GEMM, its inverse scale, and what it was built with (the recipe and the weight
-    state's scale tensor), so that :func:`fp8_linear` refuses a cache from another state or recipe.
+    the dgrad GEMM, its inverse scale, and what it was built from (the weight tensor itself, the
+    recipe and the weight state's scale tensor), so that :func:`fp8_linear` refuses a cache from
+    another weight, state or recipe. ``weight`` is a reference to the source tensor, not a copy.
     """
 
     value: Float8Value
     inv_scale_t: Tensor | None
     scale: Tensor
     recipe: Recipe
+    weight: Tensor
 
-    def __init__(self, value: Float8Value, inv_scale_t: Tensor | None, scale: Tensor, recipe: Recipe) -> None:
+    def __init__(self, value: Float8Value, inv_scale_t: Tensor | None, scale: Tensor, recipe: Recipe,
+                 weight: Tensor) -> None:
         object.__setattr__(self, "value", value)
         object.__setattr__(self, "inv_scale_t", inv_scale_t)  # row-wise: (K, 1) scales of data_t
         object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "recipe", recipe)
+        object.__setattr__(self, "weight", weight)  # the source weight (a pytree child, not a copy)
 
     def __repr__(self) -> str:
         return f"WeightCache({self.value!r}, recipe={type(self.recipe).__name__})"
@@ -77,14 +81,22 @@ class WeightCache:
 
 pytree.register_pytree_node(
     WeightCache,
-    lambda c: ([c.value, c.inv_scale_t, c.scale], c.recipe),
-    lambda ch, recipe: WeightCache(ch[0], ch[1], ch[2], recipe),
+    lambda c: ([c.value, c.inv_scale_t, c.weight, c.scale], c.recipe),
+    lambda ch, recipe: WeightCache(ch[0], ch[1], ch[3], recipe, ch[2]),
     serialized_type_name="fp8ops.WeightCache",
     flatten_with_keys_fn=lambda c: (
-        [(pytree.GetAttrKey(n), getattr(c, n)) for n in ("value", "inv_scale_t", "scale")],
+        [(pytree.GetAttrKey(n), getattr(c, n)) for n in ("value", "inv_scale_t", "weight", "scale")],
         c.recipe,
     ),
 )
+
+
+def _unwrap(t: Tensor) -> Tensor:
+    """``t`` with its torch.func wrappers (grad, vmap levels) removed."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
@@ -93,12 +105,29 @@ def _same_tensor(a: Tensor, b: Tensor) -> bool:
         return True
     if torch.compiler.is_compiling():
         return False
-    unwrap = torch._C._functorch
-    while unwrap.is_functorch_wrapped_tensor(a):
-        a = unwrap.get_unwrapped(a)
-    while unwrap.is_functorch_wrapped_tensor(b):
-        b = unwrap.get_unwrapped(b)
-    return a is b
+    return _unwrap(a) is _unwrap(b)
+
+
+def _same_weight(a: Tensor, b: Tensor) -> bool:
+    """Whether ``b`` is the weight ``a`` (eager mode): the same tensor through torch.func wrappers,
+    or an alias of it (``a.detach()``) viewing the same memory with the same dtype and layout."""
+    if _same_tensor(a, b):
+        return True
+    a, b = _unwrap(a), _unwrap(b)
+    if (a.device != b.device or a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride()
+            or a.storage_offset() != b.storage_offset()):
+        return False
+    try:
+        ptr = a.untyped_storage().data_ptr()
+        return ptr != 0 and ptr == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without a storage
+        return False
+
+
+def hp_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x . weight^T + bias`` in ``x``'s dtype with torch's own linear (no FP8, no kernel of ours);
+    gradients flow back in each argument's dtype. Also the K = 0 result: the bias broadcast."""
+    return torch.nn.functional.linear(x, cast(weight, x.dtype), None if bias is None else cast(bias, x.dtype))
 
 
 def _quantize_pair(t: Tensor, scale: Tensor | None, spec: QuantSpec, need_t: bool
@@ -311,7 +340,8 @@ def quantize_weight(
     Returns:
         ``(cache, new_state)``: a :class:`WeightCache`, and the state (same type as given) with
         amax(W) recorded. Pass ``new_state`` on (it holds the observation) and the cache to every
-        ``fp8_linear`` call of this step.
+        ``fp8_linear`` call of this step, with this same ``weight`` tensor (the cache keeps a
+        reference to it and :func:`fp8_linear` refuses another one).
 
     Example:
         >>> import torch, fp8ops
@@ -331,7 +361,7 @@ def quantize_weight(
     validate_state(ws, where=f"{where}: state", device=weight.device, recipe=recipe)
     spec = QuantSpec.of(recipe, "forward", ws.calibrated)
     q, inv, q_t, inv_t, amax = _quantize_pair(weight.detach(), ws.scale, spec, True)
-    cache = WeightCache(Float8Value(q, inv, q_t), inv_t if spec.mode == "rowwise" else None, ws.scale, recipe)
+    cache = WeightCache(Float8Value(q, inv, q_t), inv_t if spec.mode == "rowwise" else None, ws.scale, recipe, weight)
     new_ws = ws.observe(amax)
     return cache, (state.replace(weight=new_ws) if isinstance(state, LinearState) else new_ws)
 
@@ -340,13 +370,13 @@ def fp8_linear(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    state: LinearState,
+    state: LinearState | None,
     *,
-    recipe: Recipe,
+    recipe: Recipe | None,
     grad_probe: Tensor | None = None,
     weight_cache: WeightCache | None = None,
     wgrad_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, LinearState]:
+) -> tuple[Tensor, LinearState | None]:
     """FP8 linear layer ``y = x @ weight.T + bias`` with FP8 GEMMs in forward and backward.
 
     Math::
@@ -359,16 +389,25 @@ def fp8_linear(
     Each GEMM's precision, accumulation mode and backend come from ``recipe.fprop``,
     ``recipe.dgrad`` and ``recipe.wgrad`` (:class:`GemmSpec`).
 
+    With ``state=None`` and ``recipe=None`` there is no FP8: ``y`` is
+    ``torch.nn.functional.linear(x, weight.to(x.dtype), bias.to(x.dtype))`` and the new state is
+    None (as in :func:`fp8ops.layernorm_linear` and :func:`fp8ops.fused_ln_mlp`). With K = 0
+    nothing is quantized or observed: ``y`` is the bias broadcast to (..., N) (zeros without one),
+    as ``torch.nn.functional.linear`` gives, and the state comes back unchanged.
+
     Args:
         x: (..., K) float32, bfloat16 or float16; y has the same dtype.
-        weight: (N, K) float32, bfloat16 or float16. Its gradient has ``wgrad_dtype``.
-        bias: (N,) or None.
-        state: the :class:`LinearState` of this call site.
-        recipe: the scaling recipe the state was built with.
-        grad_probe: a 0-d float32 zero whose gradient becomes amax(dy) (see
-            :func:`fp8ops.make_probes`); without one, dy is quantized with current scaling.
-        weight_cache: a :class:`WeightCache` from :func:`quantize_weight` for this step; the
-            weight is then not quantized again (its gradient still flows to ``weight``).
+        weight: (N, K) float32, bfloat16 or float16, on x's device. Its gradient has ``wgrad_dtype``.
+        bias: (N,) on x's device, or None.
+        state: the :class:`LinearState` of this call site, or None together with ``recipe=None``
+            for no FP8.
+        recipe: the scaling recipe the state was built with, or None (no FP8).
+        grad_probe: a 0-d float32 zero on x's device whose gradient becomes amax(dy) (see
+            :func:`fp8ops.make_probes`); without one, dy is quantized with current scaling. Only
+            with FP8.
+        weight_cache: a :class:`WeightCache` from :func:`quantize_weight` of this ``weight`` for
+            this step; the weight is then not quantized again (its gradient still flows to
+            ``weight``). Only with FP8.
         wgrad_dtype: dtype the wgrad GEMM writes; default ``weight.dtype``. To accumulate FP32
             weight gradients, differentiate FP32 (master) weights: they are quantized directly
             and the wgrad GEMM writes FP32, with no separate cast.
@@ -376,7 +415,7 @@ def fp8_linear(
     Returns:
         ``(y, new_state)``: y (..., N); ``new_state`` with amax(x) and amax(W) max-merged into
         the pending observations (amax(W) is recorded by :func:`quantize_weight` when a cache is
-        used). The input state is not modified.
+        used); None without FP8. The input state is not modified.
 
     Raises:
         TypeError, ValueError: bad input (the message names the argument and the fix).
@@ -402,7 +441,6 @@ def fp8_linear(
     where = "fp8_linear"
     check_float_tensor(x, "x", where)
     check_float_tensor(weight, "weight", where)
-    check_recipe(recipe, where)
     if x.dim() < 1:
         raise ValueError(f"{where}: x must be (..., K), got a 0-d tensor")
     if weight.dim() != 2:
@@ -410,17 +448,16 @@ def fp8_linear(
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"{where}: x has K={x.shape[-1]} in its last dimension but weight is (N, K) = {tuple(weight.shape)}")
+    check_device(weight, "weight", x, where)
     if bias is not None:
         check_float_tensor(bias, "bias", where)
         if tuple(bias.shape) != (N,):
             raise ValueError(f"{where}: bias must have shape (N,) = ({N},), got {tuple(bias.shape)}")
-    if not isinstance(state, LinearState):
-        raise TypeError(f"{where}: state must be a LinearState (LinearState.init(recipe)), got {type(state).__name__}")
-    for role in ("input", "weight", "grad_output"):
-        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device, recipe=recipe)
-    if weight.device != x.device:
-        raise ValueError(f"{where}: weight is on {weight.device} but x is on {x.device}")
-    check_probe(grad_probe, where)
+        check_device(bias, "bias", x, where)
+    fp8 = check_state_recipe(state, recipe, LinearState, x, where)
+    check_probe(grad_probe, where, device=x.device)
+    if grad_probe is not None and not fp8:
+        raise ValueError(f"{where}: grad_probe is only meaningful with FP8 (a state and a recipe); pass grad_probe=None")
     wgrad_dtype = weight.dtype if wgrad_dtype is None else wgrad_dtype
     if wgrad_dtype != weight.dtype:
         raise ValueError(
@@ -430,8 +467,12 @@ def fp8_linear(
         )
     use_cache = weight_cache is not None
     if use_cache:
+        if not fp8:
+            raise ValueError(f"{where}: weight_cache is only meaningful with FP8 (a state and a recipe); "
+                             f"pass weight_cache=None")
         if not isinstance(weight_cache, WeightCache):
             raise TypeError(f"{where}: weight_cache must be a WeightCache from quantize_weight, got {type(weight_cache).__name__}")
+        assert state is not None  # fp8: check_state_recipe has checked it
         if weight_cache.recipe != recipe:
             raise ValueError(f"{where}: weight_cache was built with another recipe ({weight_cache.recipe!r}); rebuild it with quantize_weight")
         if not _same_tensor(weight_cache.scale, state.weight.scale):
@@ -441,6 +482,16 @@ def fp8_linear(
             )
         if tuple(weight_cache.value.shape) != (N, K):
             raise ValueError(f"{where}: weight_cache holds a {tuple(weight_cache.value.shape)} weight, expected {(N, K)}")
+        # Eager mode only: under torch.compile an alias of the weight cannot be told from another
+        # tensor (the scale check above holds there by identity).
+        if not torch.compiler.is_compiling() and not _same_weight(weight_cache.weight, weight):
+            raise ValueError(f"{where}: weight_cache was built from another weight tensor; "
+                             f"rebuild it with quantize_weight(weight, ...)")
+    if not fp8 or K == 0:
+        # No FP8, or nothing to quantize (K = 0: y is the bias broadcast, and the amax of an empty
+        # tensor, 0, is no observation): torch's linear, and the state as given.
+        return hp_linear(x, weight, bias), state
+    assert state is not None and recipe is not None
 
     grad_on = torch.is_grad_enabled()
     cfg = _Cfg(

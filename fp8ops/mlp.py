@@ -38,17 +38,9 @@ from torch import Tensor
 
 from . import activation as _activation
 from ._glue import refuse_compiled_transform
-from ._checks import check_probe
+from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
 from .formats import Role
-from .layernorm_linear import (
-    _HIGH,
-    NormCfg,
-    check_norm_args,
-    check_state_recipe,
-    check_weight,
-    norm_backward,
-    norm_operands,
-)
+from .layernorm_linear import _HIGH, NormCfg, norm_backward, norm_operands
 from .linear import (
     _g,
     _or_empty,
@@ -412,7 +404,7 @@ def fused_ln_mlp(
         Shazeer, "GLU Variants Improve Transformer" (2020); NVIDIA Transformer Engine ``LayerNormMLP``.
     """
     where = "fused_ln_mlp"
-    K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, where)
+    K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     _activation.check_activation(activation, where)
     C = check_weight(fc1_weight, fc1_bias, K, x, "fc1_weight", where)
     gated = activation in _activation.GATED
@@ -426,7 +418,7 @@ def fused_ln_mlp(
     fp8 = check_state_recipe(state, recipe, LayerNormMLPState, x, where)
     if recompute not in (None, "activation"):
         raise ValueError(f"{where}: recompute must be None or 'activation', got {recompute!r}")
-    check_probe(grad_probes, where, shape=(2,), name="grad_probes")
+    check_probe(grad_probes, where, shape=(2,), name="grad_probes", device=x.device)
     if grad_probes is not None and not fp8:
         raise ValueError(f"{where}: grad_probes are only meaningful with FP8 (a state and a recipe); pass None")
     grad_on = torch.is_grad_enabled()

@@ -2,10 +2,13 @@
 
 Each module holds its parameters and the scaling state of its op (``module.fp8_state``, a plain
 attribute replaced by the op's new state on every forward: the functional API's
-``y, state = op(..., state)`` done for you). A forward with gradients enabled makes fresh probes
-and keeps them; after ``backward``, once per optimizer step, ``module.update_scaling()`` (or
-:func:`update_scaling` on a whole model) folds their gradients and the pending forward amaxes
-into the state with :func:`fp8ops.update`::
+``y, state = op(..., state)`` done for you). Only a training forward observes: in training mode
+(``module.training``) with gradients enabled, a forward records its amaxes in the new state and
+makes fresh probes, kept for the update; in eval mode or under ``torch.no_grad()`` the op runs with
+the current state, its new state is discarded and no probe is made, so evaluation passes never move
+the training scales. After ``backward``, once per optimizer step, ``module.update_scaling()`` (or
+:func:`update_scaling` on a whole model) folds the kept probes' gradients and the pending forward
+amaxes into the state with :func:`fp8ops.update`::
 
     layer = fp8ops.nn.TransformerLayer(1024, 4096, 16, recipe=fp8ops.DelayedScaling())
     for batch in data:
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ._checks import check_recipe
+from ._checks import check_eps, check_normalization, check_recipe, check_zero_centered_gamma
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .linear import LinearState, fp8_linear
 from .mlp import LayerNormMLPState, fused_ln_mlp
@@ -50,7 +53,8 @@ class FP8Module(torch.nn.Module):
 
     Attributes:
         recipe: the FP8 recipe, or None (no FP8).
-        fp8_state: the op's scaling state (None without a recipe); replaced on every forward.
+        fp8_state: the op's scaling state (None without a recipe); replaced on every training
+            forward with gradients enabled (eval-mode and ``no_grad`` forwards leave it as is).
     """
 
     def __init__(self, recipe: Any) -> None:
@@ -73,14 +77,23 @@ class FP8Module(torch.nn.Module):
         self.fp8_state = None if self.recipe is None else self._init_state(self._state_device())
         self._probes = []
 
+    def _observing(self) -> bool:
+        """Whether this forward records observations: FP8, training mode and gradients enabled."""
+        return self.recipe is not None and self.training and torch.is_grad_enabled()
+
     def _next_probes(self) -> Any:
-        """Probes for this forward (kept for :meth:`update_scaling`), or None when no gradient
-        can reach them (no recipe, or gradients disabled)."""
-        if self.recipe is None or not torch.is_grad_enabled():
+        """Probes for this forward (kept for :meth:`update_scaling`), or None when it does not
+        observe (no recipe, eval mode or gradients disabled)."""
+        if not self._observing():
             return None
         probes = make_probes(self.fp8_state)
         self._probes.append(probes)
         return probes
+
+    def _keep_state(self, new_state: Any) -> None:
+        """Keep the op's new state when this forward observes; otherwise discard it."""
+        if self._observing():
+            self.fp8_state = new_state
 
     def _probe_grads(self) -> Any:
         """The max over the kept probes' gradients (zeros where a backward did not reach)."""
@@ -216,8 +229,9 @@ class Linear(FP8Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.recipe is None:
             return F.linear(x, self.weight, self.bias)
-        y, self.fp8_state = fp8_linear(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe,
-                                       grad_probe=self._next_probes())
+        y, new_state = fp8_linear(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe,
+                                  grad_probe=self._next_probes())
+        self._keep_state(new_state)
         return y
 
     def extra_repr(self) -> str:
@@ -226,9 +240,11 @@ class Linear(FP8Module):
 
 
 def _norm_params(module: torch.nn.Module, size: int, normalization: str, bias: bool, zero_centered_gamma: bool,
-                 fk: dict[str, Any]) -> None:
-    if normalization not in ("LayerNorm", "RMSNorm"):
-        raise ValueError(f"{type(module).__name__}: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+                 eps: float, fk: dict[str, Any]) -> None:
+    where = type(module).__name__
+    check_normalization(normalization, where)
+    check_zero_centered_gamma(zero_centered_gamma, where)
+    check_eps(eps, where)
     fill = 0.0 if zero_centered_gamma else 1.0
     module.layer_norm_weight = torch.nn.Parameter(torch.full((size,), fill, **fk))
     has_bias = bias and normalization == "LayerNorm"
@@ -268,7 +284,7 @@ class LayerNormLinear(FP8Module):
         self.in_features, self.out_features = in_features, out_features
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
-        _norm_params(self, in_features, normalization, bias, zero_centered_gamma, fk)
+        _norm_params(self, in_features, normalization, bias, zero_centered_gamma, eps, fk)
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **fk))
         self.bias = torch.nn.Parameter(torch.empty(out_features, **fk)) if bias else None
         _init_linear(self.weight, self.bias)
@@ -283,8 +299,7 @@ class LayerNormLinear(FP8Module):
             recipe=self.recipe, normalization=self.normalization, eps=self.eps,
             zero_centered_gamma=self.zero_centered_gamma, return_layernorm_output=self.return_layernorm_output,
             grad_probe=self._next_probes())
-        if self.recipe is not None:
-            self.fp8_state = new_state
+        self._keep_state(new_state)
         return out
 
 
@@ -326,7 +341,7 @@ class LayerNormMLP(FP8Module):
         self.eps, self.normalization, self.activation = eps, normalization, activation
         self.zero_centered_gamma, self.recompute = zero_centered_gamma, recompute
         C = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
-        _norm_params(self, hidden_size, normalization, bias, zero_centered_gamma, fk)
+        _norm_params(self, hidden_size, normalization, bias, zero_centered_gamma, eps, fk)
         self.fc1_weight = torch.nn.Parameter(torch.empty(C, hidden_size, **fk))
         self.fc1_bias = torch.nn.Parameter(torch.empty(C, **fk)) if bias else None
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **fk))
@@ -344,8 +359,7 @@ class LayerNormMLP(FP8Module):
             self.fc2_bias, self.fp8_state, recipe=self.recipe, normalization=self.normalization,
             activation=self.activation, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
             recompute=self.recompute, grad_probes=self._next_probes())
-        if self.recipe is not None:
-            self.fp8_state = new_state
+        self._keep_state(new_state)
         return y
 
 
@@ -419,8 +433,7 @@ class TransformerLayer(FP8Module):
             self.params(), x, self.fp8_state, config=self.config, recipe=self.recipe, probes=self._next_probes(),
             attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             training=self.training, dropout_seed=dropout_seed)
-        if self.recipe is not None:
-            self.fp8_state = new_state
+        self._keep_state(new_state)
         return y
 
     def extra_repr(self) -> str:

@@ -9,13 +9,12 @@ copy + amax in the same pass) is used by the fused LayerNorm+Linear and LayerNor
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._checks import check_float_tensor
+from ._checks import check_device, check_eps, check_float_tensor, check_zero_centered_gamma
 from ._glue import refuse_compiled_transform
 from .kernels import norm as _kernels_norm  # noqa: F401  (registers the fp8ops::norm_* library ops)
 from .quantize import _loop_vmap
@@ -98,8 +97,7 @@ def _check(where: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, 
         if t.dtype not in (torch.float32, x.dtype):
             raise ValueError(f"{where}: {name} must be float32 or x's dtype {x.dtype}, got {t.dtype}; "
                              f"cast it with .to(torch.float32)")
-        if t.device != x.device:
-            raise ValueError(f"{where}: {name} is on {t.device} but x is on {x.device}; move it with .to(x.device)")
+        check_device(t, name, x, where)
     if residual is not None:
         check_float_tensor(residual, "residual", where)
         if residual.shape != x.shape:
@@ -107,12 +105,9 @@ def _check(where: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, 
         if residual.dtype != x.dtype:
             raise ValueError(f"{where}: residual must have x's dtype {x.dtype}, got {residual.dtype}; "
                              f"cast it with .to(x.dtype)")
-        if residual.device != x.device:
-            raise ValueError(f"{where}: residual is on {residual.device} but x is on {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"{where}: eps must be a finite number > 0 (e.g. 1e-5), got {eps!r}")
-    if not isinstance(zero_centered_gamma, bool):
-        raise TypeError(f"{where}: zero_centered_gamma must be a bool, got {type(zero_centered_gamma).__name__}")
+        check_device(residual, "residual", x, where)
+    check_eps(eps, where)
+    check_zero_centered_gamma(zero_centered_gamma, where)
     return K
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .formats import Format, Role, check_role
-from .state import ScalingState
+from .state import ScalingState, _check_built_for, _grad_amax_leaf
 
 __all__ = ["CurrentScaling", "DelayedScaling", "GemmSpec", "Recipe", "compute_scale"]
 
@@ -79,12 +79,16 @@ def _check_format(inst: Any, attribute: Any, value: Any) -> None:
         raise TypeError(f"{type(inst).__name__}: fp8_format must be a fp8ops.Format, got {value!r}")
 
 
-_MAX_MARGIN = 64  # 2**margin stays far inside float32; real margins are 0 to a few
-
-
 def _check_margin(inst: Any, attribute: Any, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_MARGIN:
-        raise ValueError(f"{type(inst).__name__}: margin must be an int in [0, {_MAX_MARGIN}], got {value!r}")
+    # attrs runs validators after every field is set, fp8_format's (defined first) before this one.
+    fmt = inst.fp8_format
+    hi = fmt.max_margin()
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise ValueError(
+            f"{type(inst).__name__}: margin must be an int in [0, {hi}] for fp8_format={fmt} "
+            f"(fp8_max / 2**margin must stay at least the format's smallest normal number, "
+            f"or whole tensors flush to zero), got {value!r}"
+        )
 
 
 def _check_bool(inst: Any, attribute: Any, value: Any) -> None:
@@ -167,14 +171,21 @@ class Recipe:
         return self.fp8_format.max(role)
 
     def init(self, *, role: Role = "forward", device: torch.device | str | None = None) -> ScalingState:
-        """A fresh state for a tensor of ``role``: empty history, scale 1, nothing pending."""
+        """A fresh state for a tensor of ``role``: empty history, scale 1, nothing pending.
+
+        The state records this recipe's FP8 dtype for ``role`` and its ``mode``: ops and updates
+        refuse it with a recipe of another dtype or mode. A delayed-scaling state starts
+        uncalibrated (the first step quantizes with current scaling).
+        """
         check_role(role, where=f"{type(self).__name__}.init")
-        return ScalingState(
+        return ScalingState._make(
             torch.zeros(self.history_len, dtype=torch.float32, device=device),
             torch.ones((), dtype=torch.float32, device=device),
             torch.zeros((), dtype=torch.float32, device=device),
-            role=role,
-            calibrated=self.mode != "delayed",
+            role,
+            self.mode != "delayed",
+            self.dtype(role),
+            self.mode,
         )
 
     def amax_from_history(self, history: Tensor) -> Tensor:
@@ -191,40 +202,92 @@ class Recipe:
         The observation is ``max(state.pending_amax, grad_amax)``; a non-finite observation is
         recorded as 0 (no information), so NaN/Inf never enter the history; the history rolls
         (the observation becomes index 0); the scale is recomputed; ``pending_amax`` is cleared.
+        An uncalibrated state that observed nothing (0 or non-finite) is left as it is, pending
+        cleared, and stays uncalibrated (see :func:`fp8ops.update`). ``grad_amax`` may be a probe
+        itself (a leaf that requires grad): its ``.grad`` is used.
         """
+        where = f"{type(self).__name__}.update"
+        if not isinstance(state, ScalingState):
+            raise TypeError(f"{where}: state must be a ScalingState, got {type(state).__name__}")
+        g = _grad_amax_leaf(grad_amax, where=f"{where}: grad_amax")
         obs = state.pending_amax
-        if grad_amax is not None:
-            obs = torch.maximum(obs, grad_amax.detach().to(torch.float32))
+        if g is not None:
+            obs = torch.maximum(obs, g.detach().to(torch.float32))
+            state = state.replace(observed=True)
         return self.update_many([state], obs.reshape(1))[0]
 
     def update_many(self, states: Sequence[ScalingState], obs: Tensor) -> list[ScalingState]:
-        """Batched :meth:`update`: ``obs`` (S,) holds one merged observation per state."""
+        """Batched :meth:`update`: ``obs`` (S,) holds one merged observation per state.
+
+        Host sync: only when some uncalibrated state was observed (``observed`` not False), one
+        read of those states' observations (whether each saw anything decides its static
+        ``calibrated``); calibrated and unobserved states never sync.
+        """
+        where = f"{type(self).__name__}.update"
         for s in states:
+            if not isinstance(s, ScalingState):
+                raise TypeError(f"{where}: expected ScalingStates, got a {type(s).__name__}")
             L = s.amax_history.shape[-1]
             if L != self.history_len:
                 raise ValueError(
-                    f"{type(self).__name__}.update: state.amax_history has length {L} but this recipe "
+                    f"{where}: state.amax_history has length {L} but this recipe "
                     f"keeps {self.history_len}; build the state with this recipe's init()"
                 )
+            _check_built_for(s, self, where=where)
         if not states:
             return []
+        S = len(states)
         hist = torch.stack([s.amax_history for s in states])  # (S, L)
         scale = torch.stack([s.scale for s in states])  # (S,)
         fmax = torch.tensor([self.fp8_max(s.role) for s in states], dtype=torch.float32, device=hist.device)
-        o = obs.to(device=hist.device, dtype=torch.float32).reshape(len(states))
+        o = obs.to(device=hist.device, dtype=torch.float32).reshape(S)
+        seen = torch.isfinite(o) & (o > 0)  # (S,) the step observed something
         # A non-finite observation is recorded as 0 ("no information"): it never enters the history.
         o = torch.where(torch.isfinite(o), o, torch.zeros_like(o))
         hist = torch.cat([o[:, None], hist[:, :-1]], dim=1)
-        new_scale = self.scale_from_amax(self.amax_from_history(hist), scale, fmax)
+        amax = self.amax_from_history(hist)
+        _check_result(amax, (S,), where=where, what=self._amax_algo_name(), of=f"a history of shape {tuple(hist.shape)}",
+                      hint="reduce over the last dim only, e.g. h.amax(-1)")
+        new_scale = self.scale_from_amax(amax, scale, fmax)
+        _check_result(new_scale, (S,), where=where, what=self._scale_algo_name(), of=f"amaxes of shape {(S,)}",
+                      hint="compute elementwise")
+        # An update that observed nothing must not calibrate a state: `calibrated` is static, so
+        # this reads the observations of the uncalibrated states on the host (first steps only).
+        # A state no op observed (static `observed` False) saw nothing, no read needed.
+        skip = {j for j, s in enumerate(states) if not s.calibrated and s.observed is False}
+        uncal = [j for j, s in enumerate(states) if not s.calibrated and s.observed is not False]
+        if uncal:
+            flags = seen[uncal].tolist()
+            skip |= {j for j, f in zip(uncal, flags) if not f}
         return [
-            s.replace(
+            s.replace(pending_amax=torch.zeros_like(s.pending_amax), observed=False)
+            if j in skip
+            else s.replace(
                 amax_history=hist[j],
                 scale=new_scale[j],
                 pending_amax=torch.zeros_like(s.pending_amax),
                 calibrated=True,
+                observed=False,
             )
             for j, s in enumerate(states)
         ]
+
+    def _amax_algo_name(self) -> str:
+        return "amax_from_history"
+
+    def _scale_algo_name(self) -> str:
+        return "scale_from_amax"
+
+
+def _check_result(t: Any, want: tuple[int, ...], *, where: str, what: str, of: str, hint: str) -> None:
+    """A recipe hook's result must be a tensor of one value per state: it must not mix states."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{where}: {what} must return a Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != want:
+        raise ValueError(
+            f"{where}: {what} must map {of} to shape {want}, one value per state, got shape {tuple(t.shape)} "
+            f"(one state's scale must not depend on another's amax: {hint})"
+        )
 
 
 def _check_history_len(inst: Any, attribute: Any, value: Any) -> None:
@@ -248,12 +311,14 @@ class DelayedScaling(Recipe):
 
     The op reads the scale from the state and computes the amax in the same pass as the cast (one
     launch); the amax is recorded, and the scale changes only in :meth:`update`, once per
-    optimizer step. A state that has never been updated (``calibrated=False``) is quantized with
-    current scaling, so the first step calibrates instead of using scale 1.
+    optimizer step. A state that no update has seen observe anything (``calibrated=False``) is
+    quantized with current scaling, so the first step calibrates instead of using scale 1.
 
     Args:
         fp8_format: :class:`Format`; default HYBRID (E4M3 forward, E5M2 gradients).
-        margin: the scale is divided by ``2**margin``.
+        margin: the scale is divided by ``2**margin``; at most ``fp8_format.max_margin()`` (14 for
+            E4M3 and HYBRID, 29 for E5M2), beyond which a tensor's largest value would land below
+            the format's smallest normal number.
         amax_history_len: steps kept in ``amax_history``.
         amax_compute_algo: "max" (over the history), "most_recent", or a callable mapping a
             history (..., L) with index 0 newest to the amax (...).
@@ -294,6 +359,12 @@ class DelayedScaling(Recipe):
     def history_len(self) -> int:
         return self.amax_history_len
 
+    def _amax_algo_name(self) -> str:
+        return "amax_compute_algo" if callable(self.amax_compute_algo) else "amax_from_history"
+
+    def _scale_algo_name(self) -> str:
+        return "scale_from_amax" if self.scaling_factor_compute_algo is None else "scaling_factor_compute_algo"
+
     def amax_from_history(self, history: Tensor) -> Tensor:
         if self.amax_compute_algo == "max":
             return history.amax(-1)
@@ -304,7 +375,11 @@ class DelayedScaling(Recipe):
     def scale_from_amax(self, amax: Tensor, old_scale: Tensor, fp8_max: Tensor) -> Tensor:
         if self.scaling_factor_compute_algo is None:
             return super().scale_from_amax(amax, old_scale, fp8_max)
-        sf = self.scaling_factor_compute_algo(amax, old_scale, fp8_max, self).to(torch.float32)
+        sf = self.scaling_factor_compute_algo(amax, old_scale, fp8_max, self)
+        # Checked here: torch.where below would broadcast a single value to every state.
+        _check_result(sf, tuple(amax.shape), where=f"{type(self).__name__}.update", what="scaling_factor_compute_algo",
+                      of=f"amaxes of shape {tuple(amax.shape)}", hint="compute elementwise")
+        sf = sf.to(torch.float32)
         if self.power_2_scale:
             sf = _pow2_floor(sf)
         ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(sf) & (sf > 0)
@@ -327,7 +402,7 @@ class CurrentScaling(Recipe):
 
     Args:
         fp8_format: :class:`Format`; default HYBRID.
-        margin: the scale is divided by ``2**margin``.
+        margin: the scale is divided by ``2**margin``; at most ``fp8_format.max_margin()``.
         power_2_scale: round scales down to a power of two.
         granularity: "tensor" or "row".
         fprop, dgrad, wgrad: :class:`GemmSpec` of each GEMM of a linear layer.

@@ -21,9 +21,8 @@ _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
 
 def define(schema: str, *, cuda: Callable[..., Any], fake: Callable[..., Any],
-           cpu: Callable[..., Any] | None = None, autograd: Callable[..., Any] | None = None) -> Any:
-    """Define ``fp8ops::<schema>`` with a CUDA kernel, a fake kernel and optionally a CPU kernel
-    and an Autograd kernel.
+           cpu: Callable[..., Any] | None = None) -> Any:
+    """Define ``fp8ops::<schema>`` with a CUDA kernel, a fake kernel and optionally a CPU kernel.
 
     Returns the op overload packet ``torch.ops.fp8ops.<name>``.
     """
@@ -32,8 +31,6 @@ def define(schema: str, *, cuda: Callable[..., Any], fake: Callable[..., Any],
     _LIB.impl(name, cuda, "CUDA")
     if cpu is not None:
         _LIB.impl(name, cpu, "CPU")
-    if autograd is not None:
-        _LIB.impl(name, autograd, "Autograd")
     torch.library.register_fake(f"fp8ops::{name}", fake, lib=_LIB)
     return getattr(torch.ops.fp8ops, name)
 

@@ -42,11 +42,11 @@ after the load), the stored fc1 output of ``fused_ln_mlp(recompute="activation")
 
 Traffic per bf16 element of ``h`` with delayed scaling: forward reads 2 B and writes 1 B per FP8
 copy; backward reads 2 + 2 B and writes 1 B per FP8 copy. Current scaling adds the amax pass (one
-more read of the inputs). The kernels are memory-bound in principle. On an H200 the gated forward
-runs at the copy ceiling (8192 x 32768 bf16: 96 %), while the non-gated forward (49 %) and the
-backward kernels (45-61 %) are latency-bound: the float32 math and the transposed epilogue use many
-registers, leaving too few bytes in flight (docs/kernels/activation.md has the numbers). Tensors of
-a few MB are slow relative to the ceiling because launch latency dominates; the erf-GELU is the most
+more read of the inputs). The kernels are memory-bound in principle. The gated forward reaches the
+copy ceiling on large tensors, while the non-gated forward and the backward kernels are
+latency-bound: the float32 math and the transposed epilogue use many registers, leaving too few
+bytes in flight (measurements: docs/kernels/activation.md and docs/benchmarks/mlp.md). Tensors of a
+few MB are slow relative to the ceiling because launch latency dominates; the erf-GELU is the most
 arithmetic-heavy activation.
 
 References: Hendrycks & Gimpel, "Gaussian Error Linear Units" (2016); Shazeer, "GLU Variants
@@ -331,8 +331,8 @@ def _act_bwd_kernel(
 # ------------------------------------------------------------------------------------------------
 # Launchers: they alone know grids and block sizes, and they validate what the kernels assume.
 
-# Defaults measured on an H200 (scripts/time_activation.py, bf16 8192 x 16384 and 8192 x 32768): a
-# forward tile of 64 x 128 with 4 warps ran 1.3-1.6x slower than 32 x 128 (register pressure).
+# Defaults chosen with `python -m fp8ops.bench mlp --activation-kernels` (docs/kernels/activation.md):
+# larger forward tiles spill registers.
 _FWD_CFG = {"BLOCK_M": 32, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4}
 _BWD_CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4}
 

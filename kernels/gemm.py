@@ -49,10 +49,9 @@ Both kernels run the same ``tl.dot`` over the same K blocks in the same order an
 epilogue code, so they compute the same thing; on the GPU their results agree to rounding.
 
 Where it is fast or slow: it is compute-bound at training shapes (M, N, K in the thousands). The
-schedule is the one of Triton's persistent-matmul tutorial, which was published at 1347 TFLOP/s
-with host TMA against 1285 with pointer loads and 1278 for cuBLAS (FP8, 8192 x 8192 x 4096, H100,
-triton PR #5461); this kernel's own numbers, per configuration and against ``torch._scaled_mm`` in
-the same accumulation mode, come from ``python -m fp8ops.bench.gemm_sweep``. Small GEMMs (a few
+schedule is the one of Triton's persistent-matmul tutorial (triton PR #5461); this kernel's numbers,
+per configuration and against ``torch._scaled_mm`` in the same accumulation mode, come from
+``python -m fp8ops.bench.gemm_sweep`` (docs/benchmarks/gemm_sweep.md). Small GEMMs (a few
 tiles per SM or fewer) are limited by launch latency and by tile quantization (a 128-row tile
 wastes most of an M=16 GEMM, which also takes the pointer kernel); the precise mode pays for its
 FP32 adds, a second accumulator and narrower tiles. FP8 dots need sm_89 or newer (Triton rejects

@@ -38,10 +38,10 @@ Kernels:
   (it is private to that program).
 
 Fast: large M with K in the low thousands, RMSNorm (whole rows in registers, one read of x, one
-write of each output; H200: 75-83 % of copy bandwidth for the RMSNorm FP8-out forward, 79-93 % for
-its backward, 70-80 % for the LayerNorm backward). Slower: the LayerNorm forward (two dependent
-reductions per row, 62-65 %), very large K (two sweeps per row), the transposed FP8 output (two
-sweeps of 32-row blocks, 42-54 %), tensors (launch latency). See docs/kernels/norm.md and docs/benchmarks/norm.md.
+write of each output), the RMSNorm and LayerNorm backward. Slower: the LayerNorm forward (two
+dependent reductions per row), very large K (two sweeps per row), the transposed FP8 output (two
+sweeps of 32-row blocks), small tensors (launch latency). Measurements: docs/kernels/norm.md and
+docs/benchmarks/norm.md.
 
 References: Ba et al., "Layer Normalization" (2016); Zhang & Sennrich, "Root Mean Square Layer
 Normalization" (2019); Chan, Golub & LeVeque, "Algorithms for computing the sample variance" (1983);
@@ -478,7 +478,7 @@ def _fwd_default(K: int, transpose: bool) -> dict[str, Any]:
     """Default forward launch config for rows of length K (PROGRAMS_PER_SM applies to whole-row
     configs, which run on a persistent grid; chunked configs get one program per row block).
 
-    Best of the H200 sweep (python -m fp8ops.bench.norm --sweep, docs/benchmarks/norm.md): K=4096
+    Chosen with ``python -m fp8ops.bench norm --sweep`` (docs/benchmarks/norm.md): K=4096
     BLOCK_M=2, 8 warps, 2 programs per SM; K=8192 BLOCK_M=2, 16 warps, 1 program per SM;
     transposed FP8 output 32x256 tiles, 4 warps.
     """
@@ -503,8 +503,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _bwd_default(K: int) -> dict[str, Any]:
-    """Default backward launch config for rows of length K (H200, scripts/probe_norm.py: K=4096 two
-    rows, 8 warps, 1 program per SM; K=8192 one row, 16 warps, 1 program per SM; shorter rows 4 warps,
+    """Default backward launch config for rows of length K (chosen with ``python -m fp8ops.bench norm
+    --probe``, docs/benchmarks/norm.md: K=4096 two rows, 8 warps, 1 program per SM; K=8192 one row, 16 warps, 1 program per SM; shorter rows 4 warps,
     2 programs per SM)."""
     bk = triton.next_power_of_2(K)
     if bk > _BWD_ROW_LIMIT:

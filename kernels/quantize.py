@@ -239,7 +239,7 @@ def _amax_fwd_kernel(
 # ------------------------------------------------------------------------------------------------
 # Launchers: they alone know grids and block sizes, and they validate what the kernels assume.
 
-# Defaults measured on an H200 (python -m fp8ops.bench quantize --sweep; docs/benchmarks/quantize.md).
+# Defaults chosen with `python -m fp8ops.bench quantize --sweep` (docs/benchmarks/quantize.md).
 _CAST_CFG = {"BLOCK": 8192, "num_warps": 8}
 _CAST_T_CFG = {"BLOCK_M": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4}
 _ROWWISE_CFG = {"BLOCK_M": 1, "BLOCK_K": 2048, "num_warps": 8}

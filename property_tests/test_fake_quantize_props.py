@@ -156,9 +156,15 @@ def test_nan_flows_through_values_not_into_state(data: st.DataObject) -> None:
         assert bool(torch.isfinite(new.amax_history).all()), f"{role_name}: history {new.amax_history} not finite"
         assert bool(torch.isfinite(new.scale)) and float(new.scale) > 0, f"{role_name}: scale {new.scale}"
         assert float(new.pending_amax) == 0.0
-    # The input's observation was NaN: it enters the history as 0 and the scale follows the rule
-    # on that history, which for a fresh history (all zeros) keeps the scale.
+    # The input's observation was NaN. An uncalibrated state observed nothing: left as it is and
+    # still uncalibrated. A calibrated one rolls in 0 and the scale follows the rule on that
+    # history, which for a fresh history (all zeros) keeps the scale.
     old_in, new_in = state.input, updated.input
+    if not old_in.calibrated:
+        assert not new_in.calibrated, "an update that observed nothing calibrated the input state"
+        assert_same_bits(new_in.amax_history, old_in.amax_history, name="input history (nothing observed)")
+        assert_same_bits(new_in.scale, old_in.scale, name="input scale (nothing observed)")
+        return
     expected_hist = torch.cat([torch.zeros(1), old_in.amax_history[:-1]])
     assert_same_bits(new_in.amax_history, expected_hist, name="input history")
     expected_scale = recipe.scale_from_amax(recipe.amax_from_history(expected_hist), old_in.scale,

@@ -174,13 +174,17 @@ def test_update_matches_python_model(
 
     obs = max(pending, grad_amax) (NaN propagates); a non-finite obs is recorded as 0; the history
     (newest first) rolls; amax = max(history) or history[0]; the scale is the formula on amax (the
-    old scale for amax 0); pending is cleared.
+    old scale for amax 0); pending is cleared; the state becomes calibrated. Except that an
+    uncalibrated state (delayed scaling, before its first observation) whose obs is 0 or
+    non-finite keeps its history and scale and stays uncalibrated: observing nothing never
+    calibrates.
     """
     L = recipe.history_len
     algo = getattr(recipe, "amax_compute_algo", "max")
     fmax = recipe.fp8_max(role)  # type: ignore[arg-type]
     state = recipe.init(role=role)  # type: ignore[arg-type]
-    hist, scale = [0.0] * L, 1.0
+    hist, scale, calibrated = [0.0] * L, 1.0, recipe.mode != "delayed"
+    assert state.calibrated == calibrated
     for i, (observations, grad, through_tree) in enumerate(steps):
         pending = 0.0
         for a in observations:
@@ -198,12 +202,15 @@ def test_update_matches_python_model(
             state = recipe.update(state, grad_amax=g)
         obs = pending if grad is None else max_nan(pending, grad)
         obs = obs if math.isfinite(obs) else 0.0
-        hist = [obs, *hist[:-1]]
-        amax = max(hist) if algo == "max" else hist[0]
-        scale = model_scale(amax, scale, fmax, recipe.margin, recipe.power_2_scale)
+        if calibrated or obs > 0:
+            hist = [obs, *hist[:-1]]
+            amax = max(hist) if algo == "max" else hist[0]
+            scale = model_scale(amax, scale, fmax, recipe.margin, recipe.power_2_scale)
+            calibrated = True
         assert state.amax_history.tolist() == hist, f"step {i}: history {state.amax_history.tolist()} vs model {hist}"
         assert float(state.scale) == scale, f"step {i}: scale {float(state.scale)!r} vs model {scale!r}"
-        assert float(state.pending_amax) == 0.0 and state.calibrated and state.role == role
+        assert float(state.pending_amax) == 0.0 and state.role == role
+        assert state.calibrated == calibrated, f"step {i}: calibrated {state.calibrated} vs model {calibrated}"
 
 
 @example(margin=128, amax=1.0, power_2=False, kind="delayed")

@@ -25,6 +25,7 @@ from fp8ops import modmath
 from fp8ops.transformer import _padding_mask_mod
 
 A = importlib.import_module("fp8ops.attention")
+A_op = importlib.import_module("fp8ops.attention.op")  # where attention() looks up _use_kernels
 R = importlib.import_module("fp8ops.reference.attention")
 
 attention = A.attention
@@ -50,7 +51,7 @@ def _dense(B=2, H=3, Sq=5, Skv=5, D=4, seed=0):
 @pytest.fixture
 def kernel_path(monkeypatch):
     """Route the public op to the fused path, as on CUDA (the checks below raise before a launch)."""
-    monkeypatch.setattr(A, "_use_kernels", lambda t: True)
+    monkeypatch.setattr(A_op, "_use_kernels", lambda t: True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -308,7 +308,7 @@ def test_fused_ln_mlp_shapes(M, K, F, act, rms, zc):
     ({"normalization": "BatchNorm"}, "normalization"),
     ({"recompute": "all"}, "recompute"),
     ({"grad_probes": torch.zeros(())}, r"grad_probes must be a \(2,\)"),
-    ({"eps": 0.0}, "eps must be a positive"),
+    ({"eps": 0.0}, "eps must be a finite number > 0"),
 ])
 def test_mlp_errors(kw, match):
     args, _ = _mlp_data(4, 8, 8, "gelu", torch.float32, False)

@@ -34,7 +34,8 @@ def _data(lead=(3, 5), K=40, N=24, dtype=torch.float32, seed=0):
 
 def _run(x, w, b, dy, st, recipe, probe=True, **kw):
     x = x.clone().requires_grad_()
-    w = w.clone().requires_grad_()
+    # a weight cache must come from the weight tensor given to fp8_linear: then use that one
+    w = kw["weight_cache"].weight if "weight_cache" in kw else w.clone().requires_grad_()
     b = b.clone().requires_grad_() if b is not None else None
     p = torch.zeros((), requires_grad=True) if probe else None
     y, st2 = fp8ops.fp8_linear(x, w, b, st, recipe=recipe, grad_probe=p, **kw)
@@ -121,6 +122,7 @@ def test_weight_cache(recipe):
     x, w, b, dy = _data()
     st = _calibrated(recipe)
     ref = _run(x, w, b, dy, st, recipe)
+    w = w.clone().requires_grad_()  # the leaf given to fp8_linear by _run
     qw, st_c = fp8ops.quantize_weight(w, st, recipe=recipe)
     assert st_c.weight.pending_amax.item() == w.abs().max().item()
     out = _run(x, w, b, dy, st_c, recipe, weight_cache=qw)
@@ -181,7 +183,8 @@ def test_precision_escape(which):
         ({"x": torch.ones(2, 5)}, ValueError, "K=5 in its last dimension"),
         ({"bias": torch.ones(3)}, ValueError, r"bias must have shape \(N,\) = \(4,\)"),
         ({"state": "s"}, TypeError, "state must be a LinearState"),
-        ({"recipe": None}, TypeError, "recipe must be a fp8ops recipe"),
+        ({"recipe": None}, ValueError, "a state was given without a recipe"),
+        ({"recipe": "delayed"}, TypeError, "recipe must be a fp8ops recipe"),
         ({"grad_probe": torch.zeros(1)}, ValueError, "grad_probe must be a 0-d float32"),
         ({"weight_cache": object()}, TypeError, "weight_cache must be a WeightCache"),
     ],

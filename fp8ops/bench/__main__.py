@@ -1,5 +1,8 @@
 """Command line of the benchmark suites: ``python -m fp8ops.bench <suite> [--out DIR] [--quick]``.
 
+``python -m fp8ops.bench report RESULTS_DIR [--docs DIR]`` writes the pages of ``docs/benchmarks/``
+from a run's JSON records (no GPU needed; see :mod:`fp8ops.bench.report`).
+
 Exit status: 0 on success; 1 if a suite reported a failed check (for example an output that
 differs from its peer's) or cannot be imported; 2 if no CUDA device is available (the benchmarks
 time GPU kernels).
@@ -37,12 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
         summary = (module.__doc__ or name).strip().splitlines()[0]
         p = sub.add_parser(name, parents=[shared], help=summary, description=summary)
         module.add_arguments(p)
+    from . import report
+
+    p = sub.add_parser("report", help="write docs/benchmarks/<suite>.md pages from a run's JSON records (no GPU)",
+                       description="For every <suite>.json in RESULTS_DIR: copy it and its <suite>.png into "
+                       "--docs and write <suite>.md there (a table of its rows, the environment, notes and "
+                       "failed checks). Overwrites that page, hand-written analysis included.")
+    report.add_arguments(p)
+    p.set_defaults(report=True)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, refuse cleanly without CUDA, run the suite; return the exit status."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "report", False):
+        from . import report
+
+        return report.main(args)
     if getattr(args, "import_error", None):
         print(f"fp8ops.bench: suite {args.suite!r} cannot be imported: {args.import_error}", file=sys.stderr)
         return 1

@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of this suite."""
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao peers")
     parser.add_argument("--samples", type=int, default=None, help="timed samples per case")
+    prof = parser.add_argument_group("profile mode (replaces the timed comparison)")
+    prof.add_argument("--profile", action="store_true",
+                      help="where the host time of fp8_linear goes: host µs per call of each piece, graph-replay "
+                      "device time, top CUDA kernels and top host functions, printed")
+    prof.add_argument("--profile-shape", type=int, nargs=3, default=None, metavar=("M", "K", "N"),
+                      help="problem of --profile (default 8192 4096 4096)")
 
 
 def _fp8ops_case(M, K, N, recipe, backend, dtype=torch.bfloat16, compiled=False):  # type: ignore[no-untyped-def]
@@ -140,7 +146,14 @@ def _gemm_ceiling(M, K, N, samples):  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the suite; print the table; write linear.json and linear.png; return the record."""
+    """Run the suite; print the table; write linear.json and linear.png; return the record.
+
+    ``--profile`` runs :mod:`fp8ops.bench.linear_profile` instead.
+    """
+    if getattr(args, "profile", False):
+        from . import linear_profile
+
+        return linear_profile.run(args)
     import fp8ops
 
     out = Path(args.out)

@@ -64,6 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao peer")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile cases")
     parser.add_argument("--samples", type=int, default=None, help="timed samples per case (default 20, 8 with --quick)")
+    mode = parser.add_argument_group("other modes (each replaces the timed comparison)").add_mutually_exclusive_group()
+    mode.add_argument("--memory", action="store_true",
+                      help="where the memory of one fused_ln_mlp step goes (saved for backward, held after the "
+                      "forward, forward and backward peaks), per activation, with and without "
+                      "recompute='activation'; writes mlp_memory.json")
+    mode.add_argument("--activation-kernels", action="store_true",
+                      help="time the fused activation kernels alone against the copy bandwidth, with a few launch "
+                      "configs per case; writes activation_timing.json")
+    mode.add_argument("--activation-probe", action="store_true",
+                      help="what bounds the activation kernels: a saturation check and launch variants, printed")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,7 +194,23 @@ def _fp8ops_case(w: dict[str, Tensor], activation: str, recipe: Any, x0: Tensor,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the suite; print the table; write mlp.json and mlp.png; return the record."""
+    """Run the suite; print the table; write mlp.json and mlp.png; return the record.
+
+    ``--memory``, ``--activation-kernels`` and ``--activation-probe`` run their mode instead
+    (:mod:`fp8ops.bench.mlp_memory`, :mod:`fp8ops.bench.activation_kernels`).
+    """
+    if getattr(args, "memory", False):
+        from . import mlp_memory
+
+        return mlp_memory.run(args)
+    if getattr(args, "activation_kernels", False):
+        from . import activation_kernels
+
+        return activation_kernels.run_timing(args)
+    if getattr(args, "activation_probe", False):
+        from . import activation_kernels
+
+        return activation_kernels.run_probe(args)
     import fp8ops
 
     out = Path(args.out)

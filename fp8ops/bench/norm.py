@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time launch configs of the fp8ops kernels (LayerNorm); report the best")
     parser.add_argument("--samples", type=int, default=None,
                         help="timed samples per measurement (default 20, 10 with --quick)")
+    probe = parser.add_argument_group("probe mode (replaces the timed comparison)")
+    probe.add_argument("--probe", action="store_true",
+                       help="time the default and the previous default launch of each norm kernel (LayerNorm and "
+                       "RMSNorm), check their outputs against each other, print the results")
+    probe.add_argument("--probe-cases", default=None, metavar="CASES",
+                       help="comma-separated cases of --probe among fwd,fwd_t,bwd (default: all)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,7 +361,14 @@ def _sweep(shapes: list[tuple[int, int]], cbw: float, samples: int, progress: co
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the norm suite; print the table; write norm.json and norm.png to ``args.out``."""
+    """Run the norm suite; print the table; write norm.json and norm.png to ``args.out``.
+
+    ``--probe`` runs :mod:`fp8ops.bench.norm_probe` instead.
+    """
+    if getattr(args, "probe", False):
+        from . import norm_probe
+
+        return norm_probe.run(args)
     t_start = time.perf_counter()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -22,16 +22,18 @@ NaN. Everything is differentiable with autograd, including tensors captured by `
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ..attention import BlockMask
+# The log-sum-exp reported for a query row that sees no key (its output is 0). Defined once, with
+# the kernels that write it (they import only torch and triton); re-exported here and by the op.
+from ..kernels.attention import MASKED_ROW_LSE
 
 __all__ = [
     "LAYOUTS",
+    "BlockMaskLike",
     "MASKED_ROW_LSE",
     "attention",
     "attention_math",
@@ -43,9 +45,6 @@ __all__ = [
     "segments",
     "to_bhsd",
 ]
-
-MASKED_ROW_LSE: float = -1.0e30
-"""The log-sum-exp reported for a query row that sees no key (its output is 0)."""
 
 LAYOUTS: tuple[str, ...] = ("bhsd", "bshd", "sbhd")
 """Dense layouts: the order of the (batch, heads, sequence, head_dim) dimensions in memory."""
@@ -186,7 +185,20 @@ def segments(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
 # The math
 
 
-def _block_visibility(block_mask: BlockMask, sq: int, skv: int) -> Tensor:
+class BlockMaskLike(Protocol):
+    """What the reference reads of a block mask (an :class:`fp8ops.BlockMask`): the state of every
+    (query block, key block) pair, the block size and the mask applied inside partial blocks."""
+
+    @property
+    def block_size(self) -> tuple[int, int]: ...
+
+    @property
+    def mask_mod(self) -> Callable[..., Any]: ...
+
+    def block_states(self) -> Tensor: ...
+
+
+def _block_visibility(block_mask: BlockMaskLike, sq: int, skv: int) -> Tensor:
     """(B', H', Sq, Skv) int8 per element: 0 empty block, 1 partial block, 2 full block."""
     state = block_mask.block_states()  # (B', H', NQ, NKV)
     bq, bkv = block_mask.block_size
@@ -201,7 +213,7 @@ def attention_math(
     *,
     score_mod: Callable[..., Tensor] | None = None,
     mask_mod: Callable[..., Tensor] | None = None,
-    block_mask: BlockMask | None = None,
+    block_mask: BlockMaskLike | None = None,
     scale: float,
     left: int | None = None,
     right: int | None = None,
@@ -298,7 +310,7 @@ def attention(
     recipe: Any = None,
     score_mod: Callable[..., Tensor] | None = None,
     mask_mod: Callable[..., Tensor] | None = None,
-    block_mask: BlockMask | None = None,
+    block_mask: BlockMaskLike | None = None,
     causal: bool = False,
     window: int | tuple[int | None, int | None] | None = None,
     scale: float | None = None,

@@ -1,22 +1,29 @@
-"""Where the host time of fp8_linear goes on a CUDA machine.
+"""``python -m fp8ops.bench linear --profile``: where the host time of fp8_linear goes.
 
 Prints host µs per call (launch loop, no synchronization) for fp8_linear forward, forward+backward
-and for each piece alone, the device time per forward+backward (CUDA-graph replay), and the top
-host functions. Usage: python scripts/profile_linear.py [M K N]
+and for each piece alone, the device time per forward+backward (CUDA-graph replay), the top CUDA
+kernels of a step (torch.profiler) and the top host functions (cProfile) of the small,
+host-bound case. ``--profile-shape M K N`` sets the problem (default 8192 4096 4096). Prints only;
+needs a CUDA GPU.
 """
 
+from __future__ import annotations
+
+import argparse
 import cProfile
 import pstats
-import sys
 import time
+from typing import Any
 
 import torch
 
-import fp8ops
-from fp8ops.kernels import quantize as KQ
+__all__ = ["DEFAULT_SHAPE", "run"]
+
+DEFAULT_SHAPE = (8192, 4096, 4096)
 
 
 def host_us(fn, n=200):  # type: ignore[no-untyped-def]
+    """(host µs per call of a launch loop without synchronization, wall µs per call with it)."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
@@ -29,8 +36,13 @@ def host_us(fn, n=200):  # type: ignore[no-untyped-def]
     return host, wall
 
 
-def main() -> None:
-    M, K, N = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 4096, 4096)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Print the host-time breakdown, the graph-replay time and the profiles."""
+    import fp8ops
+    from fp8ops._glue import refuse_compiled_transform
+    from fp8ops.kernels import quantize as KQ
+
+    M, K, N = args.profile_shape or DEFAULT_SHAPE
     r = fp8ops.DelayedScaling()
     st = fp8ops.LinearState.init(r, device="cuda")
     st = st.replace(**{k: getattr(st, k).replace(calibrated=True) for k in ("input", "weight", "grad_output")})
@@ -62,19 +74,24 @@ def main() -> None:
         y, _ = fp8ops.fp8_linear(small_x, small_w, None, st, recipe=r, grad_probe=p)
         y.backward(torch.ones_like(y))
 
+    print(f"fp8_linear, DelayedScaling (calibrated), bf16, M K N = {M} {K} {N}, {torch.cuda.get_device_name()}")
     pieces = {
         "fp8_linear forward (no grad)": fwd,
         "fp8_linear forward+backward": step,
         "fp8_linear fwd+bwd at 64x64x64 (host-bound: pure overhead)": small_step,
-        "op cast_transpose (dispatcher + launcher)": lambda: torch.ops.fp8ops.cast_transpose(xs, one, None, 0, False, torch.float8_e4m3fn),
-        "launcher cast_transpose_launch only": lambda: KQ.cast_transpose_launch(xs, one, None, 0, False, torch.float8_e4m3fn),
-        "op guard": lambda: torch.ops.fp8ops.guard([xs, None]),
+        "op cast_transpose (dispatcher + launcher)": lambda: torch.ops.fp8ops.cast_transpose(
+            xs, one, None, 0, False, torch.float8_e4m3fn),
+        "launcher cast_transpose_launch only": lambda: KQ.cast_transpose_launch(xs, one, None, 0, False,
+                                                                                torch.float8_e4m3fn),
+        "refuse_compiled_transform check (eager)": lambda: refuse_compiled_transform("fp8_linear", xs),
         "torch.zeros(()) on cuda": lambda: torch.zeros((), device="cuda"),
         "torch.maximum(0-d, 0-d)": lambda: torch.maximum(one, one),
     }
+    rows = []
     for name, fn in pieces.items():
         h, wl = host_us(fn)
-        print(f"{name:60s} host {h:8.1f} µs/call   wall {wl:8.1f} µs/call")
+        rows.append({"what": name, "host_us": h, "wall_us": wl})
+        print(f"{name:60s} host {h:8.1f} µs/call   wall {wl:8.1f} µs/call", flush=True)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -92,8 +109,9 @@ def main() -> None:
         for _ in range(50):
             g.replay()
         torch.cuda.synchronize()
-        print(f"{'fp8_linear forward+backward, graph replay (device time)':60s} {(time.perf_counter() - t0) / 50 * 1e6:8.1f} µs/call")
-    except Exception as exc:  # capture can fail; the host numbers above stand on their own
+        print(f"{'fp8_linear forward+backward, graph replay (device time)':60s} "
+              f"{(time.perf_counter() - t0) / 50 * 1e6:8.1f} µs/call")
+    except Exception as exc:  # noqa: BLE001  (capture can fail; the host numbers above stand on their own)
         print("graph capture failed:", type(exc).__name__, exc)
     # device kernels of one forward+backward (after warm-up), to see where device time goes
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as tp:
@@ -110,7 +128,4 @@ def main() -> None:
     st_ = pstats.Stats(prof)
     st_.sort_stats("tottime").print_stats(30)
     st_.sort_stats("cumulative").print_stats(30)
-
-
-if __name__ == "__main__":
-    main()
+    return {"suite": "linear", "mode": "profile", "shape": [M, K, N], "rows": rows, "failed_checks": []}

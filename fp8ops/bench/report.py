@@ -1,19 +1,23 @@
-"""Write docs/benchmarks/<suite>.md from the JSON records of a benchmark run.
+"""``python -m fp8ops.bench report RESULTS_DIR [--docs DIR]``: benchmark pages from JSON records.
 
-Usage: python scripts/bench_report.py RESULTS_DIR [DOCS_DIR]
-
-Every number on the generated pages comes from the JSON files (quantize.json, linear.json,
-gemm_sweep.json, attention.json, ...) that ``python -m fp8ops.bench`` wrote on the GPU machine; the
-PNG plots next to them are copied alongside. Commit the generated pages with the JSON and PNGs.
+For every ``<suite>.json`` in RESULTS_DIR (what ``python -m fp8ops.bench`` wrote on the GPU machine)
+this copies the JSON and the ``<suite>.png`` beside it into ``--docs`` (default
+``docs/benchmarks``) and writes ``<suite>.md`` there: a table of the rows, the environment, the
+notes and failed checks. Every number on a generated page comes from the JSON. It overwrites the
+``<suite>.md`` of each JSON it finds, hand-written analysis included: run it on a folder that holds
+only the suites to regenerate, then restore any prose with git. Needs no GPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+__all__ = ["add_arguments", "main", "render", "write_pages"]
 
 # Preferred columns per suite (others are listed in the JSON only).
 COLUMNS: dict[str, list[tuple[str, str, str]]] = {
@@ -60,10 +64,8 @@ def _env_line(env: dict[str, Any]) -> str:
 def render(name: str, record: dict[str, Any], png: Path | None) -> str:
     rows = record.get("rows") or record.get("results") or []
     env = record.get("environment") or record.get("env") or {}
-    try:
-        from fp8ops.bench import SUITES
-    except ImportError:  # the page is still written without the package
-        SUITES = {}
+    from . import SUITES
+
     command = f"python -m fp8ops.bench {name}" if name in SUITES else f"python -m fp8ops.bench.{name}"
     lines = [f"# Benchmark: {name}", "", f"Measured with `{command}`. Environment: {_env_line(env)}.", ""]
     doc = record.get("description")
@@ -87,13 +89,17 @@ def render(name: str, record: dict[str, Any], png: Path | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__)
-        return 2
-    src = Path(argv[0])
-    dst = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m fp8ops.bench report``."""
+    parser.add_argument("results", metavar="RESULTS_DIR", help="folder with the <suite>.json (and .png) of a run")
+    parser.add_argument("--docs", default="docs/benchmarks", metavar="DIR",
+                        help="where the pages, JSON and plots go (default: docs/benchmarks)")
+
+
+def write_pages(src: Path, dst: Path) -> list[Path]:
+    """Copy each ``<suite>.json`` / ``.png`` of ``src`` into ``dst`` and write ``<suite>.md``; return the pages."""
     dst.mkdir(parents=True, exist_ok=True)
+    pages = []
     for js in sorted(src.glob("*.json")):
         name = js.stem
         record = json.loads(js.read_text())
@@ -103,8 +109,17 @@ def main(argv: list[str]) -> int:
             shutil.copyfile(png, dst / png.name)
         (dst / f"{name}.md").write_text(render(name, record, dst / png.name if png.exists() else None))
         print(f"wrote {dst / (name + '.md')}")
+        pages.append(dst / f"{name}.md")
+    return pages
+
+
+def main(args: argparse.Namespace) -> int:
+    """Write the pages; exit status 1 if RESULTS_DIR holds no JSON record."""
+    src = Path(args.results)
+    if not src.is_dir():
+        print(f"fp8ops.bench report: {src} is not a folder", file=sys.stderr)
+        return 1
+    if not write_pages(src, Path(args.docs)):
+        print(f"fp8ops.bench report: no <suite>.json in {src}", file=sys.stderr)
+        return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

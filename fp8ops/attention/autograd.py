@@ -1,0 +1,330 @@
+"""The fused (Triton) path: kernels specialized per mod pair, the library ops
+``fp8ops::attention_fwd`` / ``fp8ops::attention_bwd`` with their fake and vmap rules, and the
+autograd glue (:class:`_AttentionFunction`) that :func:`_attention_triton` calls.
+
+The static configuration of a call (:class:`_Static`) crosses the op schema as ``repr`` of a tuple;
+the kernels are looked up from the registry of mods (:data:`~.mods._SPECS`) by the keys in it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .._glue import refuse_compiled_transform
+from ..kernels import attention as _K
+from ..kernels._library import define as _define
+from ..reference import attention as _ref
+from .block_mask import BlockMask
+from .layouts import _alloc_layout, _alloc_lse
+from .mods import _SPECS, MaskMod, ScoreMod
+
+
+class _Static(NamedTuple):
+    """Static configuration of one attention call (Python constants only)."""
+
+    score_key: str | None
+    mask_key: str | None
+    score_slots: tuple[int, ...]  # unique-buffer index of each score_mod buffer
+    mask_slots: tuple[int, ...]
+    needs: tuple[bool, ...]  # score_mod buffers that need a gradient
+    scale: float
+    left: int | None
+    right: int | None
+    layout: str  # "bhsd" | "bshd" | "sbhd" | "thd"
+    max_q: int | None
+    max_kv: int | None
+    dropout_p: float
+    sparse_block: tuple[int, int] | None
+    dq_mode: str
+    fwd_config: tuple[tuple[str, int], ...] | None
+    bwd_config: tuple[tuple[str, int], ...] | None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(score_key: str | None, mask_key: str | None, needs: tuple[bool, ...]) -> _K.AttentionKernels:
+    sm = _SPECS[score_key] if score_key is not None else None
+    mm = _SPECS[mask_key] if mask_key is not None else None
+    if sm is None:
+        return _K.specialize(None, None, None, mm.fwd_jit() if mm is not None else None)
+    grad = grad_dq = None
+    if sm.differentiable:
+        grad = sm.grad_jit(needs)
+        grad_dq = sm.grad_jit(tuple(False for _ in needs))
+    return _K.specialize(sm.fwd_jit(), grad, grad_dq, mm.fwd_jit() if mm is not None else None)
+
+
+@torch._dynamo.assume_constant_result
+def _kernel_for(which: str, score_key: str | None, mask_key: str | None, needs: tuple[bool, ...]) -> Any:
+    # Runs once per (mods, kernel) even under torch.compile: its result, a @triton.jit kernel, is a
+    # constant of the traced graph.
+    return getattr(_kernels(score_key, mask_key, needs), which)
+
+
+def _flat(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+
+def _sparsity(bm: tuple[Tensor | None, ...], static: _Static) -> tuple[Any, Any]:
+    if static.sparse_block is None:
+        return None, None
+    bq, bkv = static.sparse_block
+    kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi = bm
+    return (_K.BlockSparsity(kvn, kvi, fkvn, fkvi, bq, bkv), _K.BlockSparsity(qn, qi, fqn, fqi, bq, bkv))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_static(static: str) -> _Static:
+    """The :class:`_Static` of ``repr(tuple(static))`` (the form the library ops take)."""
+    return _Static(*ast.literal_eval(static))
+
+
+def _attention_fwd_outputs(q: Tensor, v: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    varlen = layout == "thd"
+    out_shape = (q.shape[0], q.shape[1], v.shape[2]) if varlen else (*q.shape[:3], v.shape[3])
+    out = _alloc_layout(out_shape, layout, q.dtype, q.device, zero=varlen)  # type: ignore[arg-type]
+    return out, _alloc_lse(q, layout)
+
+
+def _attention_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_kv: Tensor | None,
+                        seed: Tensor | None, kvn: Tensor | None, kvi: Tensor | None, fkvn: Tensor | None,
+                        fkvi: Tensor | None, buffers: list[Tensor], static: str) -> tuple[Tensor, Tensor]:
+    """``fp8ops::attention_fwd``: the fused forward, ``(out, lse)`` as (B, Hq, Sq, Dv) / (B, Hq, Sq)
+    views stored in the layout of ``static`` (packed: (Tq, Hq, Dv) / (Tq, Hq)). The kernel comes
+    from the registry of generated mods (:data:`_SPECS`) through the keys in ``static``, the
+    ``repr`` of the call's :class:`_Static`; ``buffers`` are the unique captured tensors."""
+    st = _parse_static(static)
+    kern = _K.AttentionKernels(_kernels(st.score_key, st.mask_key, st.needs).fwd, None, None, None)
+    out, lse = _attention_fwd_outputs(q, v, st.layout)
+    flat = [_flat(t) for t in buffers]
+    bs = None
+    if st.sparse_block is not None:
+        assert kvn is not None and kvi is not None and fkvn is not None and fkvi is not None
+        bs = _K.BlockSparsity(kvn, kvi, fkvn, fkvi, *st.sparse_block)
+    _K.attention_fwd_launch(
+        q, k, v, out, lse, sm_scale=st.scale, kernels=kern,
+        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=st.max_q, max_seqlen_kv=st.max_kv,
+        window=(st.left, st.right), has_score_mod=st.score_key is not None, has_mask_mod=st.mask_key is not None,
+        score_buffers=tuple(flat[i] for i in st.score_slots), mask_buffers=tuple(flat[i] for i in st.mask_slots),
+        block_sparsity=bs, dropout_p=st.dropout_p, dropout_seed=seed,
+        config=dict(st.fwd_config) if st.fwd_config else None,
+    )
+    return out, lse
+
+
+def _attention_fwd_fake(q, k, v, cu_q, cu_kv, seed,  # type: ignore[no-untyped-def]
+                        kvn, kvi, fkvn, fkvi, buffers, static):
+    return _attention_fwd_outputs(q, v, _parse_static(static).layout)
+
+
+def _attention_fwd_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    # vmap = a loop over the batch entries (the autograd.Function's own vmap rule normally runs
+    # first; this one covers direct calls of the op under vmap).
+    def pick(a: Any, d: Any, i: int) -> Any:
+        if isinstance(a, (list, tuple)):
+            dims = d if isinstance(d, (list, tuple)) else [d] * len(a)
+            return [pick(x, dd, i) for x, dd in zip(a, dims)]
+        return a if d is None or not isinstance(a, Tensor) else a.select(d, i)
+
+    outs = [torch.ops.fp8ops.attention_fwd(*[pick(a, d, i) for a, d in zip(args, in_dims)])
+            for i in range(info.batch_size)]
+    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+
+
+# A low-level library op (kernels/_library.py: no custom_op wrapper layers on the host path). The
+# CPU kernel serves CPU tensors under TRITON_INTERPRET=1 (the CPU path of attention() runs the
+# reference math and never calls it).
+_define(
+    "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_q, Tensor? cu_kv, Tensor? seed, Tensor? kvn, "
+    "Tensor? kvi, Tensor? fkvn, Tensor? fkvi, Tensor[] buffers, str static) -> (Tensor, Tensor)",
+    cuda=_attention_fwd_impl, cpu=_attention_fwd_impl, fake=_attention_fwd_fake,
+)
+torch.library.register_vmap("fp8ops::attention_fwd", _attention_fwd_vmap)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """Autograd glue of the Triton path. Inputs: q, k, v as (B, H, S, D) views (or packed (T, H, D)),
+    cu_seqlens, dropout seed, the 8 block-mask tensors, the static config, the unique captured
+    tensors of the mods. Outputs: out (B, Hq, Sq, Dv) view and lse (B, Hq, Sq) view."""
+
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_kv: Tensor | None,  # type: ignore[override]
+                seed: Tensor | None, kvn: Any, kvi: Any, fkvn: Any, fkvi: Any, qn: Any, qi: Any, fqn: Any,
+                fqi: Any, static: _Static, *buffers: Tensor) -> tuple[Tensor, Tensor]:
+        # One opaque library op (see _attention_fwd_impl): torch.compile records a single node and
+        # never re-generates the kernel, whose mods are globals of a specialized copy.
+        out, lse = torch.ops.fp8ops.attention_fwd(q, k, v, cu_q, cu_kv, seed, kvn, kvi, fkvn, fkvi,
+                                                  list(buffers), repr(tuple(static)))
+        return out, lse
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        q, k, v, cu_q, cu_kv, seed, *rest = inputs
+        bm, static, buffers = rest[:8], rest[8], rest[9:]
+        out, lse = output
+        ctx.static = static
+        ctx.n_buffers = len(buffers)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_kv, seed, *bm, *buffers)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        static: _Static = ctx.static
+        q, k, v, out, lse, cu_q, cu_kv, seed, *rest = ctx.saved_tensors
+        bm, buffers = rest[:8], rest[8:]
+        with torch.no_grad():
+            if dout is None and dlse is None:
+                return (None,) * (15 + ctx.n_buffers)
+            if dout is None:
+                dout = torch.zeros_like(out)
+            if static.score_key is not None and not _SPECS[static.score_key].differentiable:
+                _SPECS[static.score_key].grad_jit(static.needs)  # raises, naming the mod
+            # A library op, so that torch.func transforms (grad, vmap of grad) see plain tensors.
+            grads = torch.ops.fp8ops.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed, *bm,
+                                                   list(buffers), repr(tuple(static)))
+        buf_grads = [g if _needs_slot(static, i) else None for i, g in enumerate(grads[3:])]
+        return (grads[0], grads[1], grads[2], None, None, None, *([None] * 8), None, *buf_grads)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        # vmap = a loop over the batched entries (exact semantics; the batches seen in practice,
+        # micro-batches or ensembles, are small).
+        outs = []
+        for i in range(info.batch_size):
+            sample = [a if d is None or not isinstance(a, Tensor) else a.select(d, i) for a, d in zip(args, in_dims)]
+            outs.append(_AttentionFunction.apply(*sample))
+        return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+
+
+def _needs_slot(static: _Static, slot: int) -> bool:
+    return any(static.needs[j] for j, i in enumerate(static.score_slots) if i == slot)
+
+
+def _bwd_static(static: str) -> _Static:
+    return _parse_static(static)
+
+
+@torch.library.custom_op("fp8ops::attention_bwd", mutates_args=())
+def _attention_bwd_op(
+    dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    cu_q: Tensor | None, cu_kv: Tensor | None, seed: Tensor | None,
+    kvn: Tensor | None, kvi: Tensor | None, fkvn: Tensor | None, fkvi: Tensor | None,
+    qn: Tensor | None, qi: Tensor | None, fqn: Tensor | None, fqi: Tensor | None,
+    buffers: list[Tensor], static: str,
+) -> list[Tensor]:
+    """Attention backward (the fused kernels): ``[dq, dk, dv, *buffer_grads]``; a buffer that needs
+    no gradient gets an empty tensor. ``static`` is ``repr`` of the call's :class:`_Static`."""
+    st = _bwd_static(static)
+    varlen = st.layout == "thd"
+    kern = _K.AttentionKernels(
+        None,
+        _kernel_for("bwd_preprocess", st.score_key, st.mask_key, st.needs),
+        _kernel_for("bwd_dkdv", st.score_key, st.mask_key, st.needs),
+        _kernel_for("bwd_dq", st.score_key, st.mask_key, st.needs),
+    )
+    dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
+    dk = torch.zeros_like(k) if varlen else torch.empty_like(k)
+    dv = torch.zeros_like(v) if varlen else torch.empty_like(v)
+    flat = [_flat(t) for t in buffers]
+    grads = [torch.zeros(b.numel() if _needs_slot(st, i) else 0, dtype=torch.float32, device=q.device)
+             for i, b in enumerate(buffers)]
+    bs, bst = _sparsity((kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi), st)
+    _K.attention_bwd_launch(
+        dout, q, k, v, out, lse, dlse, dq, dk, dv, sm_scale=st.scale, kernels=kern,
+        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=st.max_q, max_seqlen_kv=st.max_kv,
+        window=(st.left, st.right), has_score_mod=st.score_key is not None, has_mask_mod=st.mask_key is not None,
+        score_buffers=tuple(flat[i] for i in st.score_slots), mask_buffers=tuple(flat[i] for i in st.mask_slots),
+        score_buffer_grads=tuple(grads[i] if st.needs[j] else None for j, i in enumerate(st.score_slots)),
+        block_sparsity=bs, block_sparsity_t=bst, dropout_p=st.dropout_p, dropout_seed=seed,
+        dq_mode=st.dq_mode, config=dict(st.bwd_config) if st.bwd_config else None,
+    )
+    return [dq, dk, dv] + [g.view(b.shape).to(b.dtype) if g.numel() else g.to(b.dtype)
+                           for g, b in zip(grads, buffers)]
+
+
+@_attention_bwd_op.register_fake
+def _attention_bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed,  # type: ignore[no-untyped-def]
+                        kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi, buffers, static):
+    st = _bwd_static(static)
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + [
+        torch.empty_like(b) if _needs_slot(st, i) else b.new_empty((0,)) for i, b in enumerate(buffers)]
+
+
+def _attention_bwd_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    # vmap (e.g. of torch.func.grad) = a loop over the batch entries.
+    def pick(a: Any, d: Any, i: int) -> Any:
+        if isinstance(a, (list, tuple)):
+            dims = d if isinstance(d, (list, tuple)) else [d] * len(a)
+            return [pick(x, dd, i) for x, dd in zip(a, dims)]
+        return a if d is None or not isinstance(a, Tensor) else a.select(d, i)
+
+    outs = [torch.ops.fp8ops.attention_bwd(*[pick(a, d, i) for a, d in zip(args, in_dims)])
+            for i in range(info.batch_size)]
+    return [torch.stack([o[j] for o in outs]) for j in range(len(outs[0]))], [0] * len(outs[0])
+
+
+torch.library.register_vmap("fp8ops::attention_bwd", _attention_bwd_vmap)
+
+
+def _distinct(*ts: Tensor) -> list[Tensor]:
+    # autograd.Function.apply under torch.compile cannot take the same tensor twice.
+    out: list[Tensor] = []
+    for t in ts:
+        if any(t is o for o in out):
+            t = t.view(t.shape)
+        out.append(t)
+    return out
+
+
+def _attention_triton(
+    q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None, mask_mod: MaskMod | None,
+    block_mask: BlockMask | None, scale: float, left: int | None, right: int | None, layout: str,
+    cu_q: Tensor | None, cu_kv: Tensor | None, max_q: int | None, max_kv: int | None,
+    dropout_p: float, seed: Tensor | None, dq_mode: str = "separate",
+    fwd_config: dict[str, int] | None = None, bwd_config: dict[str, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The fused path on tensors in ``layout`` (or packed with ``layout="thd"``): ``(out, lse)`` in
+    the same layout. Works on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests)."""
+    varlen = layout == "thd"
+    if varlen:
+        q4, k4, v4 = q, k, v
+    else:
+        q4, k4, v4 = (_ref.to_bhsd(t, layout) for t in (q, k, v))
+    uniq: list[Tensor] = []
+
+    def slot(t: Tensor) -> int:
+        for i, u in enumerate(uniq):
+            if u is t:
+                return i
+        uniq.append(t)
+        return len(uniq) - 1
+
+    sm_bufs = score_mod.buffers if score_mod is not None else ()
+    mm_bufs = mask_mod.buffers if mask_mod is not None else ()
+    score_slots = tuple(slot(t) for t in sm_bufs)
+    mask_slots = tuple(slot(t) for t in mm_bufs)
+    needs = tuple(bool(t.requires_grad) and torch.is_grad_enabled() for t in sm_bufs)
+    bm: tuple[Any, ...] = (None,) * 8
+    if block_mask is not None:
+        bm = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
+              block_mask.full_q_num_blocks, block_mask.full_q_indices)
+    static = _Static(
+        score_key=score_mod.key if score_mod is not None else None,
+        mask_key=mask_mod.key if mask_mod is not None else None,
+        score_slots=score_slots, mask_slots=mask_slots, needs=needs, scale=float(scale),
+        left=left, right=right, layout=layout, max_q=max_q, max_kv=max_kv, dropout_p=float(dropout_p),
+        sparse_block=block_mask.block_size if block_mask is not None else None, dq_mode=dq_mode,
+        fwd_config=tuple(sorted(fwd_config.items())) if fwd_config else None,
+        bwd_config=tuple(sorted(bwd_config.items())) if bwd_config else None,
+    )
+    q4, k4, v4 = _distinct(q4, k4, v4)
+    refuse_compiled_transform("attention", q4)
+    out4, lse3 = _AttentionFunction.apply(q4, k4, v4, cu_q, cu_kv, seed, *bm, static, *uniq)
+    if varlen:
+        return out4, lse3
+    return _ref.from_bhsd(out4, layout), _ref.lse_from_bhs(lse3, layout)
