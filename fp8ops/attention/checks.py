@@ -23,12 +23,15 @@ from .mods import _Mod
 
 def _index(v: Any) -> int | None:
     """``v`` as an int (None stays None) for integer-like arguments; bools and non-integers give None."""
-    if isinstance(v, bool) or isinstance(v, float):
+    # No try/except around operator.index: torch 2.11's compiler turns the TypeError of
+    # operator.index(None) into an internal error instead of letting it be caught.
+    if v is None or isinstance(v, (bool, float)):
         return None
-    try:
-        return int(operator.index(v))
-    except TypeError:
+    if isinstance(v, int):
+        return int(v)
+    if not hasattr(type(v), "__index__"):
         return None
+    return int(operator.index(v))
 
 
 def _check_seed(seed: Any, where: str) -> None:
