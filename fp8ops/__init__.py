@@ -34,17 +34,9 @@ from .norm import layer_norm, rms_norm
 from .quantize import Float8Value, dequantize, quantize
 from .recipes import CurrentScaling, DelayedScaling, GemmSpec, Recipe, compute_scale
 from . import nn
-from .state import (
-    SCHEMA_VERSION,
-    OpState,
-    ScalingState,
-    load_state_dict,
-    make_probes,
-    merge,
-    merge_batched,
-    state_dict,
-    update,
-)
+from .state import OpState, ScalingState, make_probes, merge, merge_batched
+from .state_dict import SCHEMA_VERSION, load_state_dict, state_dict
+from .update import update
 
 from .transformer import (
     TransformerConfig,

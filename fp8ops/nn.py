@@ -25,7 +25,7 @@ amaxes into the state with :func:`fp8ops.update`::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,15 +37,27 @@ from ._checks import check_eps, check_normalization, check_recipe, check_zero_ce
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .linear import LinearState, fp8_linear
 from .mlp import LayerNormMLPState, fused_ln_mlp
-from .state import load_state_dict, make_probes, merge, state_dict, update
+from .state import make_probes, merge
+from .state_dict import load_state_dict, state_dict
+from .update import update
 from .transformer import (
     TransformerConfig,
+    _check_layout,
     init_transformer_params,
     init_transformer_state,
     transformer_layer,
 )
 
-__all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "TransformerLayer", "update_scaling"]
+__all__ = [
+    "FP8Module",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "Linear",
+    "TransformerLayer",
+    "convert",
+    "default_convert_filter",
+    "update_scaling",
+]
 
 
 class FP8Module(torch.nn.Module):
@@ -223,6 +235,34 @@ class Linear(FP8Module):
         _init_linear(self.weight, self.bias)
         self.reset_scaling()
 
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, *, recipe: Any) -> Linear:
+        """A :class:`Linear` over the parameters of a ``torch.nn.Linear``: the same ``Parameter`` objects.
+
+        ``weight`` and ``bias`` are ``linear.weight`` and ``linear.bias`` themselves (not copies:
+        their values, dtype, device, ``requires_grad`` and identity are kept, so an optimizer built
+        on ``linear.parameters()`` trains the new module); the training flag is copied and the
+        scaling state is fresh, on the weight's device. Hooks registered on ``linear`` are not
+        carried over. :func:`convert` uses this for a whole model.
+
+        Example:
+            >>> import torch, fp8ops
+            >>> lin = torch.nn.Linear(32, 16)
+            >>> m = fp8ops.nn.Linear.from_linear(lin, recipe=fp8ops.DelayedScaling())
+            >>> m.weight is lin.weight, m.bias is lin.bias
+            (True, True)
+        """
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"Linear.from_linear: expected a torch.nn.Linear, got {type(linear).__name__}")
+        m = cls.__new__(cls)
+        FP8Module.__init__(m, recipe)
+        m.in_features, m.out_features = linear.in_features, linear.out_features
+        m.register_parameter("weight", linear.weight)
+        m.register_parameter("bias", linear.bias)
+        m.train(linear.training)
+        m.reset_scaling()
+        return m
+
     def _init_state(self, device: Any) -> Any:
         return LinearState.init(self.recipe, device=device)
 
@@ -381,10 +421,13 @@ class TransformerLayer(FP8Module):
         recipe: FP8 recipe, or None (no FP8).
         device, dtype: of the parameters.
         generator: for reproducible initial weights (:func:`fp8ops.init_transformer_params`).
+        layout: "sbh" (default: x and y are (S, B, H), sequence first) or "bsh" (batch first:
+            (B, S, H)); see :func:`fp8ops.transformer_layer`. Kept as ``module.layout``.
         **config: the other :class:`fp8ops.TransformerConfig` fields (``num_gqa_groups``,
             ``normalization``, ``activation``, ``self_attn_mask_type``, dropouts, ...).
 
-    Shapes (forward): x (S, B, H) -> (S, B, H), or packed (T, H) with ``cu_seqlens``.
+    Shapes (forward): x (S, B, H) -> (S, B, H) ((B, S, H) with ``layout="bsh"``), or packed
+    (T, H) with ``cu_seqlens``.
 
     Example:
         >>> import torch, fp8ops
@@ -398,11 +441,13 @@ class TransformerLayer(FP8Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *, recipe: Any = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 generator: torch.Generator | None = None, **config: Any) -> None:
+                 generator: torch.Generator | None = None, layout: str = "sbh", **config: Any) -> None:
         cfg = TransformerConfig(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
                                 num_attention_heads=num_attention_heads, **config)
+        _check_layout(layout, "TransformerLayer")
         super().__init__(recipe)
         self.config = cfg
+        self.layout = layout
         params = init_transformer_params(cfg, dtype=_factory(device, dtype)["dtype"], device=device,
                                          generator=generator)
         for key, t in params.items():
@@ -414,10 +459,11 @@ class TransformerLayer(FP8Module):
 
     @classmethod
     def from_config(cls, config: TransformerConfig, *, recipe: Any = None, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None, generator: torch.Generator | None = None) -> TransformerLayer:
-        """A layer for an existing :class:`fp8ops.TransformerConfig`."""
+                    dtype: torch.dtype | None = None, generator: torch.Generator | None = None,
+                    layout: str = "sbh") -> TransformerLayer:
+        """A layer for an existing :class:`fp8ops.TransformerConfig` (``layout`` as the constructor's)."""
         fields = {f.name: getattr(config, f.name) for f in config.__attrs_attrs__}  # type: ignore[attr-defined]
-        return cls(recipe=recipe, device=device, dtype=dtype, generator=generator, **fields)
+        return cls(recipe=recipe, device=device, dtype=dtype, generator=generator, layout=layout, **fields)
 
     def _init_state(self, device: Any) -> Any:
         return init_transformer_state(self.config, self.recipe, device=device)
@@ -432,9 +478,95 @@ class TransformerLayer(FP8Module):
         y, new_state = transformer_layer(
             self.params(), x, self.fp8_state, config=self.config, recipe=self.recipe, probes=self._next_probes(),
             attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            training=self.training, dropout_seed=dropout_seed)
+            training=self.training, dropout_seed=dropout_seed, layout=self.layout)
         self._keep_state(new_state)
         return y
 
     def extra_repr(self) -> str:
-        return f"config={self.config!r}, recipe={self.recipe!r}"
+        return f"config={self.config!r}, layout={self.layout!r}, recipe={self.recipe!r}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Converting a plain torch.nn model
+
+
+def default_convert_filter(fqn: str, module: torch.nn.Linear) -> bool:
+    """The default ``filter`` of :func:`convert`: both features multiples of 16.
+
+    FP8 GEMMs on NVIDIA GPUs (``torch._scaled_mm`` / cuBLASLt) need the inner and outer dims of
+    each operand to be multiples of 16; a layer with other sizes (a 50257-wide LM head, a 3-class
+    classifier) is left as ``torch.nn.Linear``. On CPU every size runs, so a ``filter`` returning
+    True converts everything there.
+    """
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert(model: torch.nn.Module, recipe: Any, *,
+            filter: Callable[[str, torch.nn.Linear], bool] | None = None) -> torch.nn.Module:  # noqa: A002
+    """Swap the ``torch.nn.Linear`` layers of ``model`` for :class:`fp8ops.nn.Linear`, in place.
+
+    Each selected layer is replaced (``setattr`` on its parent) by
+    ``fp8ops.nn.Linear.from_linear(layer, recipe=recipe)``, which holds the layer's own
+    ``weight`` and ``bias`` ``Parameter`` objects: values (initialisation), dtype, device and
+    identity are kept, so ``model.state_dict()`` keys and ``model.named_parameters()`` are
+    unchanged and an optimizer built before the conversion trains the converted model. A layer
+    reachable under several names (shared) is converted once and replaced under every name.
+    Subclasses of ``torch.nn.Linear`` (e.g. ``NonDynamicallyQuantizableLinear`` inside
+    ``torch.nn.MultiheadAttention``, which calls its weight directly) are left alone: only exact
+    ``torch.nn.Linear`` instances are converted. LayerNorm + Linear pairs stay two modules.
+
+    After the conversion, train as with any fp8ops module: call :func:`update_scaling` on the
+    model once per optimizer step, after the backward pass(es). Eval-mode and ``no_grad``
+    forwards record no amaxes (see the module docstring).
+
+    Args:
+        model: the module tree to convert (also a single ``torch.nn.Linear`` inside a container;
+            ``model`` itself is never replaced).
+        recipe: the FP8 recipe of the new modules (one recipe: one :func:`fp8ops.update` call).
+        filter: ``filter(fqn, layer) -> bool`` selects the layers to convert (``fqn`` as in
+            ``model.named_modules()``, e.g. ``"blocks.0.mlp.fc"``); e.g. keep the LM head in high
+            precision with ``lambda fqn, m: fqn != "lm_head" and default_convert_filter(fqn, m)``.
+            None means :func:`default_convert_filter` (in and out features multiples of 16).
+
+    Returns:
+        ``model`` itself (converted in place). The converted layers are its
+        :class:`fp8ops.nn.Linear` modules:
+        ``[n for n, m in model.named_modules() if isinstance(m, fp8ops.nn.Linear)]``; those left
+        in high precision are the ones still of type ``torch.nn.Linear``.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``, ``model`` itself is a ``torch.nn.Linear``
+            (there is no parent to swap it in: use :meth:`Linear.from_linear`), or ``filter`` is not
+            callable.
+
+    Example:
+        >>> import torch, fp8ops
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+        >>> w = model[0].weight
+        >>> model = fp8ops.nn.convert(model, fp8ops.DelayedScaling())   # in place; returns model
+        >>> [n for n, m in model.named_modules() if isinstance(m, fp8ops.nn.Linear)]  # 10 outputs: kept
+        ['0']
+        >>> model[0].weight is w, type(model[2]) is torch.nn.Linear
+        (True, True)
+    """
+    where = "fp8ops.nn.convert"
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if type(model) is torch.nn.Linear:
+        raise TypeError(f"{where}: model is itself a torch.nn.Linear (nothing holds it to swap it in); use "
+                        f"fp8ops.nn.Linear.from_linear(model, recipe=...)")
+    if recipe is not None:
+        check_recipe(recipe, where)
+    select = default_convert_filter if filter is None else filter
+    if not callable(select):
+        raise TypeError(f"{where}: filter must be a callable (fqn, module) -> bool, got {type(select).__name__}")
+    # Decide first (named_modules lists a shared module once, under its first name), then swap.
+    new: dict[int, Linear] = {}
+    for fqn, m in model.named_modules():
+        if type(m) is torch.nn.Linear and id(m) not in new and select(fqn, m):
+            new[id(m)] = Linear.from_linear(m, recipe=recipe)
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in new:
+                setattr(parent, name, new[id(child)])
+    return model

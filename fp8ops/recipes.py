@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from .formats import Format, Role, check_role
-from .state import ScalingState, _check_built_for, _grad_amax_leaf
+from .state import ScalingState, _check_built_for
+from .update import _grad_amax_leaf
 
 __all__ = ["CurrentScaling", "DelayedScaling", "GemmSpec", "Recipe", "compute_scale"]
 

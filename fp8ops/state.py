@@ -1,4 +1,4 @@
-"""Immutable FP8 scaling state, and the tree-level operations on a whole model's states.
+"""Immutable FP8 scaling state: :class:`ScalingState`, the op state groups, probes and merging.
 
 A :class:`ScalingState` belongs to one quantized tensor *role* at one call site (the input of a
 linear layer, its weight, its output gradient). It holds tensors only:
@@ -17,11 +17,13 @@ a state used with a recipe it was not built for; None means "unknown, not checke
 Op states (:class:`OpState` subclasses) group the roles of one op, e.g. ``FakeQuantState(input,
 grad_output)``. Every op state has at most one *probe*: a float32 zero tensor, 0-d for one
 gradient role or (n,) for n, whose gradient carries the output-gradient amaxes out of backward.
+
+The once-per-step update of a whole model's states is :mod:`fp8ops.update`; the flat
+``dict[str, Tensor]`` round trip is :mod:`fp8ops.state_dict`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -32,29 +34,13 @@ from torch.utils import _pytree as pytree
 from .formats import Role, check_role
 
 __all__ = [
-    "SCHEMA_VERSION",
     "OpState",
     "ScalingState",
-    "load_state_dict",
     "make_probes",
     "merge",
     "merge_batched",
-    "state_dict",
-    "update",
+    "validate_state",
 ]
-
-SCHEMA_VERSION = 3
-"""Version of the flat ``dict[str, Tensor]`` layout written by :func:`state_dict`.
-
-Version 2 added the ``fc1_output`` role of :class:`fp8ops.LayerNormMLPState`; version 3 added each
-state's ``fp8_dtype`` and ``mode`` entries. Older dicts still load: the roles they lack keep the
-values of ``like``, and so do the fields they lack."""
-
-# Roles added in a schema version: a dict of an older version loads without them.
-_ADDED_ROLES = {2: ("fc1_output",)}
-# Per-state entries of each schema version.
-_BASE_FIELDS = ("amax_history", "scale", "pending_amax", "role", "calibrated")
-_V3_FIELDS = ("fp8_dtype", "mode")
 
 _T = TypeVar("_T")
 
@@ -522,332 +508,6 @@ def merge_batched(tree: _T, *, dim: int = 0) -> _T:
         return x
 
     return pytree.tree_map(reduce, tree, is_leaf=_is_state_or_tensor)
-
-
-# ------------------------------------------------------------------------------------------------
-# The tree-level update
-
-
-def _grad_amax_leaf(g: Any, *, where: str) -> Tensor | None:
-    """One leaf of ``grad_amax``: None, an amax tensor, or a probe (a leaf that requires grad),
-    which stands for its ``.grad``."""
-    if g is None:
-        return None
-    if not isinstance(g, Tensor):
-        raise TypeError(
-            f"{where} must be a Tensor (a probe gradient, or the probe itself) or None, got {type(g).__name__}"
-        )
-    if g.is_leaf and g.requires_grad:
-        # A probe itself (plain autograd): its gradient is the observation. An amax computed by
-        # torch.func, or read from .grad, does not require grad.
-        if g.grad is None:
-            raise ValueError(f"{where} is a probe that has no gradient: run backward first, or pass None")
-        return g.grad
-    return g
-
-
-def _pairs(
-    states: Any, grad_amax: Any, where: str
-) -> tuple[list[Any], Any, list[list[tuple[ScalingState, Tensor | None, str]]]]:
-    """Flatten states to op/scaling nodes and pair each ScalingState with its gradient amax and
-    its path (for messages)."""
-    entries, spec = pytree.tree_flatten_with_path(states, is_leaf=_is_node)
-    nodes = [n for _, n in entries]
-    if grad_amax is None:
-        grads: list[Any] = [None] * len(nodes)
-    else:
-        gentries, gspec = pytree.tree_flatten_with_path(grad_amax, is_leaf=lambda x: x is None or isinstance(x, Tensor))
-        grads = [_grad_amax_leaf(g, where=f"{where}: grad_amax{pytree.keystr(p)}") for p, g in gentries]
-        if gspec != spec:
-            raise ValueError(
-                f"{where}: grad_amax must have the structure of the states' probes (see make_probes), "
-                f"got\n{gspec}\nfor states\n{spec}"
-            )
-    pairs: list[list[tuple[ScalingState, Tensor | None, str]]] = []
-    for (path, node), g in zip(entries, grads):
-        key = f"states{pytree.keystr(path)}"
-        if isinstance(node, ScalingState):
-            pairs.append([(node, g, key)])
-        elif isinstance(node, OpState):
-            probe_roles = type(node).PROBE_ROLES
-            if g is not None:
-                want = () if len(probe_roles) == 1 else (len(probe_roles),)
-                if not probe_roles or tuple(g.shape) != want:
-                    raise ValueError(
-                        f"{where}: the gradient amax of a {type(node).__name__} must have shape {want}, "
-                        f"got {tuple(g.shape)}"
-                    )
-            row = []
-            for name in type(node).ROLES:
-                sg = None
-                if g is not None and name in probe_roles:
-                    sg = g if g.dim() == 0 else g[probe_roles.index(name)]
-                row.append((getattr(node, name), sg, f"{key}.{name}"))
-            pairs.append(row)
-        else:
-            raise TypeError(f"{where}: expected a pytree of OpState/ScalingState, found a {type(node).__name__} leaf")
-    return nodes, spec, pairs
-
-
-def _check_recipe(recipe: Any, *, where: str) -> None:
-    from .recipes import Recipe  # recipes imports this module
-
-    if not isinstance(recipe, Recipe):
-        got = "None" if recipe is None else f"{type(recipe).__name__} {recipe!r}"[:200]
-        raise TypeError(
-            f"{where}: recipe must be a fp8ops recipe (fp8ops.DelayedScaling, fp8ops.CurrentScaling or a "
-            f"fp8ops.Recipe subclass): the one the states were built with, got {got}"
-        )
-
-
-def update(
-    states: _T,
-    *,
-    recipe: Any,
-    grad_amax: Any = None,
-    group: Any = None,
-) -> _T:
-    """Update every scaling state of a model once per optimizer step.
-
-    For each :class:`ScalingState`: the observation is ``max(pending_amax, gradient amax)``; a
-    non-finite observation is dropped (it never enters the history); the history rolls by one step;
-    the scale is recomputed by ``recipe`` (amax 0 or non-finite keeps the old scale); the pending
-    amax is cleared and the state becomes calibrated. With ``group``, the observations of all
-    states are max-reduced across the process group first, in one ``all_reduce(MAX)``.
-
-    An update that observed nothing does not calibrate: an *uncalibrated* state whose observation
-    is 0 or non-finite keeps its scale and history (no 0 entry is rolled in), only its pending amax
-    is cleared, and it stays uncalibrated (so the next step still quantizes it with current
-    scaling). Whether a state was observed at all is static (``ScalingState.observed``: an op's
-    ``observe``, or a gradient amax given here), so a role that no op observed (a gradient role
-    whose call had no probe, ``fc1_output`` without recompute) stays uncalibrated without any
-    host read. For an uncalibrated state that *was* observed, whether the value is finite and
-    positive is read on the host: one batched read per call, in the first steps only (the state is
-    calibrated afterwards). A call with calibrated or unobserved states only never syncs and traces
-    with ``torch.compile(fullgraph=True)``, whereas the read is a graph break.
-
-    Args:
-        states: a pytree of :class:`OpState` / :class:`ScalingState` nodes.
-        recipe: the recipe the states were built with.
-        grad_amax: None, or the probe gradients, a pytree shaped like ``make_probes(states)``. A
-            leaf may also be the probe itself (a leaf tensor that requires grad, after backward):
-            its ``.grad`` is used.
-        group: a ``torch.distributed`` process group, or None for no reduction.
-
-    Returns:
-        The updated states, same structure; the input is not modified.
-
-    Raises:
-        TypeError: ``recipe`` is not a fp8ops recipe; a ``grad_amax`` leaf is not a Tensor or None.
-        ValueError: ``grad_amax`` does not match the probes' structure or shapes; a probe in it has
-            no gradient; a state was built by another recipe (FP8 dtype, mode or history length).
-
-    Example:
-        >>> import torch, fp8ops
-        >>> r = fp8ops.DelayedScaling(amax_history_len=2)
-        >>> st = {"a": r.init(role="forward")}
-        >>> st = {"a": st["a"].observe(torch.tensor(7.0))}
-        >>> fp8ops.update(st, recipe=r)["a"].scale
-        tensor(64.)
-    """
-    _check_recipe(recipe, where="update")
-    nodes, spec, pairs = _pairs(states, grad_amax, "update")
-    flat = [p for row in pairs for p in row]
-    if not flat:
-        return states
-    obs = []
-    to_update = []
-    for s, g, key in flat:
-        _check_built_for(s, recipe, where=f"update: {key}")
-        o = s.pending_amax if g is None else torch.maximum(s.pending_amax, g.detach().to(torch.float32))
-        obs.append(o.reshape(()))
-        to_update.append(s if g is None else s.replace(observed=True))
-    obs_t = torch.stack(obs)
-    if group is not None:
-        import torch.distributed as dist
-
-        # NaN is not reliably propagated by a MAX reduction; inf is, and is dropped the same way.
-        obs_t = torch.where(torch.isnan(obs_t), torch.full_like(obs_t, float("inf")), obs_t)
-        dist.all_reduce(obs_t, op=dist.ReduceOp.MAX, group=group)
-    new_flat = recipe.update_many(to_update, obs_t)
-    it = iter(new_flat)
-    new_nodes = []
-    for node, row in zip(nodes, pairs):
-        if isinstance(node, ScalingState):
-            new_nodes.append(next(it))
-        else:
-            new_nodes.append(node.replace(**{name: next(it) for name in type(node).ROLES}))
-    return pytree.tree_unflatten(new_nodes, spec)
-
-
-# ------------------------------------------------------------------------------------------------
-# Flat dict round-trip
-
-
-def _key(path: tuple[Any, ...]) -> str:
-    parts = []
-    for k in path:
-        if isinstance(k, pytree.MappingKey):
-            parts.append(str(k.key))
-        elif isinstance(k, pytree.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, pytree.GetAttrKey):
-            parts.append(k.name)
-        else:
-            parts.append(str(k))
-    return ".".join(parts) if parts else "state"
-
-
-_VERSION_KEY = "fp8ops.schema_version"
-
-# Codes of the static fields in the flat dict (int8); 0 = not recorded (None, or a value without
-# a code, e.g. a research recipe's own mode): loading then takes the value of ``like``.
-_ROLE_CODES: dict[str, int] = {"forward": 0, "backward": 1}
-_DTYPE_CODES: dict[Any, int] = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-_MODE_CODES: dict[Any, int] = {None: 0, "delayed": 1, "current": 2, "rowwise": 3}
-
-
-def _code(table: Mapping[Any, int], value: Any) -> Tensor:
-    return torch.tensor(table.get(value, 0), dtype=torch.int8)
-
-
-def state_dict(states: Any) -> dict[str, Tensor]:
-    """Flatten a pytree of states to ``dict[str, Tensor]`` (safetensors / DCP friendly).
-
-    Keys are dotted paths (``"blocks.0.fc1.input.amax_history"``); each state adds
-    ``amax_history``, ``scale``, ``pending_amax``, ``role`` (int8: 0 forward, 1 backward),
-    ``calibrated`` (bool), ``fp8_dtype`` (int8: 0 unknown, 1 float8_e4m3fn, 2 float8_e5m2) and
-    ``mode`` (int8: 0 unknown, 1 delayed, 2 current, 3 rowwise); the entry
-    ``"fp8ops.schema_version"`` records :data:`SCHEMA_VERSION`.
-    """
-    out: dict[str, Tensor] = {_VERSION_KEY: torch.tensor(SCHEMA_VERSION, dtype=torch.int64)}
-    leaves, _ = pytree.tree_flatten_with_path(states, is_leaf=lambda x: isinstance(x, ScalingState))
-    for path, s in leaves:
-        if not isinstance(s, ScalingState):
-            raise TypeError(f"state_dict: expected a pytree of states, found a {type(s).__name__} at {_key(path)!r}")
-        k = _key(path)
-        out[f"{k}.amax_history"] = s.amax_history
-        out[f"{k}.scale"] = s.scale
-        out[f"{k}.pending_amax"] = s.pending_amax
-        out[f"{k}.role"] = _code(_ROLE_CODES, s.role)
-        out[f"{k}.calibrated"] = torch.tensor(bool(s.calibrated))
-        out[f"{k}.fp8_dtype"] = _code(_DTYPE_CODES, s.fp8_dtype)
-        out[f"{k}.mode"] = _code(_MODE_CODES, s.mode)
-    return out
-
-
-def _read_int(v: Any, *, what: str, allow_bool: bool = False) -> int:
-    """An integer stored as a one-element tensor (or a Python int); host read."""
-    where = "load_state_dict"
-    if isinstance(v, Tensor):
-        if v.numel() != 1:
-            raise ValueError(f"{where}: {what} must be a one-element tensor, got shape {tuple(v.shape)}")
-        if v.dtype == torch.bool and not allow_bool:
-            raise ValueError(f"{where}: {what} must be an integer, got a bool tensor {v!r}")
-        if v.is_complex():
-            raise ValueError(f"{where}: {what} must be an integer, got {v!r}")
-        x = v.reshape(()).item()
-    else:
-        x = v
-    if isinstance(x, bool):
-        if not allow_bool:
-            raise ValueError(f"{where}: {what} must be an integer, got {x!r}")
-        return int(x)
-    if isinstance(x, float) and x.is_integer():
-        return int(x)
-    if not isinstance(x, int):
-        raise ValueError(f"{where}: {what} must be an integer, got {v!r}")
-    return x
-
-
-def _decode(table: Mapping[Any, int], v: Any, *, key: str) -> Any:
-    code = _read_int(v, what=key)
-    inverse = {c: name for name, c in table.items()}
-    if code not in inverse:
-        raise ValueError(f"load_state_dict: {key} must be one of the codes {sorted(inverse)}, got {code}")
-    return inverse[code]
-
-
-def load_state_dict(like: _T, flat: Mapping[str, Tensor]) -> _T:
-    """Rebuild states shaped like ``like`` from a dict written by :func:`state_dict`.
-
-    A dict of an older schema version loads too: states of roles added since (see
-    :data:`SCHEMA_VERSION`) keep the values of ``like``, and so do the fields added since
-    (``fp8_dtype`` and ``mode`` before version 3). Every value is checked (host reads): the role
-    codes must match ``like``'s roles, a recorded ``fp8_dtype`` and ``mode`` must match ``like``'s
-    where both are known (a checkpoint of another recipe is refused), the scale must be finite and
-    > 0, the history finite and >= 0, the pending amax >= 0 or NaN (an observation not yet
-    dropped by an update).
-
-    Raises:
-        ValueError: the schema version is missing, not an integer or unknown; a key is missing;
-            ``flat`` has keys ``like`` does not have; a tensor's shape or dtype differs from
-            ``like``'s; a role, fp8_dtype or mode differs from ``like``'s or is no valid code; a
-            value is out of its domain.
-    """
-    where = "load_state_dict"
-    if not isinstance(flat, Mapping):
-        raise TypeError(
-            f"{where}: flat must be a mapping of str to Tensor (from fp8ops.state_dict), got {type(flat).__name__}"
-        )
-    if _VERSION_KEY not in flat:
-        raise ValueError(f"{where}: no {_VERSION_KEY!r} entry; this dict was not written by fp8ops.state_dict")
-    version = _read_int(flat[_VERSION_KEY], what=repr(_VERSION_KEY))
-    if not 1 <= version <= SCHEMA_VERSION:
-        raise ValueError(f"{where}: schema version {version} is not supported (this fp8ops reads 1 to {SCHEMA_VERSION})")
-    added = {r for v, roles in _ADDED_ROLES.items() if v > version for r in roles}
-    names = _BASE_FIELDS + (_V3_FIELDS if version >= 3 else ())
-    leaves, spec = pytree.tree_flatten_with_path(like, is_leaf=lambda x: isinstance(x, ScalingState))
-    expected = {_VERSION_KEY}
-    out = []
-    for path, s in leaves:
-        k = _key(path)
-        if not isinstance(s, ScalingState):
-            raise TypeError(f"{where}: like must be a pytree of states, found a {type(s).__name__} at {k!r}")
-        expected.update(f"{k}.{n}" for n in names)
-        if k.rsplit(".", 1)[-1] in added and not any(key.startswith(f"{k}.") for key in flat):
-            out.append(s)  # a role this dict's version did not have
-            continue
-        fields = {}
-        for name in names:
-            if f"{k}.{name}" not in flat:
-                raise ValueError(f"{where}: missing key {k}.{name!s}")
-            fields[name] = flat[f"{k}.{name}"]
-        for name, _ in _TENSOR_FIELDS:
-            t, ref = fields[name], getattr(s, name)
-            if not isinstance(t, Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
-                got = f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else f"a {type(t).__name__}"
-                raise ValueError(f"{where}: {k}.{name} has {got}, expected shape {tuple(ref.shape)} {ref.dtype}")
-        role = _decode(_ROLE_CODES, fields["role"], key=f"{k}.role")
-        if role != s.role:
-            raise ValueError(
-                f"{where}: {k}.role is {role!r} but like's state at {k} is {s.role!r}; "
-                f"was this dict saved from another model?"
-            )
-        calibrated = bool(_read_int(fields["calibrated"], what=f"{k}.calibrated", allow_bool=True))
-        static = {"fp8_dtype": s.fp8_dtype, "mode": s.mode}
-        for name, table in (("fp8_dtype", _DTYPE_CODES), ("mode", _MODE_CODES)):
-            if name not in fields:
-                continue  # an older dict: like's value
-            saved, mine = _decode(table, fields[name], key=f"{k}.{name}"), static[name]
-            if saved is not None and mine is not None and saved != mine:
-                raise ValueError(
-                    f"{where}: {k} was saved with {name}={saved} but like's state has {name}={mine}: its "
-                    f"scale and history belong to another recipe; load it into states of that recipe"
-                )
-            static[name] = mine if mine is not None else saved
-        h, sc, p = (fields[n].to(getattr(s, n).device) for n, _ in _TENSOR_FIELDS)
-        _check_values(h, sc, p, where=where, prefix=f"{k}.")
-        observed = not bool(p == 0)  # a pending observation (NaN included) waits for the next update
-        out.append(ScalingState._make(h, sc, p, role, calibrated, static["fp8_dtype"], static["mode"], observed))
-    extra = sorted(set(flat) - expected)
-    if extra:
-        shown = ", ".join(repr(e) for e in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-        raise ValueError(
-            f"{where}: flat has {len(extra)} keys that like does not have: {shown}; "
-            f"was this dict saved from another model, or with another schema version?"
-        )
-    return pytree.tree_unflatten(out, spec)
 
 
 def validate_state(state: Any, *, where: str, device: torch.device | None = None, recipe: Any = None) -> ScalingState:

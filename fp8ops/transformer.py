@@ -1,13 +1,17 @@
 """transformer_layer: the GPT encoder layer of the seed tutorial as one pure function, in FP8.
 
-``y, new_state = transformer_layer(params, x, state, config=..., recipe=...)`` with x (S, B, H)::
+``y, new_state = transformer_layer(params, x, state, config=..., recipe=...)`` with x (S, B, H), or
+(B, S, H) with ``layout="bsh"``::
 
     pre-norm (GPT, default)                       post-norm (BERT-style)
     qkv = LN1(x) W_qkv^T + b_qkv                  qkv = x W_qkv^T + b_qkv
     q, k, v = split(qkv)   [q heads | k heads | v heads], GQA: h_kv key/value heads
     a = attention(q, k, v, causal/padding mask, attention dropout)
     s = x + dropout(a W_proj^T + b_proj)          h = LN1(x + dropout(a W_proj^T + b_proj))
-    y = s + fc2(act(fc1(LN2(s))))                 y = LN2(h + fc2(act(fc1(h))))
+    y = s + dropout_m(fc2(act(fc1(LN2(s)))))      y = LN2(h + dropout_m(fc2(act(fc1(h)))))
+
+``dropout`` is ``config.hidden_dropout``, ``dropout_m`` is ``config.mlp_hidden_dropout`` (0 by default,
+as the seed: the MLP output is added without dropout; set it to ``hidden_dropout`` for a GPT-2 block).
 
 Built from the fused ops: :func:`fp8ops.layernorm_linear` (LN1 + QKV), :func:`fp8ops.attention`,
 :func:`fp8ops.fp8_linear` (the output projection) and :func:`fp8ops.fused_ln_mlp` (LN2 + MLP). With
@@ -55,6 +59,7 @@ __all__ = [
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 NORM_POSITIONS = ("pre", "post")
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
+LAYOUTS = ("sbh", "bsh")
 STATE_KEYS = ("qkv", "proj", "mlp")
 
 
@@ -98,6 +103,9 @@ class TransformerConfig:
         kv_channels: d, the head dim; None = ``hidden_size // num_attention_heads``.
         layernorm_epsilon: epsilon of both norms.
         hidden_dropout: dropout on the attention block's output before its residual add.
+        mlp_hidden_dropout: dropout on the MLP block's output before its residual add (default 0:
+            none, as the seed). A GPT-2 block drops both residual branches: set it to
+            ``hidden_dropout``.
         attention_dropout: dropout on the attention probabilities.
         normalization: "LayerNorm" or "RMSNorm" (no bias).
         activation: one of ``fp8ops.activation.ACTIVATIONS`` (default "gelu_tanh", the seed's).
@@ -127,6 +135,7 @@ class TransformerConfig:
     kv_channels: int | None = attrs.field(default=None, validator=_optional_positive_int)
     layernorm_epsilon: float = 1e-5
     hidden_dropout: float = attrs.field(default=0.1, validator=_probability)
+    mlp_hidden_dropout: float = attrs.field(default=0.0, validator=_probability)
     attention_dropout: float = attrs.field(default=0.1, validator=_probability)
     normalization: str = attrs.field(default="LayerNorm", validator=_one_of(NORMALIZATIONS))
     activation: str = attrs.field(default="gelu_tanh", validator=_one_of(tuple(ACTIVATIONS)))
@@ -197,6 +206,13 @@ class TransformerConfig:
 
 # ------------------------------------------------------------------------------------------------
 # Parameters and state
+
+
+def _check_layout(layout: Any, where: str) -> str:
+    """``layout`` if it is one of :data:`LAYOUTS` ("sbh", "bsh"); a ValueError naming it otherwise."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"{where}: layout must be 'sbh' (x is (S, B, H)) or 'bsh' (x is (B, S, H)), got {layout!r}")
+    return layout
 
 
 def _check_config(config: Any, where: str) -> TransformerConfig:
@@ -457,6 +473,7 @@ def transformer_layer(
     max_seqlen: int | None = None,
     training: bool = True,
     dropout_seed: int | Tensor | None = None,
+    layout: str = "sbh",
 ) -> tuple[Tensor, dict[str, Any] | None]:
     """One transformer encoder layer (the seed's GPT layer, generalised) with FP8 GEMMs.
 
@@ -464,17 +481,20 @@ def transformer_layer(
 
         q, k, v = split(LN1(x) W_qkv^T + b_qkv)           [h_q·d | h_kv·d | h_kv·d]
         s = x + dropout_h(attention(q, k, v) W_proj^T + b_proj)
-        y = s + act(LN2(s) W_fc1^T + b_fc1) W_fc2^T + b_fc2
+        y = s + dropout_m(act(LN2(s) W_fc1^T + b_fc1) W_fc2^T + b_fc2)
 
     The attention is ``softmax(q k^T / sqrt(d))`` over the visible keys (causal and/or padding
     masks, the sequence of each token when packed), each key/value head shared by
-    h_q / h_kv consecutive query heads. The MLP output is added without dropout, as in the seed.
+    h_q / h_kv consecutive query heads. ``dropout_h`` is ``config.hidden_dropout``;
+    ``dropout_m`` is ``config.mlp_hidden_dropout``, 0 by default (the MLP output is added without
+    dropout, as in the seed).
 
     Args:
         params: the flat parameter dict (:func:`init_transformer_params`, keys and shapes
             ``config.param_shapes()``); differentiable (``torch.func.grad`` over it works).
-        x: (S, B, H) (the seed's "sbhd" layout), or packed (T, H) tokens with ``cu_seqlens``;
-            float32, bfloat16 or float16. y has its shape and dtype.
+        x: (S, B, H) (the seed's "sbhd" layout; (B, S, H) with ``layout="bsh"``), or packed
+            (T, H) tokens with ``cu_seqlens``; float32, bfloat16 or float16. y has its shape and
+            dtype.
         state: the dict of :func:`init_transformer_state`, or None with ``recipe=None``.
         config: the :class:`TransformerConfig`.
         recipe: the FP8 recipe the state was built with, or None (no FP8: every GEMM in the
@@ -487,10 +507,17 @@ def transformer_layer(
             not with ``attention_mask`` (fold the padding into the block mask's ``mask_mod``).
         cu_seqlens: (N + 1,) int32 start offsets of the packed sequences in x (T, H).
         max_seqlen: the longest packed sequence (computed with a host sync if None).
-        training: apply dropout (``config.hidden_dropout`` with torch's generator,
-            ``config.attention_dropout`` inside the attention op).
+        training: apply dropout (``config.hidden_dropout`` then ``config.mlp_hidden_dropout``
+            with torch's generator, ``config.attention_dropout`` inside the attention op).
         dropout_seed: seed of the attention dropout mask (int or 1-element integer tensor); None
             draws one from torch's generator.
+        layout: ``"sbh"`` (default: x and y are (S, B, H), sequence first, as the seed) or
+            ``"bsh"`` (batch first: x and y are (B, S, H)). For ``"bsh"`` the layer runs on the
+            (S, B, H) view ``x.transpose(0, 1)`` and returns ``y`` as the (B, S, H) view of its
+            (S, B, H) result, so it computes exactly (bit for bit, gradients too) what ``"sbh"``
+            computes on the transposed input, and a stack of ``"bsh"`` layers makes no copies
+            between layers (y is not contiguous; its transpose is). ``attention_mask`` is (B, S)
+            in both layouts. Ignored for packed (T, H) tokens.
 
     Returns:
         ``(y, new_state)``: y like x; ``new_state`` with this call's forward amaxes recorded
@@ -526,15 +553,25 @@ def transformer_layer(
     cfg = _check_config(config, where)
     # Step 1: validate.
     check_float_tensor(x, "x", where)
+    _check_layout(layout, where)
     H = cfg.hidden_size
     packed = cu_seqlens is not None
+    if layout == "bsh" and not packed:
+        if x.dim() != 3 or x.shape[2] != H:
+            raise ValueError(f"{where}: with layout='bsh', x must be (B, S, H) = (B, S, {H}), got {tuple(x.shape)}")
+        # Batch first: run the sequence-first layer on the transposed view (exact), return the view back.
+        y, new_state = transformer_layer(
+            params, x.transpose(0, 1), state, config=cfg, recipe=recipe, probes=probes,
+            attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=None, max_seqlen=max_seqlen,
+            training=training, dropout_seed=dropout_seed, layout="sbh")
+        return y.transpose(0, 1), new_state
     if packed:
         if x.dim() != 2 or x.shape[1] != H:
             raise ValueError(f"{where}: with cu_seqlens, x must be packed tokens (T, H) = (T, {H}), got {tuple(x.shape)}")
     elif x.dim() != 3 or x.shape[2] != H:
         raise ValueError(
             f"{where}: x must be (S, B, H) = (S, B, {H}) (sequence first, as the seed), got {tuple(x.shape)}; "
-            f"pass cu_seqlens for packed (T, H) tokens"
+            f"pass layout='bsh' for batch-first (B, S, H), or cu_seqlens for packed (T, H) tokens"
         )
     _check_params(params, cfg, x, where)
     _check_state(state, probes, recipe, where)
@@ -611,6 +648,7 @@ def transformer_layer(
         out = _hp_linear(ctx, p["proj.weight"], p.get("proj.bias"))
     if training and cfg.hidden_dropout > 0:
         out = F.dropout(out, cfg.hidden_dropout, training=True)
+    mlp_drop = cfg.mlp_hidden_dropout if training else 0.0
 
     # Step 5: the MLP (fused with its norm) and the second residual.
     mlp_kw = {"activation": cfg.activation, "grad_probes": pr["mlp"], **norm_kw}
@@ -619,6 +657,8 @@ def transformer_layer(
         s = x + out
         m, new_state["mlp"] = fused_ln_mlp(s, p["ln2.weight"], p.get("ln2.bias"), *mlp_params, st.get("mlp"),
                                            recipe=recipe, **mlp_kw)
+        if mlp_drop > 0:
+            m = F.dropout(m, mlp_drop, training=True)
         y = s + m
     else:
         # h = LN1(x + out) is both the MLP input (normalised again inside the fused op, which
@@ -626,5 +666,7 @@ def transformer_layer(
         h, s = _norm(out, p, "ln1", cfg, residual=x)
         m, new_state["mlp"] = fused_ln_mlp(s, p["ln1.weight"], p.get("ln1.bias"), *mlp_params, st.get("mlp"),
                                            recipe=recipe, **mlp_kw)
+        if mlp_drop > 0:
+            m = F.dropout(m, mlp_drop, training=True)
         y, _ = _norm(m, p, "ln2", cfg, residual=h)
     return y, (new_state if fp8 else None)

@@ -222,3 +222,40 @@ def test_dropout_follows_module_mode_and_dtype_moves_keep_fp32_state():
 def test_bad_recipe():
     with pytest.raises(TypeError, match="recipe"):
         fnn.Linear(4, 4, recipe="fp8")
+
+
+def test_transformer_layer_bsh_layout_trains_like_sbh_bitwise():
+    """TransformerLayer(layout="bsh") on (B, S, H) batches is the "sbh" layer on the transposed
+    batches bit for bit: outputs, gradients, and after several steps parameters and FP8 states."""
+    sbh, bsh = _layer(mlp_hidden_dropout=0.0), _layer(layout="bsh")
+    assert bsh.layout == "bsh" and sbh.layout == "sbh" and "layout='bsh'" in repr(bsh)
+    batches = _batches((6, 2, 32), seed=5)                           # (S, B, H)
+    x = batches[0]
+    y, yb = sbh(x), bsh(x.transpose(0, 1).contiguous())
+    assert yb.shape == (2, 6, 32) and torch.equal(yb, y.transpose(0, 1))
+    y.square().mean().backward()
+    yb.square().mean().backward()
+    for (n, p), (nb, pb) in zip(sbh.named_parameters(), bsh.named_parameters()):
+        assert n == nb and torch.equal(p.grad, pb.grad), n
+    sbh.zero_grad(), bsh.zero_grad()
+    sbh.reset_scaling(), bsh.reset_scaling()
+    _train_module(sbh, batches)
+    _train_module(bsh, [b.transpose(0, 1).contiguous() for b in batches])
+    for (n, p), (_, pb) in zip(sbh.named_parameters(), bsh.named_parameters()):
+        assert torch.equal(p, pb), n
+    _same_states(bsh.fp8_state, sbh.fp8_state)
+    cfg = TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
+    assert fnn.TransformerLayer.from_config(cfg, layout="bsh").layout == "bsh"
+    with pytest.raises(ValueError, match="TransformerLayer: layout must be 'sbh'"):
+        fnn.TransformerLayer(32, 64, 4, layout="bshd")
+
+
+def test_transformer_layer_mlp_hidden_dropout_follows_module_mode():
+    layer = _layer(recipe=None, mlp_hidden_dropout=0.5)
+    assert layer.config.mlp_hidden_dropout == 0.5
+    x = torch.randn(6, 2, 32)
+    base = _layer(recipe=None)
+    layer.eval()
+    assert torch.equal(layer(x), base(x))                           # eval: no dropout, the same layer
+    layer.train()
+    assert not torch.equal(layer(x), base(x))                       # only the MLP branch is dropped

@@ -318,6 +318,123 @@ def test_dropout_follows_training_flag_and_seeds():
     assert torch.equal(ya, yb) and not torch.equal(ya, yc)
 
 
+def test_mlp_hidden_dropout_drops_the_mlp_branch_like_the_reference():
+    """mlp_hidden_dropout (GPT-2 style: both residual branches dropped) follows training and matches
+    the reference under the same generator state; the default (0) leaves the layer bit for bit as before."""
+    cfg0 = _small()
+    assert cfg0.mlp_hidden_dropout == 0.0
+    params = _random_params(cfg0)
+    x, dy = _data((8, 2, 32))
+    # default unchanged: an explicit 0 and the default are the same layer, dropout or not
+    for training in (True, False):
+        cfg_h = _small(hidden_dropout=0.3)
+        torch.manual_seed(3)
+        ya, _ = transformer_layer(params, x, None, config=cfg_h, recipe=None, training=training)
+        torch.manual_seed(3)
+        yb, _ = transformer_layer(params, x, None, config=_small(hidden_dropout=0.3, mlp_hidden_dropout=0.0),
+                                  recipe=None, training=training)
+        assert torch.equal(ya, yb)
+    for norm_position in ("pre", "post"):
+        cfg = _small(hidden_dropout=0.2, mlp_hidden_dropout=0.4, norm_position=norm_position)
+        y_eval, _ = transformer_layer(params, x, None, config=cfg, recipe=None, training=False)
+        y_off, _ = transformer_layer(params, x, None, config=_small(norm_position=norm_position), recipe=None)
+        assert torch.equal(y_eval, y_off)
+
+        def ours(p, xx, cfg=cfg):
+            torch.manual_seed(11)
+            return transformer_layer(p, xx, None, config=cfg, recipe=None, training=True)
+
+        def ref(p, xx, cfg=cfg):
+            torch.manual_seed(11)
+            return R.transformer_layer(p, xx, config=cfg, training=True)
+
+        _assert_all_close(_grads(ours, params, x, dy), _grads(ref, params, x, dy))
+        # the MLP branch is dropped: not the layer with hidden dropout alone (same generator state)
+        torch.manual_seed(11)
+        y_h, _ = transformer_layer(params, x, None, config=attr_evolve(cfg, mlp_hidden_dropout=0.0), recipe=None)
+        assert not torch.equal(ours(params, x)[0], y_h)
+    # pre-norm, p -> 1: almost every MLP output is dropped, so y == s (the first residual) there
+    cfg = _small(mlp_hidden_dropout=0.999)
+    torch.manual_seed(0)
+    y, _ = transformer_layer(params, x, None, config=cfg, recipe=None)
+    # s = x + proj(attn): the reference with the MLP removed (fc2 weight and bias zeroed)
+    p_zero = {k: (torch.zeros_like(v) if k.startswith("fc2.") else v) for k, v in params.items()}
+    s_ref, _ = R.transformer_layer(p_zero, x, config=_small())
+    kept = (y - s_ref).abs() > 1e-4
+    assert kept.float().mean() < 0.01
+    torch.testing.assert_close(y[~kept], s_ref[~kept], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch-first layout
+
+
+def _layout_run(params, x, dy, cfg, recipe, layout, **kw):
+    pp = {k: _leaf(v) for k, v in params.items()}
+    xx = _leaf(x)
+    state = init_transformer_state(cfg, recipe) if recipe is not None else None
+    probes = fp8ops.make_probes(state) if state is not None else None
+    torch.manual_seed(4)
+    y, st = transformer_layer(pp, xx, state, config=cfg, recipe=recipe, probes=probes, layout=layout,
+                              dropout_seed=9, **kw)
+    y.backward(dy)
+    pg = None if probes is None else {k: v.grad for k, v in probes.items()}
+    return y.detach(), xx.grad, {k: v.grad for k, v in pp.items()}, st, pg
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(), CurrentScaling()], ids=["hp", "delayed", "current"])
+@pytest.mark.parametrize("case", ["plain", "gqa_causal_dropout", "padding_post"])
+def test_bsh_layout_is_sbh_transposed_bitwise(recipe, case):
+    cfg, kw = _small(), {}
+    if case == "gqa_causal_dropout":
+        cfg = _small(num_gqa_groups=2, self_attn_mask_type="causal", hidden_dropout=0.2, attention_dropout=0.2,
+                     mlp_hidden_dropout=0.1)
+    elif case == "padding_post":
+        cfg = _small(self_attn_mask_type="padding", norm_position="post")
+        valid = torch.ones(2, 8, dtype=torch.bool)
+        valid[1, 5:] = False
+        kw = {"attention_mask": valid}
+    params = _random_params(cfg)
+    x, dy = _data((8, 2, 32))                                     # (S, B, H)
+    y, dx, g, st, pg = _layout_run(params, x, dy, cfg, recipe, "sbh", **kw)
+    xb, dyb = x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()   # (B, S, H)
+    yb, dxb, gb, stb, pgb = _layout_run(params, xb, dyb, cfg, recipe, "bsh", **kw)
+    assert yb.shape == (2, 8, 32)
+    assert torch.equal(yb, y.transpose(0, 1)) and torch.equal(dxb, dx.transpose(0, 1))
+    for k in g:
+        assert torch.equal(gb[k], g[k]), k
+    if recipe is not None:
+        _same_tree(stb, st)
+        _same_tree(pgb, pg)
+
+
+def _same_tree(a, b):
+    from torch.utils import _pytree as pytree
+
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    assert sa == sb
+    for u, v in zip(la, lb):
+        assert torch.equal(u, v)
+
+
+def test_bsh_layout_matches_reference_and_checks_the_argument():
+    cfg = _small(num_gqa_groups=2, self_attn_mask_type="causal")
+    params = _random_params(cfg)
+    x, dy = _data((2, 12, 32))                                    # (B, S, H)
+    got = _grads(lambda p, xx: transformer_layer(p, xx, None, config=cfg, recipe=None, layout="bsh"), params, x, dy)
+    ref = _grads(lambda p, xx: R.transformer_layer(p, xx, config=cfg, layout="bsh"), params, x, dy)
+    _assert_all_close(got, ref)
+    # the reference's own bsh is its sbh transposed
+    r_sbh, _ = R.transformer_layer(params, x.transpose(0, 1), config=cfg)
+    assert torch.equal(R.transformer_layer(params, x, config=cfg, layout="bsh")[0], r_sbh.transpose(0, 1))
+    for bad in ("bshd", "BSH", None):
+        with pytest.raises(ValueError, match="layout must be 'sbh'.*'bsh'"):
+            transformer_layer(params, x, None, config=cfg, recipe=None, layout=bad)
+    with pytest.raises(ValueError, match=r"layout='bsh', x must be \(B, S, H\)"):
+        transformer_layer(params, x[..., :16], None, config=cfg, recipe=None, layout="bsh")
+
+
 # ------------------------------------------------------------------------------------------------
 # Errors
 

@@ -19,7 +19,8 @@ Two things live here:
 2. :func:`transformer_layer`: the high-precision math of every :class:`fp8ops.TransformerConfig`
    (pre/post norm, LayerNorm/RMSNorm, any activation, GQA, causal/padding/packed masks), written
    directly from the equations in float32 on the flat parameter dict of the public op. It is the
-   specification the public op is tested against; it has no dropout and no FP8.
+   specification the public op is tested against; it has no FP8 and no attention dropout (the
+   hidden dropouts, when training, draw from torch's generator in the public op's order).
 
 References:
     NVIDIA Transformer Engine, "Getting Started" (docs/examples/quickstart.ipynb,
@@ -254,18 +255,34 @@ def transformer_layer(
     max_seqlen: int | None = None,
     training: bool = False,
     dropout_seed: Any = None,
+    layout: str = "sbh",
 ) -> tuple[Tensor, None]:
-    """Reference forward of :func:`fp8ops.transformer_layer` in float32 (no FP8, no dropout).
+    """Reference forward of :func:`fp8ops.transformer_layer` in float32 (no FP8, no attention dropout).
 
-    Same arguments as the public op; ``state``/``recipe`` must be None and dropout must be off
-    (``training=False`` or a config with zero dropout). Returns ``(y, None)`` with y in x's dtype;
+    Same arguments as the public op; ``state``/``recipe`` must be None and the attention dropout
+    must be off (``training=False`` or ``attention_dropout=0``). With ``training=True`` the hidden
+    dropouts (``hidden_dropout`` on the attention block's output, then ``mlp_hidden_dropout`` on the
+    MLP block's output) are ``F.dropout`` with torch's generator on (S, B, H) tensors, in the public
+    op's order, so for float32 x both draw the same masks from the same generator state.
+    ``layout="bsh"``: x and y are (B, S, H). Returns ``(y, None)`` with y in x's dtype;
     differentiable with autograd in ``params`` and ``x``.
     """
     if state is not None or recipe is not None:
         raise NotImplementedError("reference transformer_layer: no FP8 (state and recipe must be None)")
-    if training and (config.hidden_dropout > 0 or config.attention_dropout > 0):
-        raise ValueError("reference transformer_layer: no dropout; pass training=False or a config with zero dropout")
+    if training and config.attention_dropout > 0:
+        raise ValueError("reference transformer_layer: no attention dropout; pass training=False or a config "
+                         "with attention_dropout=0")
+    if layout not in ("sbh", "bsh"):
+        raise ValueError(f"reference transformer_layer: layout must be 'sbh' or 'bsh', got {layout!r}")
+    if layout == "bsh" and cu_seqlens is None:
+        y, _ = transformer_layer(params, x.transpose(0, 1), config=config, attention_mask=attention_mask,
+                                 block_mask=block_mask, training=training)
+        return y.transpose(0, 1), None
     cfg = config
+
+    def drop(t: Tensor, p: float) -> Tensor:
+        # the public op's F.dropout on a tensor of the same shape: the same mask for float32 x
+        return F.dropout(t, p, training=True) if training and p > 0 else t
     p = {k: t.to(torch.float32) for k, t in params.items()}
     rms = cfg.normalization == "RMSNorm"
     hq, hkv, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
@@ -309,14 +326,14 @@ def transformer_layer(
     k = k.reshape(S, B, hkv, d).permute(1, 2, 0, 3)
     v = v.reshape(S, B, hkv, d).permute(1, 2, 0, 3)
     ctx = _attention(q, k, v, visible).permute(2, 0, 1, 3).reshape(S, B, hq * d)
-    s1 = xs + lin(ctx, "proj")
+    s1 = xs + drop(lin(ctx, "proj"), cfg.hidden_dropout)
 
     # Step 3: MLP block.
     if cfg.norm_position == "pre":
-        y = s1 + lin(activation(lin(ln(s1, "ln2"), "fc1"), cfg.activation), "fc2")
+        y = s1 + drop(lin(activation(lin(ln(s1, "ln2"), "fc1"), cfg.activation), "fc2"), cfg.mlp_hidden_dropout)
     else:
         h1 = ln(s1, "ln1")
-        y = ln(h1 + lin(activation(lin(h1, "fc1"), cfg.activation), "fc2"), "ln2")
+        y = ln(h1 + drop(lin(activation(lin(h1, "fc1"), cfg.activation), "fc2"), cfg.mlp_hidden_dropout), "ln2")
     if packed:
         y = y.squeeze(1)
     return y.to(x.dtype), None
