@@ -9,14 +9,23 @@
   already of that dtype returns ``t`` itself, which torch.compile records as a second graph value
   for one tensor; when a ``Function.forward`` returns it, torch 2.11's compiled forward routes the
   output's gradient to the other value, and the backward runs on zeros.
+- :func:`autocast_dtype` / :func:`autocast_inputs`: ``torch.autocast`` support. A public op that
+  computes like ``F.linear`` asks ``autocast_dtype(x.device.type)`` first (a cheap check, None
+  outside autocast); when autocast is on, it casts its floating inputs with
+  :func:`autocast_inputs` *outside* its autograd Function (so autograd of the cast carries the
+  gradients back to the float32 originals in float32, as with ``F.linear`` under autocast) and
+  calls itself again with autocast disabled, so that torch ops inside (the high-precision GEMMs,
+  the CPU reference math) do not cast a second time.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["GUARD_MESSAGE", "cast", "refuse_compiled_transform"]
+__all__ = ["GUARD_MESSAGE", "autocast_dtype", "autocast_inputs", "cast", "refuse_compiled_transform"]
 
 GUARD_MESSAGE = (
     "torch.compile cannot trace a torch.func transform (grad, vjp, grad_and_value, jacrev, ...) through "
@@ -69,3 +78,35 @@ def refuse_compiled_transform(where: str, x: Tensor) -> None:
 def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` in ``dtype``: ``t`` itself when it has that dtype already (no no-op ``.to`` node)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+# Device types whose autocast state the ops follow (torch.is_autocast_enabled rejects some others,
+# e.g. "meta").
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes linear-like ops in on ``device_type``, or None when
+    autocast is off there (or the device type has no autocast we follow).
+
+    Traceable by ``torch.compile(fullgraph=True)``; outside autocast it costs one thread-local read.
+
+    Example:
+        >>> import torch
+        >>> from fp8ops._glue import autocast_dtype
+        >>> autocast_dtype("cpu") is None
+        True
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_dtype("cpu")
+        torch.bfloat16
+    """
+    if device_type not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_inputs(dtype: torch.dtype, *ts: Any) -> tuple[Any, ...]:
+    """Each of ``ts`` cast to ``dtype`` when it is a float32/bfloat16/float16 tensor; anything else
+    (None, non-tensors, integer tensors) as given, for the op's own checks to judge."""
+    return tuple(cast(t, dtype) if isinstance(t, Tensor) and t.dtype in _CASTABLE else t for t in ts)

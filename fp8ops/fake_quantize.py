@@ -106,7 +106,9 @@ def fake_quantize(
         grad of grad_probe = amax(dy)
 
     Args:
-        x: (..., K) float32, bfloat16 or float16.
+        x: (..., K) float32, bfloat16 or float16. ``torch.autocast`` does not change it: like
+            ``torch.fake_quantize_per_tensor_affine`` (an elementwise op on no autocast list), y
+            keeps x's dtype; a GEMM that consumes y casts it to the autocast dtype itself.
         state: a :class:`FakeQuantState` built with ``recipe``.
         recipe: the scaling recipe.
         grad_probe: a 0-d float32 zero. Under plain autograd a fresh leaf with

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
-from ._glue import cast, refuse_compiled_transform
+from ._glue import autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
 from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
 from .linear import (
     LinearState,
@@ -243,7 +243,10 @@ def layernorm_linear(
     The GEMMs follow ``recipe.fprop/dgrad/wgrad`` as in :func:`fp8ops.fp8_linear`.
 
     Args:
-        x: (..., K) float32, bfloat16 or float16; y has the same dtype.
+        x: (..., K) float32, bfloat16 or float16; y has the same dtype. Inside ``torch.autocast``
+            x, ln_weight, ln_bias, weight and bias are cast to the autocast dtype first (as
+            ``F.linear(F.layer_norm(x, ...))`` gives y there; the norm's statistics stay float32)
+            and y (and the normalised output) have the autocast dtype.
         ln_weight: (K,) the norm's scale g; ln_bias: (K,) or None (None for RMSNorm).
         weight: (N, K); bias: (N,) or None.
         state: the :class:`LayerNormLinearState` of this call site, or None together with
@@ -286,6 +289,16 @@ def layernorm_linear(
         Normalization" (2019); NVIDIA Transformer Engine ``LayerNormLinear``.
     """
     where = "layernorm_linear"
+    ac = autocast_dtype(x.device.type) if isinstance(x, Tensor) else None
+    if ac is not None:
+        # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,
+        # so gradients reach the originals in their dtype), then the op with autocast off inside.
+        x, ln_weight, ln_bias, weight, bias = autocast_inputs(ac, x, ln_weight, ln_bias, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return layernorm_linear(
+                x, ln_weight, ln_bias, weight, bias, state, recipe=recipe, normalization=normalization, eps=eps,
+                zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output,
+                grad_probe=grad_probe)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     N = check_weight(weight, bias, K, x, "weight", where)
     fp8 = check_state_recipe(state, recipe, LayerNormLinearState, x, where)

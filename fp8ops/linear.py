@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ._glue import cast, refuse_compiled_transform
+from ._glue import autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
 from .formats import Role
 from .gemm import scaled_mm
@@ -395,8 +395,14 @@ def fp8_linear(
     nothing is quantized or observed: ``y`` is the bias broadcast to (..., N) (zeros without one),
     as ``torch.nn.functional.linear`` gives, and the state comes back unchanged.
 
+    Inside ``torch.autocast`` it computes as ``torch.nn.functional.linear`` does there: x, weight
+    and bias are cast to the autocast dtype (outside the autograd Function, so their gradients
+    reach them in their own dtype) and y has the autocast dtype; with FP8 the cast tensors are
+    quantized. A ``weight_cache`` is used as built (the weight is not cast).
+
     Args:
-        x: (..., K) float32, bfloat16 or float16; y has the same dtype.
+        x: (..., K) float32, bfloat16 or float16; y has the same dtype (the autocast dtype inside
+            ``torch.autocast``).
         weight: (N, K) float32, bfloat16 or float16, on x's device. Its gradient has ``wgrad_dtype``.
         bias: (N,) on x's device, or None.
         state: the :class:`LinearState` of this call site, or None together with ``recipe=None``
@@ -441,6 +447,20 @@ def fp8_linear(
     where = "fp8_linear"
     check_float_tensor(x, "x", where)
     check_float_tensor(weight, "weight", where)
+    ac = autocast_dtype(x.device.type)
+    if ac is not None:
+        # torch.autocast: compute as F.linear does, in the autocast dtype. The casts stay outside the
+        # autograd Function (gradients flow back to the originals in their dtype); a cached FP8
+        # weight is used as it is (its source weight is not cast: the cache checks identity).
+        if wgrad_dtype == weight.dtype:
+            wgrad_dtype = None  # the gradient reaches weight in its dtype through the cast
+        if weight_cache is None:
+            x, weight, bias = autocast_inputs(ac, x, weight, bias)
+        else:
+            x, bias = autocast_inputs(ac, x, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return fp8_linear(x, weight, bias, state, recipe=recipe, grad_probe=grad_probe,
+                              weight_cache=weight_cache, wgrad_dtype=wgrad_dtype)
     if x.dim() < 1:
         raise ValueError(f"{where}: x must be (..., K), got a 0-d tensor")
     if weight.dim() != 2:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import activation as _activation
-from ._glue import refuse_compiled_transform
+from ._glue import autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
 from .formats import Role
 from .layernorm_linear import _HIGH, NormCfg, norm_backward, norm_operands
@@ -356,7 +356,10 @@ def fused_ln_mlp(
     gradient; no high-precision copy of the normalised input, the activation or dh is written.
 
     Args:
-        x: (..., K) float32, bfloat16 or float16; y has the same dtype.
+        x: (..., K) float32, bfloat16 or float16; y has the same dtype. Inside ``torch.autocast``
+            x and every weight and bias are cast to the autocast dtype first (as
+            ``F.linear(act(F.linear(F.layer_norm(x, ...))))`` gives y there) and y has the
+            autocast dtype.
         ln_weight: (K,); ln_bias: (K,) or None (None for RMSNorm).
         fc1_weight: (C, K) with C = F, or 2F for gated activations; fc1_bias: (C,) or None.
         fc2_weight: (K2, F); fc2_bias: (K2,) or None.
@@ -404,6 +407,17 @@ def fused_ln_mlp(
         Shazeer, "GLU Variants Improve Transformer" (2020); NVIDIA Transformer Engine ``LayerNormMLP``.
     """
     where = "fused_ln_mlp"
+    ac = autocast_dtype(x.device.type) if isinstance(x, Tensor) else None
+    if ac is not None:
+        # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,
+        # so gradients reach the originals in their dtype), then the op with autocast off inside.
+        x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = autocast_inputs(
+            ac, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return fused_ln_mlp(
+                x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state, recipe=recipe,
+                normalization=normalization, activation=activation, eps=eps,
+                zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probes=grad_probes)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     _activation.check_activation(activation, where)
     C = check_weight(fc1_weight, fc1_bias, K, x, "fc1_weight", where)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_device, check_eps, check_float_tensor, check_zero_centered_gamma
-from ._glue import refuse_compiled_transform
+from ._glue import autocast_dtype, refuse_compiled_transform
 from .kernels import norm as _kernels_norm  # noqa: F401  (registers the fp8ops::norm_* library ops)
 from .quantize import _loop_vmap
 from .reference import norm as _ref
@@ -113,6 +113,11 @@ def _check(where: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, 
 
 def _apply(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
            zero_centered_gamma: bool) -> Tensor | tuple[Tensor, Tensor]:
+    if autocast_dtype(x.device.type) is not None:
+        # torch.autocast: a norm is no GEMM; it runs in its inputs' dtype (statistics in float32),
+        # with autocast off inside so that the reference math is not cast.
+        with torch.autocast(x.device.type, enabled=False):
+            return _apply(x, residual, weight, bias, eps, rms, zero_centered_gamma)
     K = x.shape[-1]
     x2 = x.reshape(-1, K)  # (M, K)
     r2 = None if residual is None else residual.reshape(-1, K)
@@ -144,7 +149,8 @@ def layer_norm(
     one pass per row and reduces the weight and bias gradients deterministically.
 
     Args:
-        x: (..., K) float32, bfloat16 or float16; y has the same shape and dtype.
+        x: (..., K) float32, bfloat16 or float16; y has the same shape and dtype, also inside
+            ``torch.autocast`` (which does not cast a norm's inputs: float32 stays float32).
         weight: (K,) float32 or x's dtype.
         bias: (K,) float32 or x's dtype, or None.
         eps: added to the variance; a finite number > 0.
@@ -195,7 +201,8 @@ def rms_norm(
         y = s / sqrt(sum(s^2) / K + eps) * g,        g = weight (+ 1 if zero_centered_gamma)
 
     Args:
-        x: (..., K) float32, bfloat16 or float16; y has the same shape and dtype.
+        x: (..., K) float32, bfloat16 or float16; y has the same shape and dtype, also inside
+            ``torch.autocast`` (which does not cast a norm's inputs: float32 stays float32).
         weight: (K,) float32 or x's dtype.
         eps: added to the mean square; a finite number > 0.
         zero_centered_gamma: g = weight + 1.

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_float_tensor
+from .._glue import autocast_dtype, autocast_inputs
 from ..reference import attention as _ref
 from ..reference.attention import LAYOUTS
 from .autograd import _attention_triton
@@ -100,7 +101,9 @@ def attention(
     Args:
         q: (B, Hq, Sq, D) in ``layout`` (``"bshd"``: (B, Sq, Hq, D); ``"sbhd"``: (Sq, B, Hq, D)), or
             packed (Tq, Hq, D) with ``cu_seqlens_q``, or a jagged nested tensor (B, j, Hq, D).
-            float32, bfloat16 or float16.
+            float32, bfloat16 or float16. Inside ``torch.autocast`` q, k and v are cast to the
+            autocast dtype first (as ``scaled_dot_product_attention`` takes them there) and the
+            output has that dtype.
         k: (B, Hkv, Skv, D) in the same layout (packed (Tkv, Hkv, D)); ``Hq`` a multiple of ``Hkv``
             (GQA/MQA). Skv may differ from Sq (cross-attention).
         v: (B, Hkv, Skv, Dv), like k.
@@ -176,6 +179,19 @@ def attention(
         Vaswani et al. (2017); Dao, "FlashAttention-2" (2023); Dong et al., "Flex Attention" (2024).
     """
     where = "attention"
+    ac = autocast_dtype(q.device.type) if isinstance(q, Tensor) else None
+    if ac is not None:
+        # torch.autocast: q, k, v in the autocast dtype, as scaled_dot_product_attention takes them
+        # there (cast outside the autograd Function: gradients reach them in their own dtype); then
+        # the op with autocast off inside, so that the reference math is not cast again.
+        q, k, v = autocast_inputs(ac, q, k, v)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(
+                q, k, v, state, recipe=recipe, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                causal=causal, window=window, scale=scale, layout=layout, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                return_lse=return_lse, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                deterministic=deterministic, backend=backend)
     if state is not None or recipe is not None:
         raise NotImplementedError(
             f"{where}: FP8 attention (state/recipe) is not available yet; pass state=None and recipe=None "

@@ -1,0 +1,160 @@
+"""The layout rules of DESIGN.md §2, checked on the source tree (no import of the package needed).
+
+- No module outside ``kernels/``, ``fp8ops/bench/`` and the demo above 700 lines.
+- No import cycle among fp8ops's modules (module-level imports; imports inside functions are
+  deferred on purpose and not counted).
+- The reference (``fp8ops/reference/``) imports nothing from the ops it specifies.
+- Kernels import only torch, triton, the standard library and each other; nothing imports the
+  bare name ``kernels`` (a different PyPI package has that name).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "fp8ops"
+KERNELS = ROOT / "kernels"
+MAX_LINES = 700
+
+
+def _module_name(path: Path) -> str:
+    if path.is_relative_to(KERNELS):
+        parts = ("fp8ops", "kernels", *path.relative_to(KERNELS).with_suffix("").parts)
+    else:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    files = sorted(PKG.rglob("*.py")) + sorted(KERNELS.glob("*.py"))
+    return {_module_name(p): p for p in files}
+
+
+SOURCES = _sources()
+
+
+def _resolve(module: str, is_pkg: bool, level: int, name: str | None) -> str:
+    base = module.split(".")
+    if not is_pkg:
+        base = base[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join([*base, name] if name else base)
+
+
+def _top_level_imports(module: str, path: Path) -> set[str]:
+    """fp8ops modules imported at module level (not inside functions or TYPE_CHECKING blocks)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                continue
+            if isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for h in getattr(node, "handlers", []):
+                    visit(h.body)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(module, is_pkg, node.level, node.module) if node.level else (node.module or "")
+                found.add(target)
+                found.update(f"{target}.{a.name}" for a in node.names)  # `from . import x` imports x
+
+    visit(tree.body)
+    return {m for m in found if m in SOURCES}
+
+
+GRAPH = {m: _top_level_imports(m, p) - {m} for m, p in SOURCES.items()}
+
+
+def test_module_sizes() -> None:
+    too_long = []
+    for module, path in SOURCES.items():
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "kernels" or rel.parts[:2] == ("fp8ops", "bench") or rel.name == "demo.py":
+            continue
+        n = len(path.read_text().splitlines())
+        if n > MAX_LINES:
+            too_long.append(f"{rel}: {n} lines")
+    assert not too_long, f"modules above {MAX_LINES} lines (split them by concern): {too_long}"
+
+
+def test_no_import_cycles() -> None:
+    # A package importing its own submodules (fp8ops/__init__ re-exporting) is the usual one-way
+    # dependency; a cycle is a path from a module back to itself through module-level imports.
+    def parents(m: str) -> set[str]:
+        parts = m.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+    sys.setrecursionlimit(10_000)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def dfs(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(GRAPH[m]):
+            if n in parents(m):  # importing an enclosing package runs its __init__ first: not a cycle edge
+                continue
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                dfs(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            dfs(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_reference_imports_no_op() -> None:
+    bad = []
+    for m, deps in GRAPH.items():
+        if not m.startswith("fp8ops.reference"):
+            continue
+        for d in deps:
+            allowed = (d.startswith("fp8ops.reference") or d.startswith("fp8ops.kernels")
+                       or d in {"fp8ops", "fp8ops.formats", "fp8ops.state", "fp8ops.recipes"})
+            if not allowed:
+                bad.append(f"{m} imports {d}")
+    assert not bad, f"the reference must not import the ops it specifies: {bad}"
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)
+def test_kernels_import_only_torch_and_triton(path: Path) -> None:
+    allowed_roots = {"torch", "triton", "__future__"} | set(sys.stdlib_module_names)
+    tree = ast.parse(path.read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.split(".")[0] not in allowed_roots]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            if (node.module or "").split(".")[0] not in allowed_roots:
+                bad.append(node.module)
+    assert not bad, f"{path.name} imports {bad}; kernels take raw tensors and import only torch and triton"
+
+
+def test_nothing_imports_the_bare_name_kernels() -> None:
+    bad = []
+    for path in [*PKG.rglob("*.py"), *KERNELS.glob("*.py"), *(ROOT / "tests").glob("*.py"),
+                 *(ROOT / "property_tests").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "kernels" for a in node.names):
+                bad.append(str(path.relative_to(ROOT)))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "kernels":
+                bad.append(str(path.relative_to(ROOT)))
+    assert not bad, f"import fp8ops.kernels, never the bare name kernels: {bad}"
