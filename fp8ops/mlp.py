@@ -31,6 +31,7 @@ gradient roles report through one probe of shape (2,) (``make_probes``).
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -341,6 +342,7 @@ def fused_ln_mlp(
     eps: float = 1e-5,
     zero_centered_gamma: bool = False,
     recompute: str | None = None,
+    grad_probe: Tensor | None = None,
     grad_probes: Tensor | None = None,
 ) -> tuple[Tensor, LayerNormMLPState | None]:
     """LayerNorm (or RMSNorm) -> fc1 -> activation -> fc2, with FP8 GEMMs and fused FP8 producers.
@@ -376,9 +378,11 @@ def fused_ln_mlp(
             backward agree; the output differs from ``recompute=None`` by the FP8 rounding of h.
             Saves M x C bytes plus M x F bytes of FP8 per call (bf16 input). Without FP8
             (``recipe=None``) h is stored in the input precision.
-        grad_probes: a (2,) float32 zero (``make_probes(state)``) whose gradient becomes
-            ``[amax(dh), amax(dy)]`` (fc1's and fc2's output gradients); without it the output
-            gradients are quantized with current scaling.
+        grad_probe: this op's probe, a (2,) float32 zero (``make_probes(state)``) whose gradient
+            becomes ``[amax(dh), amax(dy)]`` (fc1's and fc2's output gradients); without it the
+            output gradients are quantized with current scaling. (Every op calls its probe
+            ``grad_probe``; a pytree of probes, as ``transformer_layer`` takes, is ``probes``.)
+        grad_probes: the old name of ``grad_probe``; still accepted, with a ``DeprecationWarning``.
 
     Returns:
         ``(y, new_state)``: y (..., K2); ``new_state`` with the amaxes of the normalised input,
@@ -396,7 +400,7 @@ def fused_ln_mlp(
         >>> w1, w2 = torch.randn(128, 32) / 6, torch.randn(32, 64) / 8   # swiglu: fc1 writes 2 x 64
         >>> probes = fp8ops.make_probes(st)
         >>> y, st = fp8ops.fused_ln_mlp(x, g, beta, w1, None, w2, None, st, recipe=r,
-        ...                             activation="swiglu", grad_probes=probes)
+        ...                             activation="swiglu", grad_probe=probes)
         >>> y.shape
         torch.Size([8, 32])
         >>> y.sum().backward()
@@ -407,6 +411,12 @@ def fused_ln_mlp(
         Shazeer, "GLU Variants Improve Transformer" (2020); NVIDIA Transformer Engine ``LayerNormMLP``.
     """
     where = "fused_ln_mlp"
+    if grad_probes is not None:
+        if grad_probe is not None:
+            raise TypeError(f"{where}: pass grad_probe only (grad_probes is its old name), got both")
+        warnings.warn(f"{where}: grad_probes is renamed grad_probe (one name for an op's probe in every op); "
+                      f"grad_probes will be removed in the next release", DeprecationWarning, stacklevel=2)
+        grad_probe = grad_probes
     ac = autocast_dtype(x.device.type) if isinstance(x, Tensor) else None
     if ac is not None:
         # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,
@@ -417,7 +427,7 @@ def fused_ln_mlp(
             return fused_ln_mlp(
                 x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state, recipe=recipe,
                 normalization=normalization, activation=activation, eps=eps,
-                zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probes=grad_probes)
+                zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probe=grad_probe)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     _activation.check_activation(activation, where)
     C = check_weight(fc1_weight, fc1_bias, K, x, "fc1_weight", where)
@@ -432,9 +442,9 @@ def fused_ln_mlp(
     fp8 = check_state_recipe(state, recipe, LayerNormMLPState, x, where)
     if recompute not in (None, "activation"):
         raise ValueError(f"{where}: recompute must be None or 'activation', got {recompute!r}")
-    check_probe(grad_probes, where, shape=(2,), name="grad_probes", device=x.device)
-    if grad_probes is not None and not fp8:
-        raise ValueError(f"{where}: grad_probes are only meaningful with FP8 (a state and a recipe); pass None")
+    check_probe(grad_probe, where, shape=(2,), name="grad_probe", device=x.device)
+    if grad_probe is not None and not fp8:
+        raise ValueError(f"{where}: grad_probe is only meaningful with FP8 (a state and a recipe); pass None")
     grad_on = torch.is_grad_enabled()
 
     def needs(t: Tensor | None) -> bool:
@@ -456,7 +466,7 @@ def fused_ln_mlp(
     cfg = _Cfg(
         norm=NormCfg(normalization == "RMSNorm", float(eps), bool(zero_centered_gamma), ln_bias is not None),
         act=activation, fp8=fp8, recompute=recompute == "activation", specs=specs,
-        fprop=gemms[0], dgrad=gemms[1], wgrad=gemms[2], has_probe=grad_probes is not None,
+        fprop=gemms[0], dgrad=gemms[1], wgrad=gemms[2], has_probe=grad_probe is not None,
         need_dx=needs(x) or needs(ln_weight) or needs(ln_bias),
         need_dw1=needs(fc1_weight), need_db1=needs(fc1_bias),
         need_dw2=needs(fc2_weight), need_db2=needs(fc2_bias),
@@ -464,7 +474,7 @@ def fused_ln_mlp(
     lead = x.shape[:-1]
     refuse_compiled_transform(where, x)
     y, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = _FusedLNMLP.apply(
-        x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, grad_probes, cfg
+        x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, grad_probe, cfg
     )
     new_state = None
     if fp8:

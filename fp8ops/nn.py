@@ -398,7 +398,7 @@ class LayerNormMLP(FP8Module):
             x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
             self.fc2_bias, self.fp8_state, recipe=self.recipe, normalization=self.normalization,
             activation=self.activation, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
-            recompute=self.recompute, grad_probes=self._next_probes())
+            recompute=self.recompute, grad_probe=self._next_probes())
         self._keep_state(new_state)
         return y
 

@@ -651,7 +651,7 @@ def transformer_layer(
     mlp_drop = cfg.mlp_hidden_dropout if training else 0.0
 
     # Step 5: the MLP (fused with its norm) and the second residual.
-    mlp_kw = {"activation": cfg.activation, "grad_probes": pr["mlp"], **norm_kw}
+    mlp_kw = {"activation": cfg.activation, "grad_probe": pr["mlp"], **norm_kw}
     mlp_params = (p["fc1.weight"], p.get("fc1.bias"), p["fc2.weight"], p.get("fc2.bias"))
     if cfg.norm_position == "pre":
         s = x + out

@@ -57,7 +57,7 @@ def _case(op: str, recipe_name: str, dtype: torch.dtype, device: str
         ck = rnd(M, K)
 
         def loss(x, lw, lb, w1, b1, w2, b2, p=None):
-            y, _ = fp8ops.fused_ln_mlp(x, lw, lb, w1, b1, w2, b2, st, recipe=recipe, grad_probes=p)
+            y, _ = fp8ops.fused_ln_mlp(x, lw, lb, w1, b1, w2, b2, st, recipe=recipe, grad_probe=p)
             return (y.float() * ck.float()).sum()
 
         F = 2 * K

@@ -183,7 +183,7 @@ def _mlp_data(M, K, F, act, dtype, rms, seed=0):
 def _run_mlp(args, dy, st, recipe, *, probe=True, **kw):
     leaves = [_leaf(t) for t in args]
     p = fp8ops.make_probes(st) if probe and st is not None else None
-    y, st2 = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, grad_probes=p, **kw)
+    y, st2 = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, grad_probe=p, **kw)
     y.backward(dy)
     return y.detach(), [None if t is None else t.grad for t in leaves], (p.grad if p is not None else None), st2
 
@@ -307,7 +307,7 @@ def test_fused_ln_mlp_shapes(M, K, F, act, rms, zc):
     ({"activation": "tanh"}, "activation"),
     ({"normalization": "BatchNorm"}, "normalization"),
     ({"recompute": "all"}, "recompute"),
-    ({"grad_probes": torch.zeros(())}, r"grad_probes must be a \(2,\)"),
+    ({"grad_probe": torch.zeros(())}, r"grad_probe must be a \(2,\)"),
     ({"eps": 0.0}, "eps must be a finite number > 0"),
 ])
 def test_mlp_errors(kw, match):
@@ -351,7 +351,7 @@ def test_layernorm_linear_errors():
 
 def _mlp_loss(params, x, st, probes):
     y, st2 = fp8ops.fused_ln_mlp(x, params["g"], params["beta"], params["w1"], params["b1"], params["w2"],
-                                 params["b2"], st, recipe=DELAYED, activation="swiglu", grad_probes=probes)
+                                 params["b2"], st, recipe=DELAYED, activation="swiglu", grad_probe=probes)
     return (y.float() ** 2).sum(), st2
 
 
@@ -461,3 +461,20 @@ def test_returned_states_carry_no_autograd_history(recipe):
     st3 = fp8ops.update(st2, recipe=recipe, grad_amax=torch.utils._pytree.tree_map(lambda p: p.grad, probes))
     y, _ = fp8ops.transformer_layer(params, x, st3, config=cfg, recipe=recipe, probes=fp8ops.make_probes(st3))
     y.sum().backward()  # a second step from the updated state
+
+
+def test_old_probe_name_still_works_with_a_deprecation_warning():
+    """``grad_probes`` is the old name of fused_ln_mlp's ``grad_probe`` (one name in every op)."""
+    r = DelayedScaling()
+    x, g, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
+    w1, w2 = torch.randn(16, 8), torch.randn(8, 16)
+    p_new, p_old = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    y_new, _ = fp8ops.fused_ln_mlp(x, g, b, w1, None, w2, None, LayerNormMLPState.init(r), recipe=r, grad_probe=p_new)
+    with pytest.warns(DeprecationWarning, match="grad_probes is renamed grad_probe"):
+        y_old, _ = fp8ops.fused_ln_mlp(x, g, b, w1, None, w2, None, LayerNormMLPState.init(r), recipe=r, grad_probes=p_old)
+    assert torch.equal(y_new, y_old)
+    (y_new.sum() + y_old.sum()).backward()
+    assert torch.equal(p_new.grad, p_old.grad) and float(p_new.grad[1]) == 1.0  # amax(dy) of y.sum()
+    with pytest.raises(TypeError, match="pass grad_probe only"):
+        fp8ops.fused_ln_mlp(x, g, b, w1, None, w2, None, LayerNormMLPState.init(r), recipe=r, grad_probe=p_new,
+                     grad_probes=p_old)

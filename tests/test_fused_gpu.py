@@ -100,7 +100,7 @@ def test_fused_ln_mlp_real_size(rname, act):
         leaves = [_leaf(t) for t in args]
         probes = fp8ops.make_probes(st)
         y, st2 = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, activation=act, recompute=recompute,
-                                     grad_probes=probes)
+                                     grad_probe=probes)
         y.backward(dy)
         grads, pg = [t.grad for t in leaves], probes.grad
         # the reference's just-in-time scale of h from the op's observed amax (see R.fused_ln_mlp)
@@ -140,7 +140,7 @@ def test_backward_allocates_no_zero_gradients_for_saved_outputs(monkeypatch):
     monkeypatch.setattr(mlp_mod, "_quantize_grad", spy)
     for recompute in (None, "activation"):
         y, _ = fp8ops.fused_ln_mlp(x, ln_w, ln_b, w1, None, w2, None, st, recipe=recipe, activation="swiglu",
-                                   recompute=recompute, grad_probes=fp8ops.make_probes(st))
+                                   recompute=recompute, grad_probe=fp8ops.make_probes(st))
         torch.cuda.synchronize()
         after_forward = torch.cuda.memory_allocated()
         y.backward(dy)
@@ -184,7 +184,7 @@ def test_compile_fullgraph_matches_eager():
 
     def loss_fn(p, xx, s, probes):
         y, s2 = fp8ops.fused_ln_mlp(xx, p["g"], p["b"], p["w1"], None, p["w2"], None, s, recipe=recipe,
-                                    activation="swiglu", grad_probes=probes)
+                                    activation="swiglu", grad_probe=probes)
         return y.float().pow(2).mean(), s2
 
     res = []

@@ -108,7 +108,7 @@ def test_layernorm_linear_and_mlp_match_functional():
 
     def op2(p, x, st, probes):
         return fused_ln_mlp(x, p["layer_norm_weight"], None, p["fc1_weight"], None, p["fc2_weight"], None, st,
-                            recipe=DELAYED, normalization="RMSNorm", activation="swiglu", grad_probes=probes)
+                            recipe=DELAYED, normalization="RMSNorm", activation="swiglu", grad_probe=probes)
 
     params, st = _train_functional(params, LayerNormMLPState.init(DELAYED), op2, batches, DELAYED)
     for k, v in mlp.named_parameters():

@@ -129,12 +129,12 @@ def test_probe_on_another_device_is_refused():
         "layernorm_linear": lambda: fp8ops.layernorm_linear(x, g, beta, w, b, LayerNormLinearState.init(DELAYED),
                                                             recipe=DELAYED, grad_probe=p0),
         "fused_ln_mlp": lambda: fp8ops.fused_ln_mlp(*_mlp_args(), LayerNormMLPState.init(DELAYED), recipe=DELAYED,
-                                                    grad_probes=p2),
+                                                    grad_probe=p2),
         "fake_quantize": lambda: fp8ops.fake_quantize(x, FakeQuantState.init(DELAYED), recipe=DELAYED,
                                                       grad_probe=p0),
     }
     for where, call in calls.items():
-        name = "grad_probes" if where == "fused_ln_mlp" else "grad_probe"
+        name = "grad_probe"
         with pytest.raises(ValueError, match=f"^{where}: {name} is on meta but x is on cpu"):
             call()
 
@@ -146,7 +146,7 @@ def test_probe_without_requires_grad_is_accepted():
     y2, _ = fp8ops.layernorm_linear(x, g, beta, w, b, LayerNormLinearState.init(DELAYED), recipe=DELAYED,
                                     grad_probe=torch.zeros(()))
     y3, _ = fp8ops.fused_ln_mlp(*_mlp_args(), LayerNormMLPState.init(DELAYED), recipe=DELAYED,
-                                grad_probes=torch.zeros(2))
+                                grad_probe=torch.zeros(2))
     assert y.shape == y2.shape == (4, 6) and y3.shape == (4, 8)
 
 

@@ -163,7 +163,7 @@ def _fp8ops_case(w: dict[str, Tensor], activation: str, recipe: Any, x0: Tensor,
 
     def mlp(x: Tensor, state: Any, probes: Any) -> tuple[Tensor, Any]:
         return fused_ln_mlp(x, w["ln_w"], w["ln_b"], w["w1"], w["b1"], w["w2"], w["b2"], state, recipe=recipe,
-                            activation=activation, eps=EPS, recompute=recompute, grad_probes=probes)
+                            activation=activation, eps=EPS, recompute=recompute, grad_probe=probes)
 
     state = None
     if recipe is not None:

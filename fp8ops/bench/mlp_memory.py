@@ -41,7 +41,7 @@ def probe(activation: str, recompute: str | None, shape: tuple[int, int, int]) -
         probes = fp8ops.make_probes(st)
         y, st2 = fp8ops.fused_ln_mlp(x, w["ln_w"], w["ln_b"], w["w1"], w["b1"], w["w2"], w["b2"], st,
                                      recipe=recipe, activation=activation, eps=EPS, recompute=recompute,
-                                     grad_probes=probes)
+                                     grad_probe=probes)
         return y, st2, probes
 
     y, st2, probes = step(state)  # calibration step
