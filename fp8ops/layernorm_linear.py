@@ -26,28 +26,29 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
 from ._glue import autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
 from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
-from .linear import (
-    LinearState,
-    _g,
-    _or_empty,
-    _quantize_grad,
-    _quantize_pair,
+from ._operands import (
+    HIGH,
+    NormCfg,
     gemm_dgrad,
     gemm_fprop,
+    gemm_spec,
     gemm_wgrad,
     hp_linear,
+    norm_backward,
+    norm_operands,
+    or_empty,
+    quantize_grad,
     quantize_weight_operands,
 )
+from .linear import LinearState
 from .quantize import QuantSpec
 from .recipes import Recipe
 
 __all__ = ["LayerNormLinearState", "layernorm_linear"]
 
 _ops = torch.ops.fp8ops
-_HIGH = ("high", False, "auto")
 
 
 class LayerNormLinearState(LinearState):
@@ -60,55 +61,6 @@ class LayerNormLinearState(LinearState):
         >>> [st.input.role, st.weight.role, st.grad_output.role]
         ['forward', 'forward', 'backward']
     """
-
-
-class NormCfg(NamedTuple):
-    """Static description of the normalisation in front of a GEMM."""
-
-    rms: bool
-    eps: float
-    zero_centered: bool
-    has_bias: bool
-
-
-def norm_operands(
-    x: Tensor, w: Tensor, b: Tensor | None, ncfg: NormCfg, scale: Tensor | None, spec: QuantSpec | None,
-    *, need_q: bool, need_t: bool, need_hp: bool,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]:
-    """Normalise ``x`` (M, K) into the forms the following GEMMs need, in one kernel where it can.
-
-    Returns ``(hp, q, inv, q_t, inv_t, amax, mean, rstd)``: ``hp`` the normalised output in
-    ``x.dtype`` (when ``need_hp``), ``q`` / ``q_t`` its FP8 copy (M, K) / (K, M) with inverse
-    scales, ``amax`` of the normalised output, ``mean`` / ``rstd`` the saved statistics.
-    Row-wise scaling writes the high-precision output and quantizes it separately (per-row
-    scales need the whole row's amax before the cast).
-    """
-    fp8 = need_q or need_t
-    if not fp8 or spec is None or spec.mode == "rowwise":
-        y, _, _, _, amax, _, mean, rstd = _ops.norm_fwd(
-            x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, True, None, None, 0, False, None, False
-        )
-        if not fp8 or spec is None:
-            return y, None, None, None, None, amax, mean, rstd
-        q, inv, q_t, inv_t, amax = _quantize_pair(y, None, spec, need_t)
-        return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, mean, rstd
-    if scale is None:
-        scale = torch.ones((), dtype=torch.float32, device=x.device)
-    amax_in = None
-    if spec.mode != "delayed" or not spec.calibrated:
-        amax_in = _ops.norm_amax(x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered)
-    y, _, q, q_t, amax, inv, mean, rstd = _ops.norm_fwd(
-        x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, need_hp, scale, amax_in,
-        spec.margin, spec.power_2, spec.dtype, need_t,
-    )
-    return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax, mean, rstd
-
-
-def norm_backward(dln: Tensor, x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, ncfg: NormCfg
-                  ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(dx, dweight, dbias)`` of the normalisation for the gradient ``dln`` of its output."""
-    dx, dw, db = _ops.norm_bwd(dln.contiguous(), x, w, mean, rstd, None, ncfg.rms, ncfg.zero_centered, ncfg.has_bias)
-    return dx, dw, (db if ncfg.has_bias else None)
 
 
 class _Cfg(NamedTuple):
@@ -159,8 +111,8 @@ class _LayerNormLinear(torch.autograd.Function):
         y = gemm_fprop(lnq, ln_inv, ln, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if not need_wt:
             wq_t = w_inv_t = None
-        return (y, _or_empty(ln, x), ln_amax, w_amax, mean, rstd, _or_empty(lnq_t, x), _or_empty(ln_inv_t, x),
-                _or_empty(wq_t, x), _or_empty(w_inv_t, x))
+        return (y, or_empty(ln, x), ln_amax, w_amax, mean, rstd, or_empty(lnq_t, x), or_empty(ln_inv_t, x),
+                or_empty(wq_t, x), or_empty(w_inv_t, x))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -194,7 +146,7 @@ class _LayerNormLinear(torch.autograd.Function):
             fp8_wgrad = cfg.need_dw and cfg.wgrad[0] == "fp8"
             # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
             if cfg.fp8:
-                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = _quantize_grad(
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
                     dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
                 )
             else:
@@ -321,10 +273,10 @@ def layernorm_linear(
         specs = (QuantSpec.of(recipe, "forward", state.input.calibrated),
                  QuantSpec.of(recipe, "forward", state.weight.calibrated),
                  QuantSpec.of(recipe, "backward", state.grad_output.calibrated))
-        gemms = (_g(recipe.fprop), _g(recipe.dgrad), _g(recipe.wgrad))
+        gemms = (gemm_spec(recipe.fprop), gemm_spec(recipe.dgrad), gemm_spec(recipe.wgrad))
         scales = (state.input.scale, state.weight.scale, state.grad_output.scale)
     else:
-        specs, gemms, scales = (None, None, None), (_HIGH, _HIGH, _HIGH), (None, None, None)
+        specs, gemms, scales = (None, None, None), (HIGH, HIGH, HIGH), (None, None, None)
     cfg = _Cfg(
         norm=NormCfg(normalization == "RMSNorm", float(eps), bool(zero_centered_gamma), ln_bias is not None),
         fp8=fp8, x_spec=specs[0], w_spec=specs[1], g_spec=specs[2],

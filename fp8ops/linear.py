@@ -21,12 +21,22 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ._glue import autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
+from ._glue import autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
+from ._operands import (
+    gemm_dgrad,
+    gemm_fprop,
+    gemm_spec,
+    gemm_wgrad,
+    hp_linear,
+    or_empty,
+    quantize_grad,
+    quantize_pair,
+    quantize_weight_operands,
+)
 from .formats import Role
-from .gemm import scaled_mm
-from .quantize import Float8Value, QuantSpec, quantize_2d
-from .recipes import GemmSpec, Recipe
+from .quantize import Float8Value, QuantSpec
+from .recipes import Recipe
 from .state import OpState, ScalingState, validate_state
 
 __all__ = ["LinearState", "WeightCache", "fp8_linear", "quantize_weight"]
@@ -124,87 +134,6 @@ def _same_weight(a: Tensor, b: Tensor) -> bool:
         return False
 
 
-def hp_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x . weight^T + bias`` in ``x``'s dtype with torch's own linear (no FP8, no kernel of ours);
-    gradients flow back in each argument's dtype. Also the K = 0 result: the bias broadcast."""
-    return torch.nn.functional.linear(x, cast(weight, x.dtype), None if bias is None else cast(bias, x.dtype))
-
-
-def _quantize_pair(t: Tensor, scale: Tensor | None, spec: QuantSpec, need_t: bool
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(q, inv, q_t, inv_t, amax) of an (R, C) tensor; q_t (C, R) is K-major for the other GEMM.
-
-    Per-tensor scaling writes both in one pass; row-wise scaling quantizes the transpose with its
-    own row scales (per column of ``t``), the layout a row-wise scaled GEMM needs.
-    """
-    if spec.mode == "rowwise":
-        q, inv, _, amax = quantize_2d(t, scale, spec)
-        if not need_t:
-            return q, inv, t.new_empty(0, dtype=q.dtype), inv.new_empty(0), amax
-        q_t, inv_t, _, _ = quantize_2d(t.t().contiguous(), scale, spec)
-        return q, inv, q_t, inv_t, amax
-    q, inv, q_t, amax = quantize_2d(t, scale, spec, transpose=need_t)
-    if q_t is None:
-        q_t = t.new_empty(0, dtype=q.dtype)
-    return q, inv, q_t, inv, amax
-
-
-def _quantize_grad(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool, need_q: bool, need_t: bool
-                   ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor]:
-    """(q, inv, q_t, inv_t, amax) of an output gradient; without a probe, current scaling.
-
-    ``q`` feeds the dgrad GEMM and ``q_t`` the wgrad GEMM; with neither needed only the amax (the
-    observation) is computed.
-    """
-    if not (need_q or need_t):
-        return None, None, None, None, torch.ops.fp8ops.amax(dy)
-    if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
-        spec = spec._replace(calibrated=False)
-    return _quantize_pair(dy, g_scale if has_probe else None, spec, need_t)
-
-
-def gemm_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor | None, wq: Tensor | None,
-               w_inv: Tensor | None, w: Tensor | None, bias: Tensor | None, spec: tuple[str, bool, str],
-               out_dtype: torch.dtype) -> Tensor:
-    """``y = x . W^T + b`` (M, N): FP8 operands (M, K) x (N, K) when ``spec`` says fp8, else high precision."""
-    if spec[0] == "fp8":
-        return scaled_mm(xq, wq, x_inv, w_inv, bias=bias, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
-    assert x is not None and w is not None
-    b = None if bias is None else cast(bias, x.dtype)
-    return cast(torch.nn.functional.linear(x, cast(w, x.dtype), b), out_dtype)
-
-
-def gemm_dgrad(dyq: Tensor | None, dy_inv: Tensor | None, dy: Tensor, wq_t: Tensor | None,
-               w_inv_t: Tensor | None, w: Tensor | None, spec: tuple[str, bool, str], out_dtype: torch.dtype) -> Tensor:
-    """``dx = dy . W`` (M, K): FP8 operands (M, N) x (K, N) when ``spec`` says fp8, else high precision."""
-    if spec[0] == "fp8":
-        return scaled_mm(dyq, wq_t, dy_inv, w_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
-    assert w is not None
-    return cast(dy @ cast(w, dy.dtype), out_dtype)
-
-
-def gemm_wgrad(dyq_t: Tensor | None, dy_inv_t: Tensor | None, dy: Tensor, xq_t: Tensor | None,
-               x_inv_t: Tensor | None, x: Tensor | None, spec: tuple[str, bool, str], out_dtype: torch.dtype) -> Tensor:
-    """``dW = dy^T . x`` (N, K): FP8 operands (N, M) x (K, M) when ``spec`` says fp8, else high precision."""
-    if spec[0] == "fp8":
-        return scaled_mm(dyq_t, xq_t, dy_inv_t, x_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
-    assert x is not None
-    return cast(dy.t() @ cast(x, dy.dtype), out_dtype)
-
-
-def quantize_weight_operands(w: Tensor, w_scale: Tensor | None, spec: QuantSpec | None, fp8_fprop: bool,
-                             need_t: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor]:
-    """(wq, inv, wq_t, inv_t, amax) of a weight for the fprop GEMM and (transposed) the dgrad GEMM.
-
-    ``spec=None`` (no FP8): nothing is quantized and the amax is an empty placeholder.
-    """
-    if spec is None:
-        return None, None, None, None, w.new_empty(0, dtype=torch.float32)
-    if fp8_fprop or need_t:
-        return _quantize_pair(w, w_scale, spec, need_t)
-    return None, None, None, None, torch.ops.fp8ops.amax(w)
-
-
 class _Cfg(NamedTuple):
     """Static configuration of one fp8_linear call (plain constants)."""
 
@@ -220,15 +149,6 @@ class _Cfg(NamedTuple):
     need_db: bool
     wgrad_dtype: torch.dtype
     use_cache: bool
-
-
-def _g(spec: GemmSpec) -> tuple[str, bool, str]:
-    return (spec.precision, spec.fast_accum, spec.backend)
-
-
-def _or_empty(t: Tensor | None, x: Tensor) -> Tensor:
-    """``t``, or a fresh empty placeholder (one tensor must never be two outputs of a Function)."""
-    return x.new_empty(0) if t is None else t
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -255,7 +175,7 @@ class _FP8Linear(torch.autograd.Function):
         need_wt = cfg.need_dx and cfg.dgrad[0] == "fp8" and not cfg.use_cache
         # Step 1: quantize x (and its transpose for wgrad) in one pass.
         if fp8_fwd or need_xt:
-            xq, x_inv, xq_t, x_inv_t, x_amax = _quantize_pair(x, x_scale, cfg.x_spec, need_xt)
+            xq, x_inv, xq_t, x_inv_t, x_amax = quantize_pair(x, x_scale, cfg.x_spec, need_xt)
         else:
             xq = x_inv = xq_t = x_inv_t = None
             x_amax = torch.ops.fp8ops.amax(x)
@@ -272,8 +192,8 @@ class _FP8Linear(torch.autograd.Function):
             xq_t = x_inv_t = None
         if not need_wt:
             wq_t = w_inv_t = None
-        return (y, x_amax, w_amax, _or_empty(xq_t, x), _or_empty(x_inv_t, x), _or_empty(wq_t, x),
-                _or_empty(w_inv_t, x))
+        return (y, x_amax, w_amax, or_empty(xq_t, x), or_empty(x_inv_t, x), or_empty(wq_t, x),
+                or_empty(w_inv_t, x))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -301,7 +221,7 @@ class _FP8Linear(torch.autograd.Function):
             fp8_dgrad = cfg.need_dx and cfg.dgrad[0] == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad[0] == "fp8"
             # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
-            dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = _quantize_grad(
+            dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
                 dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
             )
             # Step 2: dgrad and wgrad.
@@ -360,7 +280,7 @@ def quantize_weight(
     ws = state.weight if isinstance(state, LinearState) else state
     validate_state(ws, where=f"{where}: state", device=weight.device, recipe=recipe)
     spec = QuantSpec.of(recipe, "forward", ws.calibrated)
-    q, inv, q_t, inv_t, amax = _quantize_pair(weight.detach(), ws.scale, spec, True)
+    q, inv, q_t, inv_t, amax = quantize_pair(weight.detach(), ws.scale, spec, True)
     cache = WeightCache(Float8Value(q, inv, q_t), inv_t if spec.mode == "rowwise" else None, ws.scale, recipe, weight)
     new_ws = ws.observe(amax)
     return cache, (state.replace(weight=new_ws) if isinstance(state, LinearState) else new_ws)
@@ -518,9 +438,9 @@ def fp8_linear(
         x_spec=QuantSpec.of(recipe, "forward", state.input.calibrated),
         w_spec=QuantSpec.of(recipe, "forward", state.weight.calibrated),
         g_spec=QuantSpec.of(recipe, "backward", state.grad_output.calibrated),
-        fprop=_g(recipe.fprop),
-        dgrad=_g(recipe.dgrad),
-        wgrad=_g(recipe.wgrad),
+        fprop=gemm_spec(recipe.fprop),
+        dgrad=gemm_spec(recipe.dgrad),
+        wgrad=gemm_spec(recipe.wgrad),
         has_probe=grad_probe is not None,
         need_dx=grad_on and x.requires_grad,
         need_dw=grad_on and weight.requires_grad,

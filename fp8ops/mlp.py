@@ -41,15 +41,18 @@ from . import activation as _activation
 from ._glue import autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
 from .formats import Role
-from .layernorm_linear import _HIGH, NormCfg, norm_backward, norm_operands
-from .linear import (
-    _g,
-    _or_empty,
-    _quantize_grad,
-    _quantize_pair,
+from ._operands import (
+    HIGH,
+    NormCfg,
     gemm_dgrad,
     gemm_fprop,
+    gemm_spec,
     gemm_wgrad,
+    norm_backward,
+    norm_operands,
+    or_empty,
+    quantize_grad,
+    quantize_pair,
     quantize_weight_operands,
 )
 from .quantize import QuantSpec, quantize_2d
@@ -107,7 +110,7 @@ def act_operands(
         y, _, _, amax, _ = _ops.act_fwd(h, act, True, None, None, 0, False, None, False, False, h_inv, hp_dtype)
         if not fp8 or spec is None:
             return y, None, None, None, None, amax, None
-        q, inv, q_t, inv_t, amax = _quantize_pair(y, None, spec, need_t)
+        q, inv, q_t, inv_t, amax = quantize_pair(y, None, spec, need_t)
         return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, None
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=h.device)
@@ -135,7 +138,7 @@ def dact_operands(
         db = db if dbias else None
         if not fp8 or spec is None:
             return dh, None, None, None, None, amax, db
-        q, inv, q_t, inv_t, amax = _quantize_grad(dh, g_scale, spec, has_probe, need_q, need_t)
+        q, inv, q_t, inv_t, amax = quantize_grad(dh, g_scale, spec, has_probe, need_q, need_t)
         return (dh if need_hp else None), q, inv, q_t, inv_t, amax, db
     scale = g_scale
     if not has_probe or scale is None:  # nothing is recorded: the scale comes from this gradient
@@ -231,11 +234,11 @@ class _FusedLNMLP(torch.autograd.Function):
             w2q_t = w2_inv_t = None
         e = x
         return (
-            y, ln_amax, w1_amax, a_amax, w2_amax, _or_empty(h_amax, e), mean, rstd,
-            _or_empty(lnq_t, e), _or_empty(ln_inv_t, e), _or_empty(ln if cfg.need_dw1 and not fp8_wgrad else None, e),
-            _or_empty(w1q_t, e), _or_empty(w1_inv_t, e), h, _or_empty(h_inv, e),
-            _or_empty(aq_t, e), _or_empty(a_inv_t, e), _or_empty(a if keep_a_hp else None, e),
-            _or_empty(a_amax_in, e), _or_empty(w2q_t, e), _or_empty(w2_inv_t, e),
+            y, ln_amax, w1_amax, a_amax, w2_amax, or_empty(h_amax, e), mean, rstd,
+            or_empty(lnq_t, e), or_empty(ln_inv_t, e), or_empty(ln if cfg.need_dw1 and not fp8_wgrad else None, e),
+            or_empty(w1q_t, e), or_empty(w1_inv_t, e), h, or_empty(h_inv, e),
+            or_empty(aq_t, e), or_empty(a_inv_t, e), or_empty(a if keep_a_hp else None, e),
+            or_empty(a_amax_in, e), or_empty(w2q_t, e), or_empty(w2_inv_t, e),
         )
 
     @staticmethod
@@ -273,7 +276,7 @@ class _FusedLNMLP(torch.autograd.Function):
             dy = dy.contiguous()
             # Step 1: quantize dy (and its transpose) in one pass; its amax is fc2's observation.
             if cfg.fp8:
-                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = _quantize_grad(
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
                     dy, s_g2, sp_g2, cfg.has_probe, cfg.need_dh and fp8_dgrad, cfg.need_dw2 and fp8_wgrad
                 )
             else:
@@ -456,13 +459,13 @@ def fused_ln_mlp(
         specs = tuple(QuantSpec.of(recipe, LayerNormMLPState.ROLES[n], getattr(state, n).calibrated) for n in roles)
         if specs[-1].mode == "rowwise":  # fc1's stored output is dequantized per tensor by the activation kernels
             specs = (*specs[:-1], specs[-1]._replace(mode="current"))
-        gemms = (_g(recipe.fprop), _g(recipe.dgrad), _g(recipe.wgrad))
+        gemms = (gemm_spec(recipe.fprop), gemm_spec(recipe.dgrad), gemm_spec(recipe.wgrad))
         scales: list[Tensor | None] = []
         for n in roles:  # autograd.Function under torch.compile rejects one tensor passed twice
             s = getattr(state, n).scale
             scales.append(s.clone() if any(s is o for o in scales) else s)
     else:
-        specs, gemms, scales = (None,) * 7, (_HIGH, _HIGH, _HIGH), [None] * 7
+        specs, gemms, scales = (None,) * 7, (HIGH, HIGH, HIGH), [None] * 7
     cfg = _Cfg(
         norm=NormCfg(normalization == "RMSNorm", float(eps), bool(zero_centered_gamma), ln_bias is not None),
         act=activation, fp8=fp8, recompute=recompute == "activation", specs=specs,

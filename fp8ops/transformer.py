@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_float_tensor, check_recipe
+from ._checks import NORMALIZATIONS, check_float_tensor, check_recipe
 from .activation import ACTIVATIONS, GATED
 from .attention import BlockMask, MaskMod, attention, modmath
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
@@ -56,7 +56,6 @@ __all__ = [
     "transformer_layer",
 ]
 
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 NORM_POSITIONS = ("pre", "post")
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
 LAYOUTS = ("sbh", "bsh")

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..formats import fp8_max_of
+from ..kernels import activation as _kernel_activation
 from ..recipes import compute_scale
 from .quantize import amax as _amax
 from .quantize import saturating_cast
@@ -45,8 +46,9 @@ __all__ = [
     "activation_grad",
 ]
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "silu", "qgelu", "swiglu", "geglu", "reglu")
-GATED = ("swiglu", "geglu", "reglu")
+# One definition of the activation names, with the kernels (which import only torch and triton).
+ACTIVATIONS: tuple[str, ...] = _kernel_activation.ACTIVATIONS
+GATED: tuple[str, ...] = _kernel_activation.GATED
 _BASE = {"swiglu": "silu", "geglu": "gelu_tanh", "reglu": "relu"}
 
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)

@@ -1,0 +1,184 @@
+"""GEMM operands and GEMMs shared by the linear-family ops (``fp8_linear``, ``layernorm_linear``,
+``fused_ln_mlp``): quantizing an operand together with its K-major transposed copy, quantizing
+an output gradient, the three GEMMs of a linear layer in FP8 or high precision, a weight's
+operands, and the normalisation that feeds a GEMM directly with its FP8 output.
+
+Every operand is K-major (row-major with the contraction dimension last), the layout Hopper's FP8
+tensor cores need::
+
+    fprop  y  = x  . W^T     xq (M, K)  x  wq   (N, K)
+    dgrad  dx = dy . W       dyq (M, N) x  wq^T (K, N)
+    wgrad  dW = dy^T . x     dyq^T (N, M) x xq^T (K, M)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
+from ._glue import cast
+from .gemm import scaled_mm
+from .quantize import QuantSpec, quantize_2d
+from .recipes import GemmSpec
+
+__all__ = [
+    "HIGH",
+    "NormCfg",
+    "gemm_dgrad",
+    "gemm_fprop",
+    "gemm_spec",
+    "gemm_wgrad",
+    "hp_linear",
+    "norm_backward",
+    "norm_operands",
+    "or_empty",
+    "quantize_grad",
+    "quantize_pair",
+    "quantize_weight_operands",
+]
+
+_ops = torch.ops.fp8ops
+
+def hp_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x . weight^T + bias`` in ``x``'s dtype with torch's own linear (no FP8, no kernel of ours);
+    gradients flow back in each argument's dtype. Also the K = 0 result: the bias broadcast."""
+    return torch.nn.functional.linear(x, cast(weight, x.dtype), None if bias is None else cast(bias, x.dtype))
+
+
+def quantize_pair(t: Tensor, scale: Tensor | None, spec: QuantSpec, need_t: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q, inv, q_t, inv_t, amax) of an (R, C) tensor; q_t (C, R) is K-major for the other GEMM.
+
+    Per-tensor scaling writes both in one pass; row-wise scaling quantizes the transpose with its
+    own row scales (per column of ``t``), the layout a row-wise scaled GEMM needs.
+    """
+    if spec.mode == "rowwise":
+        q, inv, _, amax = quantize_2d(t, scale, spec)
+        if not need_t:
+            return q, inv, t.new_empty(0, dtype=q.dtype), inv.new_empty(0), amax
+        q_t, inv_t, _, _ = quantize_2d(t.t().contiguous(), scale, spec)
+        return q, inv, q_t, inv_t, amax
+    q, inv, q_t, amax = quantize_2d(t, scale, spec, transpose=need_t)
+    if q_t is None:
+        q_t = t.new_empty(0, dtype=q.dtype)
+    return q, inv, q_t, inv, amax
+
+
+def quantize_grad(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool, need_q: bool, need_t: bool
+                   ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """(q, inv, q_t, inv_t, amax) of an output gradient; without a probe, current scaling.
+
+    ``q`` feeds the dgrad GEMM and ``q_t`` the wgrad GEMM; with neither needed only the amax (the
+    observation) is computed.
+    """
+    if not (need_q or need_t):
+        return None, None, None, None, torch.ops.fp8ops.amax(dy)
+    if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
+        spec = spec._replace(calibrated=False)
+    return quantize_pair(dy, g_scale if has_probe else None, spec, need_t)
+
+
+def gemm_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor | None, wq: Tensor | None,
+               w_inv: Tensor | None, w: Tensor | None, bias: Tensor | None, spec: tuple[str, bool, str],
+               out_dtype: torch.dtype) -> Tensor:
+    """``y = x . W^T + b`` (M, N): FP8 operands (M, K) x (N, K) when ``spec`` says fp8, else high precision."""
+    if spec[0] == "fp8":
+        return scaled_mm(xq, wq, x_inv, w_inv, bias=bias, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    assert x is not None and w is not None
+    b = None if bias is None else cast(bias, x.dtype)
+    return cast(torch.nn.functional.linear(x, cast(w, x.dtype), b), out_dtype)
+
+
+def gemm_dgrad(dyq: Tensor | None, dy_inv: Tensor | None, dy: Tensor, wq_t: Tensor | None,
+               w_inv_t: Tensor | None, w: Tensor | None, spec: tuple[str, bool, str], out_dtype: torch.dtype) -> Tensor:
+    """``dx = dy . W`` (M, K): FP8 operands (M, N) x (K, N) when ``spec`` says fp8, else high precision."""
+    if spec[0] == "fp8":
+        return scaled_mm(dyq, wq_t, dy_inv, w_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    assert w is not None
+    return cast(dy @ cast(w, dy.dtype), out_dtype)
+
+
+def gemm_wgrad(dyq_t: Tensor | None, dy_inv_t: Tensor | None, dy: Tensor, xq_t: Tensor | None,
+               x_inv_t: Tensor | None, x: Tensor | None, spec: tuple[str, bool, str], out_dtype: torch.dtype) -> Tensor:
+    """``dW = dy^T . x`` (N, K): FP8 operands (N, M) x (K, M) when ``spec`` says fp8, else high precision."""
+    if spec[0] == "fp8":
+        return scaled_mm(dyq_t, xq_t, dy_inv_t, x_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    assert x is not None
+    return cast(dy.t() @ cast(x, dy.dtype), out_dtype)
+
+
+def quantize_weight_operands(w: Tensor, w_scale: Tensor | None, spec: QuantSpec | None, fp8_fprop: bool,
+                             need_t: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """(wq, inv, wq_t, inv_t, amax) of a weight for the fprop GEMM and (transposed) the dgrad GEMM.
+
+    ``spec=None`` (no FP8): nothing is quantized and the amax is an empty placeholder.
+    """
+    if spec is None:
+        return None, None, None, None, w.new_empty(0, dtype=torch.float32)
+    if fp8_fprop or need_t:
+        return quantize_pair(w, w_scale, spec, need_t)
+    return None, None, None, None, torch.ops.fp8ops.amax(w)
+
+
+def gemm_spec(spec: GemmSpec) -> tuple[str, bool, str]:
+    return (spec.precision, spec.fast_accum, spec.backend)
+
+
+def or_empty(t: Tensor | None, x: Tensor) -> Tensor:
+    """``t``, or a fresh empty placeholder (one tensor must never be two outputs of a Function)."""
+    return x.new_empty(0) if t is None else t
+
+
+HIGH = ("high", False, "auto")
+
+
+class NormCfg(NamedTuple):
+    """Static description of the normalisation in front of a GEMM."""
+
+    rms: bool
+    eps: float
+    zero_centered: bool
+    has_bias: bool
+
+
+def norm_operands(
+    x: Tensor, w: Tensor, b: Tensor | None, ncfg: NormCfg, scale: Tensor | None, spec: QuantSpec | None,
+    *, need_q: bool, need_t: bool, need_hp: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]:
+    """Normalise ``x`` (M, K) into the forms the following GEMMs need, in one kernel where it can.
+
+    Returns ``(hp, q, inv, q_t, inv_t, amax, mean, rstd)``: ``hp`` the normalised output in
+    ``x.dtype`` (when ``need_hp``), ``q`` / ``q_t`` its FP8 copy (M, K) / (K, M) with inverse
+    scales, ``amax`` of the normalised output, ``mean`` / ``rstd`` the saved statistics.
+    Row-wise scaling writes the high-precision output and quantizes it separately (per-row
+    scales need the whole row's amax before the cast).
+    """
+    fp8 = need_q or need_t
+    if not fp8 or spec is None or spec.mode == "rowwise":
+        y, _, _, _, amax, _, mean, rstd = _ops.norm_fwd(
+            x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, True, None, None, 0, False, None, False
+        )
+        if not fp8 or spec is None:
+            return y, None, None, None, None, amax, mean, rstd
+        q, inv, q_t, inv_t, amax = quantize_pair(y, None, spec, need_t)
+        return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, mean, rstd
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=x.device)
+    amax_in = None
+    if spec.mode != "delayed" or not spec.calibrated:
+        amax_in = _ops.norm_amax(x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered)
+    y, _, q, q_t, amax, inv, mean, rstd = _ops.norm_fwd(
+        x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, need_hp, scale, amax_in,
+        spec.margin, spec.power_2, spec.dtype, need_t,
+    )
+    return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax, mean, rstd
+
+
+def norm_backward(dln: Tensor, x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, ncfg: NormCfg
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(dx, dweight, dbias)`` of the normalisation for the gradient ``dln`` of its output."""
+    dx, dw, db = _ops.norm_bwd(dln.contiguous(), x, w, mean, rstd, None, ncfg.rms, ncfg.zero_centered, ncfg.has_bias)
+    return dx, dw, (db if ncfg.has_bias else None)
