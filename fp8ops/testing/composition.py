@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["MODES", "RECIPES", "Model", "StepResult", "compare", "gpt_loss", "make_model", "make_recipe", "max_rel_error",
-           "train"]
+__all__ = ["MODES", "RECIPES", "Model", "StepResult", "check_compiled", "compare", "eager_result", "gpt_loss",
+           "make_model", "make_recipe", "max_rel_error", "probe_leaves", "train"]
 
 MODES = ("eager", "compile", "fullgraph", "reduce-overhead", "func.grad", "func.grad_and_value", "func.vjp")
 """The execution modes :func:`train` knows."""
@@ -236,7 +236,8 @@ def max_rel_error(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> tuple[flo
     return worst, key
 
 
-def _probe_leaves(r: StepResult) -> dict[str, Tensor]:
+def probe_leaves(r: StepResult) -> dict[str, Tensor]:
+    """The first step's probe gradients as a flat ``{index: tensor}`` dict."""
     leaves = [t for t in pytree.tree_leaves(r.probe_grads) if isinstance(t, Tensor)]
     return {str(i): t for i, t in enumerate(leaves)}
 
@@ -246,6 +247,50 @@ def compare(want: StepResult, got: StepResult) -> dict[str, Any]:
     errors of the first step (with the parameter's index) and the worst relative loss difference
     over the steps."""
     grad, key = max_rel_error(want.grads, got.grads)
-    probe, _ = max_rel_error(_probe_leaves(want), _probe_leaves(got))
+    probe, _ = max_rel_error(probe_leaves(want), probe_leaves(got))
     loss = max(abs(a - b) / abs(a) for a, b in zip(want.losses, got.losses))
     return {"grad": grad, "grad_key": key, "probe": probe, "loss": loss}
+
+
+_EAGER: dict[tuple[str, str, str], StepResult] = {}
+
+
+def eager_result(recipe: str, dtype: torch.dtype, device: str) -> StepResult:
+    """:func:`train` in eager mode for a recipe name (see :func:`make_recipe`), computed once per
+    (recipe, dtype, device) in a process."""
+    key = (recipe, str(dtype), device)
+    if key not in _EAGER:
+        _EAGER[key] = train("eager", recipe=make_recipe(recipe), dtype=dtype, device=device)
+    return _EAGER[key]
+
+
+FP32_GRAD_TOL, FP32_LOSS_TOL = 1e-4, 1e-5
+"""Bounds of a compiled float32 run against eager: reassociation only."""
+
+
+def check_compiled(got: StepResult, recipe: str, dtype: torch.dtype, device: str, *, what: str) -> dict[str, Any]:
+    """Assert that a compiled run ``got`` stays on eager's numbers; return the errors.
+
+    Float32: :data:`FP32_GRAD_TOL` / :data:`FP32_LOSS_TOL`. Bfloat16: the fused casts of a compiler
+    round differently and FP8 quantization can move an element across a rounding boundary (one
+    E5M2 step is 25 %), so the bound is twice the distance between eager bfloat16 and eager float32
+    for the same recipe; and the compiled run must be no farther from eager float32 than 1.5 times
+    eager bfloat16 is (no bias).
+    """
+    want = eager_result(recipe, dtype, device)
+    e = compare(want, got)
+    if dtype == torch.float32:
+        grad_tol, loss_tol = FP32_GRAD_TOL, FP32_LOSS_TOL
+    else:
+        ref = eager_result(recipe, torch.float32, device)
+        noise = compare(ref, want)
+        grad_tol, loss_tol = 2 * noise["grad"], 2 * noise["loss"]
+        own = compare(ref, got)["grad"]
+        e["vs_fp32"], e["eager_vs_fp32"] = own, noise["grad"]
+        assert own <= 1.5 * noise["grad"], (
+            f"{what}: {own:.2e} from eager float32, eager bfloat16 is {noise['grad']:.2e} (a bias)")
+    e["grad_tol"], e["loss_tol"] = grad_tol, loss_tol
+    assert e["grad"] <= grad_tol, f"{what}: parameter {e['grad_key']} gradient error {e['grad']:.2e} > {grad_tol:.2e}"
+    assert e["probe"] <= grad_tol, f"{what}: probe gradient error {e['probe']:.2e} > {grad_tol:.2e}"
+    assert e["loss"] <= loss_tol, f"{what}: loss curves differ by {e['loss']:.2e} > {loss_tol:.2e}"
+    return e
