@@ -32,7 +32,9 @@ def check_float_tensor(t: Any, name: str, where: str, *, min_dim: int = 0) -> Te
 def check_recipe(recipe: Any, where: str) -> Recipe:
     """``recipe`` if it is a fp8ops recipe."""
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"{where}: recipe must be a fp8ops recipe (DelayedScaling, CurrentScaling, ...), got {recipe!r}")
+        got = "None" if recipe is None else f"{type(recipe).__name__} {recipe!r}"[:200]
+        raise TypeError(f"{where}: recipe must be a fp8ops recipe (fp8ops.DelayedScaling, fp8ops.CurrentScaling or a "
+                        f"fp8ops.Recipe subclass), got {got}")
     return recipe
 
 

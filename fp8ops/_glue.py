@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GUARD_MESSAGE", "autocast_dtype", "autocast_inputs", "cast", "refuse_compiled_transform"]
+__all__ = ["GUARD_MESSAGE", "autocast_dtype", "autocast_inputs", "cast", "refuse_compiled_transform", "values_readable"]
 
 GUARD_MESSAGE = (
     "torch.compile cannot trace a torch.func transform (grad, vjp, grad_and_value, jacrev, ...) through "
@@ -110,3 +110,25 @@ def autocast_inputs(dtype: torch.dtype, *ts: Any) -> tuple[Any, ...]:
     """Each of ``ts`` cast to ``dtype`` when it is a float32/bfloat16/float16 tensor; anything else
     (None, non-tensors, integer tensors) as given, for the op's own checks to judge."""
     return tuple(cast(t, dtype) if isinstance(t, Tensor) and t.dtype in _CASTABLE else t for t in ts)
+
+
+def values_readable(*ts: Tensor) -> bool:
+    """Whether the values of ``ts`` can be read on the host for a check: eager, no torch.func
+    transform, no dispatch mode (fake or proxy tracing), plain tensors not on the meta device.
+
+    A read is a host sync on a GPU: checks that read values run only where this is True.
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    if torch._C._functorch.maybe_current_level() is not None:
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:
+        return False
+    for t in ts:
+        if type(t) not in (Tensor, torch.nn.Parameter) or t.device.type == "meta":
+            return False
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+    return True

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ._glue import values_readable
 from .formats import Role, check_role
 
 __all__ = [
@@ -101,25 +102,6 @@ def _check_values(h: Tensor, s: Tensor, p: Tensor, *, where: str, prefix: str = 
         raise ValueError(f"{where}: {prefix}pending_amax must be an amax >= 0 or NaN (0: none observed), got {p.item()!r}")
 
 
-def _values_readable(*ts: Tensor) -> bool:
-    """Whether reading the tensors' values on the host is possible and cheap to justify: eager,
-    no torch.func transform, no dispatch mode (fake / proxy tracing), plain real tensors."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    if torch._C._functorch.maybe_current_level() is not None:
-        return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    if _get_current_dispatch_mode() is not None:
-        return False
-    for t in ts:
-        if type(t) not in (Tensor, torch.nn.Parameter) or t.device.type == "meta":
-            return False
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
-            return False
-    return True
-
-
 @attrs.frozen(init=False, eq=False, repr=False)
 class ScalingState:
     """Scaling state of one quantized tensor role; immutable, a pytree of three tensors.
@@ -181,7 +163,7 @@ class ScalingState:
     ) -> None:
         _check_static(role, calibrated, fp8_dtype, mode, where="ScalingState")
         _check_tensors(amax_history, scale, pending_amax, where="ScalingState")
-        if _values_readable(amax_history, scale, pending_amax):
+        if values_readable(amax_history, scale, pending_amax):
             _check_values(amax_history, scale, pending_amax, where="ScalingState")
         # a hand-made state may hold a pending observation: unknown until an update looks
         _set_fields(self, amax_history, scale, pending_amax, role, calibrated, fp8_dtype, mode, None)

@@ -81,17 +81,6 @@ def _pairs(
     return nodes, spec, pairs
 
 
-def _check_recipe(recipe: Any, *, where: str) -> None:
-    from .recipes import Recipe  # recipes imports this module
-
-    if not isinstance(recipe, Recipe):
-        got = "None" if recipe is None else f"{type(recipe).__name__} {recipe!r}"[:200]
-        raise TypeError(
-            f"{where}: recipe must be a fp8ops recipe (fp8ops.DelayedScaling, fp8ops.CurrentScaling or a "
-            f"fp8ops.Recipe subclass): the one the states were built with, got {got}"
-        )
-
-
 def update(
     states: _T,
     *,
@@ -142,7 +131,9 @@ def update(
         >>> fp8ops.update(st, recipe=r)["a"].scale
         tensor(64.)
     """
-    _check_recipe(recipe, where="update")
+    from ._checks import check_recipe  # _checks imports recipes, which imports this module
+
+    check_recipe(recipe, "update")
     nodes, spec, pairs = _pairs(states, grad_amax, "update")
     flat = [p for row in pairs for p in row]
     if not flat:

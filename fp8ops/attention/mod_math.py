@@ -16,18 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._glue import values_readable
+
 
 def _is_t(x: Any) -> bool:
     return isinstance(x, Tensor)
-
-
-def _values_readable(t: Tensor) -> bool:
-    """Whether reading ``t``'s values on the host is possible and cheap enough to validate with:
-    not while torch.compile traces, not for meta tensors, nor for tensors wrapped by a ``torch.func``
-    transform (a vmap-batched tensor has no single value to read)."""
-    if torch.compiler.is_compiling() or t.is_meta:
-        return False
-    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 class _LoadIndexError(IndexError):
@@ -138,7 +131,7 @@ class _ModMath:
                                 f"in the table), got {index.dtype}")
             # Negative indices would wrap here but read before the table in the kernels: refuse both
             # ends. One host read, skipped where values cannot be read (tracing, vmap-batched).
-            if index.numel() and _values_readable(index):
+            if index.numel() and values_readable(index):
                 lo, hi = torch.stack(index.aminmax()).tolist()
                 if lo < 0 or hi >= n:
                     raise _LoadIndexError(table, lo, hi)

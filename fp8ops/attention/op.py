@@ -28,7 +28,7 @@ from .checks import (
     _index,
     _seed_tensor,
 )
-from .mod_math import _values_readable
+from .._glue import values_readable
 from .mods import _MASK_ARITY, _SCORE_ARITY, MaskMod, ScoreMod
 
 
@@ -253,7 +253,7 @@ def attention(
         # tensors' offsets are valid by construction: read only when their longest sequence is unknown.
         if nested and max_seqlen_q is not None and max_seqlen_kv is not None:
             longest = (int(max_seqlen_q), int(max_seqlen_kv))
-        elif _values_readable(cu_q) and _values_readable(cu_kv):  # type: ignore[arg-type]
+        elif values_readable(cu_q) and values_readable(cu_kv):  # type: ignore[arg-type]
             longest = _check_offsets(cu_q, None if cu_kv is cu_q else cu_kv,  # type: ignore[arg-type]
                                      q.shape[0], k.shape[0], where)
             for name, m, n, of in (("max_seqlen_q", max_seqlen_q, longest[0], "cu_seqlens_q"),
