@@ -5,11 +5,12 @@
 # Usage: bash scripts/gpu_check.sh OUTDIR [--sweep]
 #
 #   SUITES="quantize linear"   benchmark suites to run (python -m fp8ops.bench <suite>), in order
-#   TESTS="tests property_tests"  where pytest looks for the tests marked gpu
+#   TEST_GROUPS="name:paths;..."  groups of GPU tests run side by side (default: six groups
+#                                covering tests/ and property_tests/)
 #   Wheels in .whl/ (e.g. torchao, a peer in the linear suite) are installed to /tmp/site first.
 #
 #   OUTDIR     created if missing; receives nvidia-smi.txt, versions.txt, install.log,
-#              gpu_tests.log, gpu_tests.xml, bench_quantize.log, quantize.json, quantize.png,
+#              gpu_tests.log (a line per group), gpu_tests_<group>.log/.xml, bench_quantize.log, quantize.json, quantize.png,
 #              summary.txt
 #   --sweep    also time launcher configurations of the quantize kernels (python -m fp8ops.bench
 #              quantize --sweep) to tune the defaults in kernels/quantize.py
@@ -17,7 +18,7 @@
 # Expects torch (CUDA build) and triton preinstalled for python3 (override with PYTHON=...); needs
 # no network. The tests run even if an earlier step failed, the benchmark runs even if tests fail,
 # and the exit status is non-zero if any step failed. Every step has a time limit so that the whole
-# script stays under GPU_CHECK_BUDGET_S seconds (default 480).
+# script stays under GPU_CHECK_BUDGET_S seconds (default 570).
 
 set -u -o pipefail
 
@@ -44,7 +45,7 @@ cd "$REPO" || exit 2
 
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET_S:-480}
+BUDGET=${GPU_CHECK_BUDGET_S:-570}
 START=$SECONDS
 FAILED=()
 
@@ -107,11 +108,26 @@ timeout --kill-after=10 "$(limit 180 360)" \
     "$PY" -m pip install --no-deps --no-build-isolation -e . 2>&1 | tee "$OUT/install.log"
 check "pip install" $?
 
-step "GPU tests: pytest -m gpu tests property_tests"
-timeout --kill-after=10 "$(limit 270 200)" \
-    "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" ${TESTS:-tests property_tests} \
-    2>&1 | tee "$OUT/gpu_tests.log"
-check "GPU tests" $?
+step "GPU tests: pytest -m gpu, in concurrent groups"
+# Compilation is CPU-bound and the machine has many cores: the groups run side by side, each with
+# its own log and JUnit file. TEST_GROUPS="name:paths;name:paths" overrides the default groups.
+TEST_GROUPS=${TEST_GROUPS:-"composition:tests/test_composition_gpu.py;ops:tests/test_composition_ops.py property_tests;attention:tests/test_attention_gpu.py;linear:tests/test_linear_gpu.py tests/test_fused_gpu.py tests/test_gemm_gpu.py;norm:tests/test_norm_gpu.py tests/test_transformer_gpu.py;quantize:tests/test_quantize_gpu.py tests/test_activation_gpu.py"}
+TEST_LIMIT=$(limit 420 60)
+IFS=';' read -ra groups <<< "$TEST_GROUPS"
+pids=()
+for g in "${groups[@]}"; do
+    name=${g%%:*}
+    # shellcheck disable=SC2086  # the paths are words
+    timeout --kill-after=10 "$TEST_LIMIT" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider \
+        --junitxml="$OUT/gpu_tests_$name.xml" ${g#*:} > "$OUT/gpu_tests_$name.log" 2>&1 &
+    pids+=("$name:$!")
+done
+for p in "${pids[@]}"; do
+    wait "${p#*:}"
+    rc=$?
+    printf '%-12s %s\n' "${p%%:*}" "$(tail -1 "$OUT/gpu_tests_${p%%:*}.log")" | tee -a "$OUT/gpu_tests.log"
+    check "GPU tests ${p%%:*}" $rc
+done
 
 for suite in ${SUITES:-quantize linear}; do
     step "benchmark: python -m fp8ops.bench $suite"
