@@ -28,8 +28,8 @@ from .attention import (
 from .fake_quantize import FakeQuantState, fake_quantize
 from .formats import E4M3_MAX, E5M2_MAX, Format, Role
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
-from .linear import LinearState, WeightCache, fp8_linear, quantize_weight
-from .mlp import LayerNormMLPState, fused_ln_mlp
+from .fp8_linear import LinearState, WeightCache, fp8_linear, quantize_weight
+from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
 from .norm import layer_norm, rms_norm
 from .quantize import Float8Value, dequantize, quantize
 from .recipes import CurrentScaling, DelayedScaling, GemmSpec, Recipe, compute_scale
@@ -38,7 +38,7 @@ from .state import OpState, ScalingState, make_probes, merge, merge_batched
 from .state_dict import SCHEMA_VERSION, load_state_dict, state_dict
 from .update import update
 
-from .transformer import (
+from .transformer_layer import (
     TransformerConfig,
     init_transformer_params,
     init_transformer_state,

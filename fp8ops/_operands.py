@@ -29,7 +29,6 @@ __all__ = [
     "NormCfg",
     "gemm_dgrad",
     "gemm_fprop",
-    "gemm_spec",
     "gemm_wgrad",
     "hp_linear",
     "norm_backward",
@@ -82,30 +81,30 @@ def quantize_grad(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool,
 
 
 def gemm_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor | None, wq: Tensor | None,
-               w_inv: Tensor | None, w: Tensor | None, bias: Tensor | None, spec: tuple[str, bool, str],
+               w_inv: Tensor | None, w: Tensor | None, bias: Tensor | None, spec: GemmSpec,
                out_dtype: torch.dtype) -> Tensor:
     """``y = x . W^T + b`` (M, N): FP8 operands (M, K) x (N, K) when ``spec`` says fp8, else high precision."""
-    if spec[0] == "fp8":
-        return scaled_mm(xq, wq, x_inv, w_inv, bias=bias, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    if spec.precision == "fp8":
+        return scaled_mm(xq, wq, x_inv, w_inv, bias=bias, out_dtype=out_dtype, fast_accum=spec.fast_accum, backend=spec.backend)
     assert x is not None and w is not None
     b = None if bias is None else cast(bias, x.dtype)
     return cast(torch.nn.functional.linear(x, cast(w, x.dtype), b), out_dtype)
 
 
 def gemm_dgrad(dyq: Tensor | None, dy_inv: Tensor | None, dy: Tensor, wq_t: Tensor | None,
-               w_inv_t: Tensor | None, w: Tensor | None, spec: tuple[str, bool, str], out_dtype: torch.dtype) -> Tensor:
+               w_inv_t: Tensor | None, w: Tensor | None, spec: GemmSpec, out_dtype: torch.dtype) -> Tensor:
     """``dx = dy . W`` (M, K): FP8 operands (M, N) x (K, N) when ``spec`` says fp8, else high precision."""
-    if spec[0] == "fp8":
-        return scaled_mm(dyq, wq_t, dy_inv, w_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    if spec.precision == "fp8":
+        return scaled_mm(dyq, wq_t, dy_inv, w_inv_t, out_dtype=out_dtype, fast_accum=spec.fast_accum, backend=spec.backend)
     assert w is not None
     return cast(dy @ cast(w, dy.dtype), out_dtype)
 
 
 def gemm_wgrad(dyq_t: Tensor | None, dy_inv_t: Tensor | None, dy: Tensor, xq_t: Tensor | None,
-               x_inv_t: Tensor | None, x: Tensor | None, spec: tuple[str, bool, str], out_dtype: torch.dtype) -> Tensor:
+               x_inv_t: Tensor | None, x: Tensor | None, spec: GemmSpec, out_dtype: torch.dtype) -> Tensor:
     """``dW = dy^T . x`` (N, K): FP8 operands (N, M) x (K, M) when ``spec`` says fp8, else high precision."""
-    if spec[0] == "fp8":
-        return scaled_mm(dyq_t, xq_t, dy_inv_t, x_inv_t, out_dtype=out_dtype, fast_accum=spec[1], backend=spec[2])
+    if spec.precision == "fp8":
+        return scaled_mm(dyq_t, xq_t, dy_inv_t, x_inv_t, out_dtype=out_dtype, fast_accum=spec.fast_accum, backend=spec.backend)
     assert x is not None
     return cast(dy.t() @ cast(x, dy.dtype), out_dtype)
 
@@ -123,16 +122,13 @@ def quantize_weight_operands(w: Tensor, w_scale: Tensor | None, spec: QuantSpec 
     return None, None, None, None, torch.ops.fp8ops.amax(w)
 
 
-def gemm_spec(spec: GemmSpec) -> tuple[str, bool, str]:
-    return (spec.precision, spec.fast_accum, spec.backend)
-
-
 def or_empty(t: Tensor | None, x: Tensor) -> Tensor:
     """``t``, or a fresh empty placeholder (one tensor must never be two outputs of a Function)."""
     return x.new_empty(0) if t is None else t
 
 
-HIGH = ("high", False, "auto")
+HIGH = GemmSpec(precision="high")
+"""The GEMMs of the no-FP8 path: the operands in their own dtype."""
 
 
 class NormCfg(NamedTuple):

@@ -3,7 +3,7 @@
 The corpus is the Python standard library's own ``.py`` files, read as bytes (vocabulary 256), so
 every machine has it; files are shuffled by a fixed permutation of their sorted paths and every
 tenth file is held out for validation. The model is a GPT: token + learned position embeddings, a
-stack of :func:`fp8ops.transformer.transformer_layer` (causal self attention, pre-norm, gelu_tanh),
+stack of :func:`fp8ops.transformer_layer` (causal self attention, pre-norm, gelu_tanh),
 a final :func:`fp8ops.norm.layer_norm` and a head tied to the token embedding; AdamW with warm-up
 and cosine decay, gradient clipping at 1.0, float32 master weights.
 
@@ -154,7 +154,7 @@ def val_batches(data: Tensor, *, batch: int, seq: int, count: int) -> list[tuple
 
 def make_config(hidden: int, heads: int) -> Any:
     """The layer configuration: causal self attention, pre-norm, gelu_tanh MLP (4x), no dropout."""
-    from fp8ops.transformer import TransformerConfig
+    from fp8ops.transformer_layer import TransformerConfig
 
     return TransformerConfig(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=heads,
                              hidden_dropout=0.0, attention_dropout=0.0, normalization="LayerNorm",
@@ -166,7 +166,7 @@ def init_gpt(config: Any, *, layers: int, seq: int, seed: int, device: torch.dev
 
     Built on the CPU from one generator (the same values on every device), then moved.
     """
-    from fp8ops.transformer import init_transformer_params
+    from fp8ops.transformer_layer import init_transformer_params
 
     g = torch.Generator().manual_seed(seed)
     h = config.hidden_size
@@ -198,7 +198,7 @@ def gpt_loss(
     with ``recipe`` the layers' GEMMs run in FP8 and their new scaling states are returned.
     """
     from fp8ops.norm import layer_norm
-    from fp8ops.transformer import transformer_layer
+    from fp8ops.transformer_layer import transformer_layer
 
     S = tokens.shape[1]
     x = F.embedding(tokens, params["tok"]) + params["pos"][:S]  # (B, S, H)
@@ -210,8 +210,8 @@ def gpt_loss(
         pr = None if probes is None else probes[i]
         x, ns = transformer_layer(lp, x, st, config=config, recipe=recipe, probes=pr, training=training)
         new_states.append(ns)
-    x = layer_norm(x, params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype),
-                   eps=config.layernorm_epsilon)
+    x, _ = layer_norm(x, params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype), None,
+                      eps=config.layernorm_epsilon)
     logits = x.transpose(0, 1) @ params["tok"].to(dtype).t()  # (B, S, V), head tied to the embedding
     loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
     return loss, (new_states if states is not None else None)
@@ -312,7 +312,7 @@ def train(
                             lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     states = None
     if fp8:
-        from fp8ops.transformer import init_transformer_state
+        from fp8ops.transformer_layer import init_transformer_state
 
         states = [init_transformer_state(config, recipe, device=device) for _ in range(layers)]
 

@@ -33,7 +33,6 @@ from ._operands import (
     NormCfg,
     gemm_dgrad,
     gemm_fprop,
-    gemm_spec,
     gemm_wgrad,
     hp_linear,
     norm_backward,
@@ -42,9 +41,9 @@ from ._operands import (
     quantize_grad,
     quantize_weight_operands,
 )
-from .linear import LinearState
+from .fp8_linear import LinearState
 from .quantize import QuantSpec
-from .recipes import Recipe
+from .recipes import GemmSpec, Recipe
 
 __all__ = ["LayerNormLinearState", "layernorm_linear"]
 
@@ -71,9 +70,9 @@ class _Cfg(NamedTuple):
     x_spec: QuantSpec | None
     w_spec: QuantSpec | None
     g_spec: QuantSpec | None
-    fprop: tuple[str, bool, str]
-    dgrad: tuple[str, bool, str]
-    wgrad: tuple[str, bool, str]
+    fprop: GemmSpec
+    dgrad: GemmSpec
+    wgrad: GemmSpec
     has_probe: bool
     return_ln: bool
     need_dx: bool  # any gradient through the norm: x, its weight or its bias
@@ -97,10 +96,10 @@ class _LayerNormLinear(torch.autograd.Function):
         probe: Tensor | None,
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
-        fp8_fwd = cfg.fprop[0] == "fp8"
-        need_xt = cfg.need_dw and cfg.wgrad[0] == "fp8"
-        need_wt = cfg.need_dx and cfg.dgrad[0] == "fp8"
-        need_hp = cfg.return_ln or not fp8_fwd or (cfg.need_dw and cfg.wgrad[0] != "fp8")
+        fp8_fwd = cfg.fprop.precision == "fp8"
+        need_xt = cfg.need_dw and cfg.wgrad.precision == "fp8"
+        need_wt = cfg.need_dx and cfg.dgrad.precision == "fp8"
+        need_hp = cfg.return_ln or not fp8_fwd or (cfg.need_dw and cfg.wgrad.precision != "fp8")
         # Step 1: the norm, writing the FP8 GEMM operand (and its transpose) directly.
         ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd = norm_operands(
             x, ln_w, ln_b, cfg.norm, x_scale, cfg.x_spec, need_q=fp8_fwd, need_t=need_xt, need_hp=need_hp
@@ -123,8 +122,8 @@ class _LayerNormLinear(torch.autograd.Function):
         # No zero gradients for the outputs that never get one; dy or dln_out may then be None.
         ctx.set_materialize_grads(False)
         ctx.y_shape = output[0].shape
-        keep_ln = cfg.need_dw and cfg.wgrad[0] != "fp8"
-        keep_w = cfg.need_dx and cfg.dgrad[0] != "fp8"
+        keep_ln = cfg.need_dw and cfg.wgrad.precision != "fp8"
+        keep_w = cfg.need_dx and cfg.dgrad.precision != "fp8"
         ctx.save_for_backward(
             x if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t, g_scale,
             ln if keep_ln else None, w if keep_w else None,
@@ -142,8 +141,8 @@ class _LayerNormLinear(torch.autograd.Function):
             if dy is None:  # only the returned norm output is used downstream
                 dy = torch.zeros(ctx.y_shape, dtype=x_dtype, device=ln_w.device)
             dy = dy.contiguous()
-            fp8_dgrad = cfg.need_dx and cfg.dgrad[0] == "fp8"
-            fp8_wgrad = cfg.need_dw and cfg.wgrad[0] == "fp8"
+            fp8_dgrad = cfg.need_dx and cfg.dgrad.precision == "fp8"
+            fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
             # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
             if cfg.fp8:
                 dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
@@ -273,7 +272,7 @@ def layernorm_linear(
         specs = (QuantSpec.of(recipe, "forward", state.input.calibrated),
                  QuantSpec.of(recipe, "forward", state.weight.calibrated),
                  QuantSpec.of(recipe, "backward", state.grad_output.calibrated))
-        gemms = (gemm_spec(recipe.fprop), gemm_spec(recipe.dgrad), gemm_spec(recipe.wgrad))
+        gemms = (recipe.fprop, recipe.dgrad, recipe.wgrad)
         scales = (state.input.scale, state.weight.scale, state.grad_output.scale)
     else:
         specs, gemms, scales = (None, None, None), (HIGH, HIGH, HIGH), (None, None, None)

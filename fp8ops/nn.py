@@ -35,12 +35,12 @@ from torch.utils import _pytree as pytree
 
 from ._checks import check_eps, check_normalization, check_recipe, check_zero_centered_gamma
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
-from .linear import LinearState, fp8_linear
-from .mlp import LayerNormMLPState, fused_ln_mlp
+from .fp8_linear import LinearState, fp8_linear
+from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
 from .state import make_probes, merge
 from .state_dict import load_state_dict, state_dict
 from .update import update
-from .transformer import (
+from .transformer_layer import (
     TransformerConfig,
     _check_layout,
     init_transformer_params,

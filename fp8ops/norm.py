@@ -9,6 +9,7 @@ copy + amax in the same pass) is used by the fused LayerNorm+Linear and LayerNor
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -21,6 +22,11 @@ from .quantize import _loop_vmap
 from .reference import norm as _ref
 
 __all__ = ["layer_norm", "rms_norm"]
+
+# The default of ``state``: a call that leaves it out gets the old return (``y`` or ``(y, s)``,
+# no state) with a DeprecationWarning; ``state=None`` gets the calling convention's
+# ``(outputs, None)``.
+_OLD_RETURN: Any = type("_OldReturn", (), {"__repr__": lambda self: "<not given>"})()
 
 _ops = torch.ops.fp8ops
 
@@ -111,6 +117,26 @@ def _check(where: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, 
     return K
 
 
+def _check_no_fp8(where: str, state: Any, recipe: Any) -> None:
+    if state is not None and state is not _OLD_RETURN:
+        raise TypeError(f"{where}: state must be None (a norm keeps no scaling state; its FP8 output is part of "
+                        f"layernorm_linear and fused_ln_mlp), got {type(state).__name__}")
+    if recipe is not None:
+        raise TypeError(f"{where}: recipe must be None (the norm runs in its input's precision; fuse it with the "
+                        f"next GEMM through layernorm_linear or fused_ln_mlp for FP8), got {recipe!r}")
+
+
+def _convention(where: str, state: Any, out: Any) -> Any:
+    """``(outputs, None)``; the old bare outputs when ``state`` was left out."""
+    if state is _OLD_RETURN:
+        if not torch.compiler.is_compiling():
+            warnings.warn(f"{where}: pass state=None ({where}(x, weight, ..., None)) to get (outputs, None) like "
+                          f"every fp8ops op; the bare return of a call without state is deprecated",
+                          DeprecationWarning, stacklevel=3)
+        return out
+    return out, None
+
+
 def _apply(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
            zero_centered_gamma: bool) -> Tensor | tuple[Tensor, Tensor]:
     if autocast_dtype(x.device.type) is not None:
@@ -132,11 +158,13 @@ def layer_norm(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
+    state: None = _OLD_RETURN,
     *,
+    recipe: None = None,
     eps: float = 1e-5,
     zero_centered_gamma: bool = False,
     residual: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Any:
     """LayerNorm over the last dimension, with an optional fused residual add.
 
     Math (per row of K elements, statistics in float32)::
@@ -153,14 +181,18 @@ def layer_norm(
             ``torch.autocast`` (which does not cast a norm's inputs: float32 stays float32).
         weight: (K,) float32 or x's dtype.
         bias: (K,) float32 or x's dtype, or None.
+        state: None (a norm keeps no scaling state). Leaving it out returns the bare outputs
+            instead of ``(outputs, None)``: deprecated, with a DeprecationWarning.
+        recipe: None (the norm runs in its input's precision; its FP8 output is part of
+            :func:`fp8ops.layernorm_linear` and :func:`fp8ops.fused_ln_mlp`).
         eps: added to the variance; a finite number > 0.
         zero_centered_gamma: the weight is stored centred on 0 (g = weight + 1), as in
             Transformer Engine's ``zero_centered_gamma``.
         residual: (..., K) of x's shape and dtype, or None.
 
     Returns:
-        y (..., K); with a residual ``(y, s)`` where ``s = x + residual`` (the next residual
-        stream). Differentiable in x, weight, bias and residual.
+        ``(y, None)`` with y (..., K); with a residual ``((y, s), None)`` where ``s = x + residual``
+        (the next residual stream). Differentiable in x, weight, bias and residual.
 
     Raises:
         TypeError, ValueError: bad input (the message names the argument and the fix).
@@ -169,9 +201,10 @@ def layer_norm(
         >>> import torch
         >>> from fp8ops.norm import layer_norm
         >>> x = torch.tensor([[1.0, 2.0, 3.0, 6.0]])
-        >>> layer_norm(x, torch.ones(4), torch.zeros(4))
+        >>> y, _ = layer_norm(x, torch.ones(4), torch.zeros(4), None)
+        >>> y
         tensor([[-1.0690, -0.5345,  0.0000,  1.6036]])
-        >>> y, s = layer_norm(x, torch.ones(4), None, residual=torch.ones(1, 4))
+        >>> (y, s), _ = layer_norm(x, torch.ones(4), None, None, residual=torch.ones(1, 4))
         >>> s
         tensor([[2., 3., 4., 7.]])
 
@@ -182,17 +215,20 @@ def layer_norm(
     if weight is None:
         raise TypeError(f"{where}: weight must be a (K,) tensor (use torch.ones(K) for no scaling), got None")
     _check(where, x, weight, bias, residual, eps, zero_centered_gamma)
-    return _apply(x, residual, weight, bias, eps, False, zero_centered_gamma)
+    _check_no_fp8(where, state, recipe)
+    return _convention(where, state, _apply(x, residual, weight, bias, eps, False, zero_centered_gamma))
 
 
 def rms_norm(
     x: Tensor,
     weight: Tensor,
+    state: None = _OLD_RETURN,
     *,
+    recipe: None = None,
     eps: float = 1e-5,
     zero_centered_gamma: bool = False,
     residual: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Any:
     """RMSNorm over the last dimension, with an optional fused residual add.
 
     Math (per row of K elements, statistics in float32)::
@@ -204,13 +240,15 @@ def rms_norm(
         x: (..., K) float32, bfloat16 or float16; y has the same shape and dtype, also inside
             ``torch.autocast`` (which does not cast a norm's inputs: float32 stays float32).
         weight: (K,) float32 or x's dtype.
+        state: None, as in :func:`layer_norm`.
+        recipe: None, as in :func:`layer_norm`.
         eps: added to the mean square; a finite number > 0.
         zero_centered_gamma: g = weight + 1.
         residual: (..., K) of x's shape and dtype, or None.
 
     Returns:
-        y (..., K); with a residual ``(y, s)`` where ``s = x + residual``. Differentiable in x,
-        weight and residual.
+        ``(y, None)`` with y (..., K); with a residual ``((y, s), None)`` where
+        ``s = x + residual``. Differentiable in x, weight and residual.
 
     Raises:
         TypeError, ValueError: bad input (the message names the argument and the fix).
@@ -218,8 +256,8 @@ def rms_norm(
     Example:
         >>> import torch
         >>> from fp8ops.norm import rms_norm
-        >>> rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), eps=1e-6)
-        tensor([[0.8485, 1.1314]])
+        >>> rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), None, eps=1e-6)
+        (tensor([[0.8485, 1.1314]]), None)
 
     References:
         Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
@@ -228,7 +266,8 @@ def rms_norm(
     if weight is None:
         raise TypeError(f"{where}: weight must be a (K,) tensor (use torch.ones(K) for no scaling), got None")
     _check(where, x, weight, None, residual, eps, zero_centered_gamma)
-    return _apply(x, residual, weight, None, eps, True, zero_centered_gamma)
+    _check_no_fp8(where, state, recipe)
+    return _convention(where, state, _apply(x, residual, weight, None, eps, True, zero_centered_gamma))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -116,8 +116,8 @@ def test_compiled_func_transforms_raise_for_each_op(transform: str) -> None:
     w, b = torch.randn(8), torch.randn(8)
     r = fp8ops.DelayedScaling()
     ops = {
-        "layer_norm": lambda x: fp8ops.layer_norm(x, w, b),
-        "rms_norm": lambda x: fp8ops.rms_norm(x, w),
+        "layer_norm": lambda x: fp8ops.layer_norm(x, w, b, None)[0],
+        "rms_norm": lambda x: fp8ops.rms_norm(x, w, None)[0],
         "fake_quantize": lambda x: fp8ops.fake_quantize(x, fp8ops.FakeQuantState.init(r), recipe=r)[0],
         "layernorm_linear": lambda x: fp8ops.layernorm_linear(x, w, b, torch.randn(6, 8), None, None, recipe=None)[0],
         "fused_ln_mlp": lambda x: fp8ops.fused_ln_mlp(x, w, b, torch.randn(16, 8), None, torch.randn(8, 16), None,
@@ -141,7 +141,7 @@ def test_compiled_vmap_still_runs() -> None:
     x = torch.randn(3, 4, 8)
 
     def f(x):
-        return fp8ops.layer_norm(x, w, b)
+        return fp8ops.layer_norm(x, w, b, None)[0]
 
     want = torch.func.vmap(f)(x)
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 import fp8ops
 from fp8ops import demo
-from fp8ops.reference.transformer import transformer_layer as reference_layer
+from fp8ops.reference.transformer_layer import transformer_layer as reference_layer
 
 TINY = ["--device", "cpu", "--steps", "4", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
         "--batch", "4", "--eval-every", "2", "--eval-batches", "1", "--max-data-mb", "1"]
@@ -63,7 +63,7 @@ def test_step0_loss_matches_fp32_reference():
     assert abs(hp.item() - ref) < 1e-4 * ref, (hp.item(), ref)
     # FP8 (first step: current-scaling calibration) within FP8 error of the FP32 reference.
     recipe = fp8ops.DelayedScaling()
-    from fp8ops.transformer import init_transformer_state
+    from fp8ops.transformer_layer import init_transformer_state
 
     states = [init_transformer_state(config, recipe) for _ in range(2)]
     probes = fp8ops.make_probes(states)

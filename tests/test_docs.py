@@ -198,8 +198,8 @@ def test_module_doctests(module_name: str) -> None:
 
 def test_public_op_modules_have_docstring_examples() -> None:
     # The modules that define the public ops keep at least one runnable example each.
-    for module_name in ("fp8ops.quantize", "fp8ops.fake_quantize", "fp8ops.linear", "fp8ops.norm",
-                        "fp8ops.layernorm_linear", "fp8ops.mlp", "fp8ops.transformer", "fp8ops.recipes",
+    for module_name in ("fp8ops.quantize", "fp8ops.fake_quantize", "fp8ops.fp8_linear", "fp8ops.norm",
+                        "fp8ops.layernorm_linear", "fp8ops.fused_ln_mlp", "fp8ops.transformer_layer", "fp8ops.recipes",
                         "fp8ops.state", "fp8ops.formats", "fp8ops.nn"):
         tests = doctest.DocTestFinder().find(importlib.import_module(module_name))
         assert any(t.examples for t in tests), f"{module_name}: no docstring examples found"

@@ -6,6 +6,11 @@
 - The reference (``fp8ops/reference/``) imports nothing from the ops it specifies.
 - Kernels import only torch, triton, the standard library and each other; nothing imports the
   bare name ``kernels`` (a different PyPI package has that name).
+- One op, one stem: a public op ``fp8ops.<op>`` is defined in ``fp8ops/<stem>.py`` (or the package
+  ``fp8ops/<stem>/``), specified in ``fp8ops/reference/<stem>.py`` by a function of the same name,
+  and tested in ``tests/test_<stem>*.py``; every other module, kernel module and test file is named
+  after a stem, a component library op shared by several public ops, or one named cross-cutting
+  concern.
 """
 
 from __future__ import annotations
@@ -132,6 +137,76 @@ def test_reference_imports_no_op() -> None:
             if not allowed:
                 bad.append(f"{m} imports {d}")
     assert not bad, f"the reference must not import the ops it specifies: {bad}"
+
+
+# Public op -> its stem. The stem is the op's name; two families share one: the norm ops (one
+# kernel with an RMS flag) and quantize / dequantize.
+OPS = {
+    "attention": "attention",
+    "dequantize": "quantize",
+    "fake_quantize": "fake_quantize",
+    "fp8_linear": "fp8_linear",
+    "fused_ln_mlp": "fused_ln_mlp",
+    "layer_norm": "norm",
+    "layernorm_linear": "layernorm_linear",
+    "quantize": "quantize",
+    "rms_norm": "norm",
+    "transformer_layer": "transformer_layer",
+}
+# Library ops used inside several public ops, with the same stem in fp8ops/, reference/, kernels/
+# and tests/: the scaled GEMM (fp8_linear, layernorm_linear, fused_ln_mlp) and the fused
+# activations (fused_ln_mlp).
+COMPONENTS = {"activation", "gemm"}
+# Modules that are not ops: formats, recipes and state; the module API; the demo.
+INFRASTRUCTURE = {"formats", "recipes", "state", "state_dict", "update", "nn", "demo", "bench", "testing",
+                  "reference", "kernels"}
+# Test files about a concern that crosses ops (named after it, not after a stem).
+CROSS_CUTTING_TESTS = {"autocast", "composition", "docs", "layout", "numerics", "op_checks", "state_checks",
+                       "distributed", "recipes", "state", "nn", "demo"}
+STEMS = set(OPS.values()) | COMPONENTS
+
+
+def _test_stem(name: str, suffix: str) -> str | None:
+    """The stem or concern a test file ``test_<x>[_...]`` names (the longest known prefix)."""
+    body = name.removeprefix("test_").removesuffix(suffix)
+    known = sorted(STEMS | CROSS_CUTTING_TESTS, key=len, reverse=True)
+    return next((k for k in known if body == k or body.startswith(k + "_")), None)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_every_op_is_found_by_its_stem(op: str) -> None:
+    import fp8ops
+
+    stem = OPS[op]
+    module = getattr(fp8ops, op).__module__
+    assert module == f"fp8ops.{stem}" or module.startswith(f"fp8ops.{stem}."), (
+        f"fp8ops.{op} is defined in {module}, expected fp8ops/{stem}.py or the package fp8ops/{stem}/")
+    ref = PKG / "reference" / f"{stem}.py"
+    assert ref.exists(), f"{op}: no reference module {ref.relative_to(ROOT)}"
+    assert f"def {op}(" in ref.read_text(), f"{op}: {ref.relative_to(ROOT)} defines no function {op}"
+    tests = sorted((ROOT / "tests").glob(f"test_{stem}*.py"))
+    assert tests, f"{op}: no tests/test_{stem}*.py"
+
+
+def test_every_module_is_named_after_a_stem() -> None:
+    bad = []
+    for path in sorted(PKG.iterdir()):
+        name = path.stem if path.suffix == ".py" else path.name
+        if name.startswith("_") or path.name in {"__pycache__", "py.typed"}:
+            continue
+        if name not in STEMS | INFRASTRUCTURE:
+            bad.append(f"fp8ops/{path.name}")
+    for path in sorted((PKG / "reference").glob("*.py")) + sorted(KERNELS.glob("*.py")):
+        if not path.stem.startswith("_") and path.stem not in STEMS:
+            bad.append(str(path.relative_to(ROOT)))
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        if _test_stem(path.stem, "") is None:
+            bad.append(str(path.relative_to(ROOT)))
+    for path in sorted((ROOT / "property_tests").glob("test_*.py")):
+        if not path.stem.endswith("_props") or _test_stem(path.stem, "_props") is None:
+            bad.append(str(path.relative_to(ROOT)))
+    assert not bad, (f"files not named after an op's stem {sorted(STEMS)}, a concern "
+                     f"{sorted(CROSS_CUTTING_TESTS)} or infrastructure {sorted(INFRASTRUCTURE)}: {bad}")
 
 
 @pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)

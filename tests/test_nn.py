@@ -11,9 +11,9 @@ import fp8ops
 import fp8ops.nn as fnn
 from fp8ops import CurrentScaling, DelayedScaling
 from fp8ops.layernorm_linear import LayerNormLinearState, layernorm_linear
-from fp8ops.mlp import LayerNormMLPState, fused_ln_mlp
-from fp8ops.reference.transformer import BasicTransformerLayer
-from fp8ops.transformer import (
+from fp8ops.fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
+from fp8ops.reference.transformer_layer import BasicTransformerLayer
+from fp8ops.transformer_layer import (
     TransformerConfig,
     init_transformer_state,
     params_from_basic_layer,

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fp8ops
 from fp8ops.norm import layer_norm, rms_norm
 from fp8ops.reference import norm as R
 from fp8ops.testing import assert_close_rule
@@ -59,8 +60,8 @@ def _grads(fn, x, r, w, b, dy, ds):
 
 def _check_all(x, r, w, b, dy, ds, rms, zc, *, k=2.0):
     def ours(x, r, w, b):
-        out = rms_norm(x, w, eps=EPS, zero_centered_gamma=zc, residual=r) if rms else \
-            layer_norm(x, w, b, eps=EPS, zero_centered_gamma=zc, residual=r)
+        out, _ = rms_norm(x, w, None, eps=EPS, zero_centered_gamma=zc, residual=r) if rms else \
+            layer_norm(x, w, b, None, eps=EPS, zero_centered_gamma=zc, residual=r)
         return out if r is not None else (out, x)
 
     y, g = _grads(ours, x, r, w, b, dy, ds)
@@ -90,7 +91,7 @@ def test_forward_and_gradients(dtype, rms, zc, residual):
 def test_fp32_weight_with_bf16_input_and_no_bias():
     x, r, w, _, dy, ds = _data((7, 33), torch.bfloat16, seed=1, wdtype=torch.float32)
     _check_all(x, r, w, None, dy, ds, False, False)
-    y, s = layer_norm(x, w, None, residual=r)
+    (y, s), _ = layer_norm(x, w, None, None, residual=r)
     assert y.dtype == s.dtype == torch.bfloat16
 
 
@@ -104,17 +105,17 @@ def test_hypothesis_shapes(shape, rms, residual, seed):
 
 def test_reference_matches_public_forward():
     x, r, w, b, _, _ = _data((4, 6, 24), torch.bfloat16, seed=2)
-    y, s = layer_norm(x, w, b, residual=r)
+    (y, s), _ = layer_norm(x, w, b, None, residual=r)
     y_ref, s_ref = R.layer_norm(x, w, b, residual=r)
     assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
-    assert torch.equal(rms_norm(x, w), R.rms_norm(x, w))
+    assert torch.equal(rms_norm(x, w, None)[0], R.rms_norm(x, w))
 
 
 def test_empty_and_single_row():
     w = torch.ones(5)
-    assert layer_norm(torch.zeros(0, 5), w, None).shape == (0, 5)
+    assert layer_norm(torch.zeros(0, 5), w, None, None)[0].shape == (0, 5)
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 10.0]], requires_grad=True)
-    y = layer_norm(x, w, torch.zeros(5))
+    y, _ = layer_norm(x, w, torch.zeros(5), None)
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.zeros_like(x), atol=1e-6, rtol=0)  # sum of a LayerNorm output
 
@@ -140,12 +141,12 @@ def test_errors(kwargs, exc, match):
     args = {"x": torch.ones(2, 3), "weight": torch.ones(3), "bias": None}
     args.update(kwargs)
     with pytest.raises(exc, match=match):
-        layer_norm(args.pop("x"), args.pop("weight"), args.pop("bias"), **args)
+        layer_norm(args.pop("x"), args.pop("weight"), args.pop("bias"), None, **args)
     if "bias" not in kwargs:
         args = {"x": torch.ones(2, 3), "weight": torch.ones(3)}
         args.update(kwargs)
         with pytest.raises(exc, match=match):
-            rms_norm(args.pop("x"), args.pop("weight"), **args)
+            rms_norm(args.pop("x"), args.pop("weight"), None, **args)
 
 
 def test_opcheck_every_op():
@@ -184,7 +185,7 @@ def test_fp8_reference_output():
 
 
 def _loss(x, w, b, r):
-    y, s = layer_norm(x, w, b, residual=r)
+    (y, s), _ = layer_norm(x, w, b, None, residual=r)
     return (y.float() ** 2).sum() + (s.float() * 0.5).sum()
 
 
@@ -221,8 +222,8 @@ def test_vmap_equals_loop(case):
         lx, lw = f(xs[i], w, b, rs[i])
         torch.testing.assert_close(vx[i], lx, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(vw[i], lw, rtol=1e-6, atol=1e-6)
-    y = torch.func.vmap(lambda x: rms_norm(x, w))(xs)
-    torch.testing.assert_close(y, torch.stack([rms_norm(x, w) for x in xs]), rtol=0, atol=0)
+    y = torch.func.vmap(lambda x: rms_norm(x, w, None)[0])(xs)
+    torch.testing.assert_close(y, torch.stack([rms_norm(x, w, None)[0] for x in xs]), rtol=0, atol=0)
 
 
 def test_compile_fullgraph_backward_equals_eager(case):
@@ -244,3 +245,23 @@ def test_compile_of_func_grad_raises(case):
     f = torch.compile(torch.func.grad(_loss, argnums=(1,)))
     with pytest.raises(Exception, match="fp8ops"):
         f(x, w, b, r)
+
+
+def test_calling_convention_and_the_deprecated_bare_return():
+    """``state=None`` gives ``(outputs, None)`` like every op; leaving state out still returns the
+    bare outputs, with a DeprecationWarning; a state or a recipe is refused (no FP8 norm alone)."""
+    x, r, w, b, _, _ = _data((3, 8), torch.float32, seed=5)
+    (y, s), st = layer_norm(x, w, b, None, residual=r)
+    assert st is None
+    y1, st1 = rms_norm(x, w, None)
+    assert st1 is None and torch.equal(y1, R.rms_norm(x, w))
+    with pytest.warns(DeprecationWarning, match="pass state=None"):
+        y_old, s_old = layer_norm(x, w, b, residual=r)
+    assert torch.equal(y_old, y) and torch.equal(s_old, s)
+    with pytest.warns(DeprecationWarning, match="rms_norm: pass state=None"):
+        assert torch.equal(rms_norm(x, w), y1)
+    recipe = fp8ops.DelayedScaling()
+    with pytest.raises(TypeError, match="layer_norm: state must be None"):
+        layer_norm(x, w, b, fp8ops.LinearState.init(recipe))
+    with pytest.raises(TypeError, match="rms_norm: recipe must be None"):
+        rms_norm(x, w, None, recipe=recipe)

@@ -88,8 +88,8 @@ def test_norm_checks_are_one_shared_check():
     for kw, exc in (({"eps": float("inf")}, ValueError), ({"zero_centered_gamma": 1}, TypeError)):
         tails = set()
         calls = {
-            "layer_norm": lambda: fp8ops.layer_norm(x, g, beta, **kw),
-            "rms_norm": lambda: fp8ops.rms_norm(x, g, **kw),
+            "layer_norm": lambda: fp8ops.layer_norm(x, g, beta, None, **kw),
+            "rms_norm": lambda: fp8ops.rms_norm(x, g, None, **kw),
             "layernorm_linear": lambda: fp8ops.layernorm_linear(x, g, beta, w, b, None, recipe=None, **kw),
             "fused_ln_mlp": lambda: fp8ops.fused_ln_mlp(*_mlp_args(), None, recipe=None, **kw),
         }

@@ -9,12 +9,12 @@ B 2.
 Implementations (all from the same weights):
 
 - ``basic fp16`` / ``basic bf16``: the seed's ``BasicTransformerLayer`` (plain ``torch.nn``, two
-  ``bmm`` and a softmax for attention; :mod:`fp8ops.reference.transformer`);
+  ``bmm`` and a softmax for attention; :mod:`fp8ops.reference.transformer_layer`);
 - ``basic SDPA bf16``: the same with ``F.scaled_dot_product_attention``; ``+ compile``: under
   ``torch.compile``;
 - ``torchao tensorwise + compile`` / ``torchao rowwise + compile``: the basic SDPA layer with its
   four Linear modules converted by ``torchao.float8.convert_to_float8_training``, compiled;
-- ``fp8ops bf16``: :func:`fp8ops.transformer.transformer_layer` with ``recipe=None``;
+- ``fp8ops bf16``: :func:`fp8ops.transformer_layer` with ``recipe=None``;
   ``fp8ops delayed`` (state calibrated by one real step, fresh probes each step),
   ``fp8ops current`` (per-tensor current scaling), ``fp8ops current row-wise``, ``fp8ops delayed + compile``
   (``torch.compile(fullgraph=True)``), all with ``dropout_seed=None`` (the attention dropout mask from
@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _basic(seed_state: dict[str, Tensor], dims: dict[str, int], dropout: float, impl: str,
            dtype: torch.dtype) -> torch.nn.Module:
-    from fp8ops.reference.transformer import BasicTransformerLayer
+    from fp8ops.reference.transformer_layer import BasicTransformerLayer
 
     m = BasicTransformerLayer(dims["hidden"], dims["ffn"], dims["heads"], attention_dropout=dropout,
                               hidden_dropout=dropout, attention_impl=impl)
@@ -137,7 +137,7 @@ def _torchao_case(m: torch.nn.Module, recipe_name: str) -> tuple[Any, Any, list[
 def _fp8ops_case(seed_state: dict[str, Tensor], config: Any, recipe: Any, x0: Tensor, dy0: Tensor, *,
                  compiled: bool = False, explicit_seed: bool = False) -> tuple[Any, Any, list[Tensor]]:
     import fp8ops
-    from fp8ops.transformer import (
+    from fp8ops.transformer_layer import (
         init_transformer_state,
         params_from_basic_layer,
         transformer_layer,
@@ -261,8 +261,8 @@ def physical_limit(dims: dict[str, int], C: int, samples: int, notes: list[str])
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the suite; print the table; write layer.json and layer.png; return the record."""
     import fp8ops
-    from fp8ops.reference.transformer import BasicTransformerLayer
-    from fp8ops.transformer import TransformerConfig
+    from fp8ops.reference.transformer_layer import BasicTransformerLayer
+    from fp8ops.transformer_layer import TransformerConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ Implementations (all share the same weights and inputs):
 - ``torch.compile``: the same function under ``torch.compile``;
 - ``torchao tensorwise + compile``: that MLP as an ``nn.Module`` whose Linear layers
   ``torchao.float8.convert_to_float8_training`` converts, under ``torch.compile`` (if importable);
-- ``fp8ops bf16``: :func:`fp8ops.mlp.fused_ln_mlp` with ``recipe=None`` (fused norm and activation
+- ``fp8ops bf16``: :func:`fp8ops.fused_ln_mlp` with ``recipe=None`` (fused norm and activation
   kernels, bf16 GEMMs);
 - ``fp8ops delayed``: ``DelayedScaling`` with a state calibrated by one real step and fresh probes
   every step; ``... recompute=activation``: fc1's output stored in FP8 and the activation's FP8
@@ -159,7 +159,7 @@ def _torchao_case(w: dict[str, Tensor], activation: str) -> tuple[Any, list[Tens
 def _fp8ops_case(w: dict[str, Tensor], activation: str, recipe: Any, x0: Tensor, dy0: Tensor, *,
                  recompute: str | None = None, compiled: bool = False) -> tuple[Any, list[Tensor]]:
     import fp8ops
-    from fp8ops.mlp import LayerNormMLPState, fused_ln_mlp
+    from fp8ops.fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
 
     def mlp(x: Tensor, state: Any, probes: Any) -> tuple[Tensor, Any]:
         return fused_ln_mlp(x, w["ln_w"], w["ln_b"], w["w1"], w["b1"], w["w2"], w["b2"], state, recipe=recipe,

@@ -191,7 +191,7 @@ def _impls(case: str, rms: bool, scale: Tensor, stats: list[tuple[Tensor, Tensor
         fn = _compiled(f"fwd_{rms}", eager_fwd)
 
         def ours_fwd(i: int, d: dict[str, Tensor]) -> Any:
-            return N.rms_norm(d["x"], d["w"], eps=EPS) if rms else N.layer_norm(d["x"], d["w"], d["b"], eps=EPS)
+            return N.rms_norm(d["x"], d["w"], None, eps=EPS) if rms else N.layer_norm(d["x"], d["w"], d["b"], None, eps=EPS)
 
         return {"fp8ops": ours_fwd,
                 "torch eager": lambda i, d: eager_fwd(d["x"], d["w"], d["b"]),

@@ -78,7 +78,7 @@ def make_model(device: torch.device | str, *, layers: int = 2, hidden: int = 32,
     Built on the CPU from one generator (the same values on every device), then moved. The data
     is a fixed random token stream, one batch per step; the targets are the tokens shifted by one.
     """
-    from fp8ops.transformer import TransformerConfig, init_transformer_params
+    from fp8ops.transformer_layer import TransformerConfig, init_transformer_params
 
     config = TransformerConfig(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=heads,
                                hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal")
@@ -99,7 +99,7 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
              targets: Tensor, *, model: Model, recipe: Any, dtype: torch.dtype) -> tuple[Tensor, list[Any] | None]:
     """Mean next-token cross-entropy of ``tokens`` (B, S) and the layers' new states."""
     from fp8ops.norm import layer_norm
-    from fp8ops.transformer import transformer_layer
+    from fp8ops.transformer_layer import transformer_layer
 
     x = F.embedding(tokens, params["tok"]) + params["pos"][: tokens.shape[1]]  # (B, S, H)
     x = x.to(dtype).transpose(0, 1)  # (S, B, H)
@@ -110,7 +110,7 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
         pr = None if probes is None else probes[i]
         x, ns = transformer_layer(lp, x, st, config=model.config, recipe=recipe, probes=pr)
         new_states.append(ns)
-    x = layer_norm(x, params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype))
+    x, _ = layer_norm(x, params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype), None)
     logits = x.transpose(0, 1) @ params["tok"].to(dtype).t()  # (B, S, V), head tied to the embedding
     loss = F.cross_entropy(logits.float().reshape(-1, model.vocab), targets.reshape(-1))
     return loss, (new_states if states is not None else None)

@@ -10,10 +10,10 @@ import torch
 
 import fp8ops
 from fp8ops import CurrentScaling, DelayedScaling
-from fp8ops.reference import transformer as R
-from fp8ops.reference.transformer import BasicTransformerLayer
+from fp8ops.reference import transformer_layer as R
+from fp8ops.reference.transformer_layer import BasicTransformerLayer
 from fp8ops.testing import assert_close_rule, sqnr
-from fp8ops.transformer import (
+from fp8ops.transformer_layer import (
     TransformerConfig,
     init_transformer_params,
     init_transformer_state,

@@ -5,7 +5,7 @@ import torch
 
 import fp8ops
 from fp8ops import CurrentScaling, DelayedScaling, GemmSpec, LinearState
-from fp8ops.reference import linear as R
+from fp8ops.reference import fp8_linear as R
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

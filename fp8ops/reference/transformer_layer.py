@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from ..transformer import TransformerConfig
+    from ..transformer_layer import TransformerConfig
 
 __all__ = [
     "BasicMLP",
@@ -138,7 +138,7 @@ class BasicTransformerLayer(torch.nn.Module):
 
     Example:
         >>> import torch
-        >>> from fp8ops.reference.transformer import BasicTransformerLayer
+        >>> from fp8ops.reference.transformer_layer import BasicTransformerLayer
         >>> layer = BasicTransformerLayer(32, 64, 4, attention_dropout=0.0, hidden_dropout=0.0)
         >>> layer(torch.randn(8, 2, 32)).shape
         torch.Size([8, 2, 32])

@@ -26,7 +26,6 @@ from ._checks import check_device, check_float_tensor, check_probe, check_recipe
 from ._operands import (
     gemm_dgrad,
     gemm_fprop,
-    gemm_spec,
     gemm_wgrad,
     hp_linear,
     or_empty,
@@ -36,7 +35,7 @@ from ._operands import (
 )
 from .formats import Role
 from .quantize import Float8Value, QuantSpec
-from .recipes import Recipe
+from .recipes import GemmSpec, Recipe
 from .state import OpState, ScalingState, validate_state
 
 __all__ = ["LinearState", "WeightCache", "fp8_linear", "quantize_weight"]
@@ -140,9 +139,9 @@ class _Cfg(NamedTuple):
     x_spec: QuantSpec
     w_spec: QuantSpec
     g_spec: QuantSpec
-    fprop: tuple[str, bool, str]  # (precision, fast_accum, backend)
-    dgrad: tuple[str, bool, str]
-    wgrad: tuple[str, bool, str]
+    fprop: GemmSpec
+    dgrad: GemmSpec
+    wgrad: GemmSpec
     has_probe: bool
     need_dx: bool
     need_dw: bool
@@ -170,9 +169,9 @@ class _FP8Linear(torch.autograd.Function):
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
 
-        fp8_fwd = cfg.fprop[0] == "fp8"
-        need_xt = cfg.need_dw and cfg.wgrad[0] == "fp8"
-        need_wt = cfg.need_dx and cfg.dgrad[0] == "fp8" and not cfg.use_cache
+        fp8_fwd = cfg.fprop.precision == "fp8"
+        need_xt = cfg.need_dw and cfg.wgrad.precision == "fp8"
+        need_wt = cfg.need_dx and cfg.dgrad.precision == "fp8" and not cfg.use_cache
         # Step 1: quantize x (and its transpose for wgrad) in one pass.
         if fp8_fwd or need_xt:
             xq, x_inv, xq_t, x_inv_t, x_amax = quantize_pair(x, x_scale, cfg.x_spec, need_xt)
@@ -203,8 +202,8 @@ class _FP8Linear(torch.autograd.Function):
         _, _, _, xq_t, x_inv_t, wq_t, w_inv_t = output
         if cfg.use_cache:
             wq_t, w_inv_t = c_data_t, (c_inv_t if c_inv_t is not None else c_inv)
-        keep_x = cfg.need_dw and cfg.wgrad[0] != "fp8"
-        keep_w = cfg.need_dx and cfg.dgrad[0] != "fp8"
+        keep_x = cfg.need_dw and cfg.wgrad.precision != "fp8"
+        keep_w = cfg.need_dx and cfg.dgrad.precision != "fp8"
         ctx.save_for_backward(
             xq_t, x_inv_t, wq_t, w_inv_t, g_scale, x if keep_x else None, w if keep_w else None
         )
@@ -218,8 +217,8 @@ class _FP8Linear(torch.autograd.Function):
         cfg: _Cfg = ctx.cfg
         with torch.no_grad():
             dy = dy.contiguous()
-            fp8_dgrad = cfg.need_dx and cfg.dgrad[0] == "fp8"
-            fp8_wgrad = cfg.need_dw and cfg.wgrad[0] == "fp8"
+            fp8_dgrad = cfg.need_dx and cfg.dgrad.precision == "fp8"
+            fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
             # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
             dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
                 dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
@@ -438,9 +437,9 @@ def fp8_linear(
         x_spec=QuantSpec.of(recipe, "forward", state.input.calibrated),
         w_spec=QuantSpec.of(recipe, "forward", state.weight.calibrated),
         g_spec=QuantSpec.of(recipe, "backward", state.grad_output.calibrated),
-        fprop=gemm_spec(recipe.fprop),
-        dgrad=gemm_spec(recipe.dgrad),
-        wgrad=gemm_spec(recipe.wgrad),
+        fprop=recipe.fprop,
+        dgrad=recipe.dgrad,
+        wgrad=recipe.wgrad,
         has_probe=grad_probe is not None,
         need_dx=grad_on and x.requires_grad,
         need_dw=grad_on and weight.requires_grad,

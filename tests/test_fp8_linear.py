@@ -6,7 +6,7 @@ import torch
 
 import fp8ops
 from fp8ops import CurrentScaling, DelayedScaling, GemmSpec, LinearState
-from fp8ops.reference import linear as R
+from fp8ops.reference import fp8_linear as R
 
 DELAYED = DelayedScaling(amax_history_len=4)
 RECIPES = [DELAYED, CurrentScaling(), CurrentScaling(granularity="row")]

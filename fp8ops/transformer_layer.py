@@ -44,8 +44,8 @@ from ._checks import NORMALIZATIONS, check_float_tensor, check_recipe
 from .activation import ACTIVATIONS, GATED
 from .attention import BlockMask, MaskMod, attention, modmath
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
-from .linear import LinearState, fp8_linear
-from .mlp import LayerNormMLPState, fused_ln_mlp
+from .fp8_linear import LinearState, fp8_linear
+from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
 from .norm import layer_norm, rms_norm
 
 __all__ = [
@@ -304,7 +304,7 @@ def params_from_basic_layer(state_dict: Mapping[str, Tensor], config: Transforme
 
     Example:
         >>> import torch, fp8ops
-        >>> from fp8ops.reference.transformer import BasicTransformerLayer
+        >>> from fp8ops.reference.transformer_layer import BasicTransformerLayer
         >>> seed = BasicTransformerLayer(32, 64, 4, attention_dropout=0.0, hidden_dropout=0.0)
         >>> cfg = fp8ops.TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
         ...                                hidden_dropout=0.0, attention_dropout=0.0)
@@ -450,8 +450,10 @@ def _norm(x: Tensor, params: Mapping[str, Tensor], name: str, cfg: TransformerCo
     """(norm(x + residual), x + residual) with the layer's normalization."""
     kw = {"eps": cfg.layernorm_epsilon, "zero_centered_gamma": cfg.zero_centered_gamma, "residual": residual}
     if cfg.normalization == "RMSNorm":
-        return rms_norm(x, params[f"{name}.weight"], **kw)  # type: ignore[return-value]
-    return layer_norm(x, params[f"{name}.weight"], params.get(f"{name}.bias"), **kw)  # type: ignore[return-value]
+        out, _ = rms_norm(x, params[f"{name}.weight"], None, **kw)
+    else:
+        out, _ = layer_norm(x, params[f"{name}.weight"], params.get(f"{name}.bias"), None, **kw)
+    return out
 
 
 def _hp_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

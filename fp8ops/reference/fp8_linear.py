@@ -6,7 +6,7 @@ torch's float8 dtypes), dequantized to float32, and multiplied in float32.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -15,9 +15,9 @@ from ..recipes import Recipe, compute_scale
 from .quantize import amax, saturating_cast
 
 if TYPE_CHECKING:
-    from ..linear import LinearState
+    from ..fp8_linear import LinearState
 
-__all__ = ["fp8_linear", "fp8_linear_grads", "qdq"]
+__all__ = ["fp8_linear", "fp8_linear_grads", "qdq", "qdq_operand", "state_scales"]
 
 
 def qdq(t: Tensor, scale: Tensor | None, calibrated: bool, recipe: Recipe, role: str, *, dim: int = -1,
@@ -100,3 +100,21 @@ def fp8_linear_grads(
         dw = dy2.t() @ x2
     db = dy2.sum(0)
     return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype), db, amax(dy2)
+
+
+def state_scales(state: Any, names: tuple[str, ...]) -> list[tuple[Tensor | None, bool]]:
+    """``(scale, calibrated)`` of each named role of an op's state."""
+    return [(getattr(state, n).scale, getattr(state, n).calibrated) for n in names]
+
+
+def qdq_operand(t: Tensor, sc: tuple[Tensor | None, bool], recipe: Recipe | None, role: str, on: bool,
+                dim: int = -1, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A GEMM operand as the op feeds it: float32, quantized-dequantized with ``qdq`` when ``on`` (the
+    GEMM runs in FP8) and a recipe is given; row-wise recipes first round it to the producer's
+    ``dtype``."""
+    t = t.to(torch.float32)
+    if recipe is None or not on:
+        return t
+    if recipe.mode == "rowwise":  # row-wise scaling quantizes the producer's output stored in ``dtype``
+        t = t.to(dtype).to(torch.float32)
+    return qdq(t, sc[0], sc[1], recipe, role, dim=dim)

@@ -6,7 +6,7 @@ tensor and per row; HYBRID / E4M3 / E5M2; margins 0..2; power-of-two scales), sh
 0..2, K and N including 1, primes and non-multiples of 16), dtypes (float32, bfloat16) and input
 magnitudes:
 
-1. y, dx, dW, db and the probe gradient equal ``fp8ops.reference.linear`` up to the rounding of
+1. y, dx, dW, db and the probe gradient equal ``fp8ops.reference.fp8_linear`` up to the rounding of
    the output (the FP8 operands are the same); the new state holds max(pending, amax(x)) and
    max(pending, amax(W)), and nothing else of the state changes.
 2. Against the unquantized float32 linear (``F.linear`` and its autograd gradients), with
@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 import fp8ops
 from fp8ops import LinearState
-from fp8ops.reference import linear as R
+from fp8ops.reference import fp8_linear as R
 from fp8ops.testing import assert_same_bits, half_ulp_rel, sqnr
 from fp8ops.testing import strategies as fst
 
@@ -254,7 +254,7 @@ def _check_against_reference(case: Case, run: Run) -> None:
 
 @given(data=st.data())
 def test_forward_and_gradients_equal_reference(data: st.DataObject) -> None:
-    """y, dx, dW, db and the probe gradient equal fp8ops.reference.linear up to the output rounding
+    """y, dx, dW, db and the probe gradient equal fp8ops.reference.fp8_linear up to the output rounding
     of the same FP8 operands; the new state's pending amaxes are max(pending, amax(x)) and
     max(pending, amax(W)) exactly, and its grad_output role is unchanged."""
     case = _draw_case(data, specials=("zero", "subnormal"), min_exp=-24, max_exp=24)

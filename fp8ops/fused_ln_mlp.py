@@ -46,7 +46,6 @@ from ._operands import (
     NormCfg,
     gemm_dgrad,
     gemm_fprop,
-    gemm_spec,
     gemm_wgrad,
     norm_backward,
     norm_operands,
@@ -56,7 +55,7 @@ from ._operands import (
     quantize_weight_operands,
 )
 from .quantize import QuantSpec, quantize_2d
-from .recipes import Recipe
+from .recipes import GemmSpec, Recipe
 from .state import OpState, ScalingState
 
 __all__ = ["LayerNormMLPState", "fused_ln_mlp"]
@@ -162,9 +161,9 @@ class _Cfg(NamedTuple):
     fp8: bool
     recompute: bool
     specs: tuple[QuantSpec | None, ...]  # fc1_input, fc1_weight, fc1_grad, fc2_input, fc2_weight, fc2_grad, fc1_output
-    fprop: tuple[str, bool, str]
-    dgrad: tuple[str, bool, str]
-    wgrad: tuple[str, bool, str]
+    fprop: GemmSpec
+    dgrad: GemmSpec
+    wgrad: GemmSpec
     has_probe: bool
     need_dx: bool  # any gradient through the norm: x, its weight or its bias
     need_dw1: bool
@@ -201,8 +200,8 @@ class _FusedLNMLP(torch.autograd.Function):
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
         sp_x1, sp_w1, _, sp_x2, sp_w2, _, sp_h1 = cfg.specs
-        fp8_fwd = cfg.fprop[0] == "fp8"
-        fp8_wgrad, fp8_dgrad = cfg.wgrad[0] == "fp8", cfg.dgrad[0] == "fp8"
+        fp8_fwd = cfg.fprop.precision == "fp8"
+        fp8_wgrad, fp8_dgrad = cfg.wgrad.precision == "fp8", cfg.dgrad.precision == "fp8"
         # Step 1: the norm writes fc1's FP8 operand (and its transpose for fc1's wgrad).
         ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd = norm_operands(
             x, ln_w, ln_b, cfg.norm, s_x1, sp_x1, need_q=fp8_fwd, need_t=cfg.need_dw1 and fp8_wgrad,
@@ -250,7 +249,7 @@ class _FusedLNMLP(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         (_, _, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
          w2q_t, w2_inv_t) = output
-        fp8_dgrad = cfg.dgrad[0] == "fp8"
+        fp8_dgrad = cfg.dgrad.precision == "fp8"
         ctx.save_for_backward(
             x if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t,
             w1 if cfg.need_dx and not fp8_dgrad else None,
@@ -269,7 +268,7 @@ class _FusedLNMLP(torch.autograd.Function):
         x_dtype, w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         _, _, sp_g1, sp_x2, _, sp_g2, _ = cfg.specs
         h_inv = h_inv if h_inv.numel() else None  # h holds FP8 codes when recompute stored it in FP8
-        fp8_dgrad, fp8_wgrad = cfg.dgrad[0] == "fp8", cfg.wgrad[0] == "fp8"
+        fp8_dgrad, fp8_wgrad = cfg.dgrad.precision == "fp8", cfg.wgrad.precision == "fp8"
         dx = dln_w = dln_b = dw1 = db1 = dw2 = db2 = None
         dh_amax = None
         with torch.no_grad():
@@ -459,7 +458,7 @@ def fused_ln_mlp(
         specs = tuple(QuantSpec.of(recipe, LayerNormMLPState.ROLES[n], getattr(state, n).calibrated) for n in roles)
         if specs[-1].mode == "rowwise":  # fc1's stored output is dequantized per tensor by the activation kernels
             specs = (*specs[:-1], specs[-1]._replace(mode="current"))
-        gemms = (gemm_spec(recipe.fprop), gemm_spec(recipe.dgrad), gemm_spec(recipe.wgrad))
+        gemms = (recipe.fprop, recipe.dgrad, recipe.wgrad)
         scales: list[Tensor | None] = []
         for n in roles:  # autograd.Function under torch.compile rejects one tensor passed twice
             s = getattr(state, n).scale

@@ -1,0 +1,75 @@
+"""layernorm_linear on the GPU at real sizes: forward and every gradient vs the FP32 reference (same
+quantization rule, float32 GEMMs)."""
+
+import pytest
+import torch
+
+import fp8ops
+from fp8ops import CurrentScaling, DelayedScaling, LayerNormLinearState
+from fp8ops.reference import layernorm_linear as R
+
+pytestmark = pytest.mark.gpu
+
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+DEV = "cuda"
+
+
+BF16 = torch.bfloat16
+
+
+RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": CurrentScaling(),
+           "rowwise": CurrentScaling(granularity="row")}
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _calibrated(cls, recipe, scale_fwd=32.0, scale_bwd=2.0**14):
+    st = cls.init(recipe, device=DEV)
+    if recipe.mode != "delayed":
+        return st
+    return st.replace(**{
+        n: getattr(st, n).replace(scale=torch.tensor(scale_fwd if r == "forward" else scale_bwd, device=DEV),
+                                  calibrated=True)
+        for n, r in cls.ROLES.items()
+    })
+
+
+def _leaf(t):
+    return None if t is None else t.clone().requires_grad_()
+
+
+TOL = 2e-2
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_layernorm_linear_real_size(rname, norm):
+    recipe = RECIPES[rname]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    M, K, N = 4096, 1536, 2304 + 8
+    x = (torch.randn(M, K, device=DEV, generator=g) * 2 + 0.5).to(BF16)
+    ln_w = (1 + 0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    ln_b = None if norm == "RMSNorm" else (0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    w = (torch.randn(N, K, device=DEV, generator=g) / K**0.5).to(BF16)
+    b = torch.randn(N, device=DEV, generator=g).to(BF16)
+    dy = (torch.randn(M, N, device=DEV, generator=g) * 1e-3).to(BF16)
+    st = _calibrated(LayerNormLinearState, recipe)
+    leaves = [_leaf(t) for t in (x, ln_w, ln_b, w, b)]
+    probe = torch.zeros((), device=DEV, requires_grad=True)
+    y, st2 = fp8ops.layernorm_linear(*leaves, st, recipe=recipe, normalization=norm, grad_probe=probe)
+    y.backward(dy)
+    ref = R.layernorm_linear(x, ln_w, ln_b, w, b, st, dy, recipe=recipe, normalization=norm)
+    got = {"y": y, "dx": leaves[0].grad, "dln_w": leaves[1].grad, "dw": leaves[3].grad, "db": leaves[4].grad}
+    if ln_b is not None:
+        got["dln_b"] = leaves[2].grad
+    for name, t in got.items():
+        assert _rel(t, ref[name]) < TOL, f"{name}: {_rel(t, ref[name]):.3e}"
+    torch.testing.assert_close(probe.grad, ref["amax_dy"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(st2.input.pending_amax, ref["amax_ln"], rtol=1e-2, atol=0)
