@@ -17,7 +17,7 @@ from torch import Tensor
 from ..recipes import Recipe
 from .activation import activation
 from .fp8_linear import qdq, qdq_operand, state_scales
-from .norm import norm32
+from .norm import norm32_leaves
 from .quantize import amax
 
 __all__ = ["fused_ln_mlp"]
@@ -38,12 +38,9 @@ def fused_ln_mlp(
     ``h_amax`` replaces the amax its just-in-time scale is computed from (the op's own observation:
     a current scale follows one element of h, so a last-bit difference there moves the whole grid).
     """
-    K = w1.shape[1]
     K2 = w2.shape[0]
-    x32 = x.detach().reshape(-1, K).to(torch.float32).requires_grad_()
-    g = ln_w.detach().to(torch.float32).requires_grad_()
-    beta = None if ln_b is None else ln_b.detach().to(torch.float32).requires_grad_()
-    ln = norm32(x32, g, beta, rms=normalization == "RMSNorm", eps=eps, zero_centered_gamma=zero_centered_gamma)
+    leaves, ln = norm32_leaves(x, ln_w, ln_b, normalization=normalization, eps=eps,
+                               zero_centered_gamma=zero_centered_gamma)
     lnv = ln.detach()
     fp8 = recipe is not None
     names = ("fc1_input", "fc1_weight", "fc1_grad_output", "fc2_input", "fc2_weight", "fc2_grad_output")
@@ -74,10 +71,10 @@ def fused_ln_mlp(
     dln = (qdq_operand(dh, sg1, recipe, "backward", d, dtype=x.dtype) @ qdq_operand(w1_32, sw1, recipe, "forward", d, dim=0)).to(x.dtype).float()
     dw1 = (qdq_operand(dh, sg1, recipe, "backward", wg, dim=0, dtype=x.dtype).t()
            @ qdq_operand(lnv, sx1, recipe, "forward", wg, dim=0, dtype=x.dtype))
-    grads = torch.autograd.grad(ln, [t for t in (x32, g, beta) if t is not None], dln)
+    grads = torch.autograd.grad(ln, leaves, dln)
     return {
         "y": y, "h": h.detach(), "a": av, "dx": grads[0].reshape(x.shape), "dln_w": grads[1],
-        "dln_b": grads[2] if beta is not None else None, "dw1": dw1, "db1": dh.sum(0), "dw2": dw2,
+        "dln_b": grads[2] if ln_b is not None else None, "dw1": dw1, "db1": dh.sum(0), "dw2": dw2,
         "db2": dy2.sum(0), "amax_ln": amax(lnv), "amax_w1": amax(w1_32), "amax_a": amax(av),
         "amax_w2": amax(w2_32), "amax_dh": amax(dh), "amax_dy": amax(dy2), "amax_h": amax_h,
     }

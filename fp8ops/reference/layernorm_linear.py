@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..recipes import Recipe
 from .fp8_linear import qdq_operand, state_scales
-from .norm import norm32
+from .norm import norm32_leaves
 from .quantize import amax
 
 __all__ = ["layernorm_linear"]
@@ -29,11 +29,9 @@ def layernorm_linear(
 ) -> dict[str, Any]:
     """Reference outputs: ``y``, ``ln``, gradients ``dx, dln_w, dln_b, dw, db`` for output gradient
     ``dy``, and the observations ``amax_ln, amax_w, amax_dy``."""
-    N, K = w.shape
-    x32 = x.detach().reshape(-1, K).to(torch.float32).requires_grad_()
-    g = ln_w.detach().to(torch.float32).requires_grad_()
-    beta = None if ln_b is None else ln_b.detach().to(torch.float32).requires_grad_()
-    ln = norm32(x32, g, beta, rms=normalization == "RMSNorm", eps=eps, zero_centered_gamma=zero_centered_gamma)
+    N = w.shape[0]
+    leaves, ln = norm32_leaves(x, ln_w, ln_b, normalization=normalization, eps=eps,
+                               zero_centered_gamma=zero_centered_gamma)
     lnv = ln.detach()
     fp8 = recipe is not None
     sx, sw, sg = state_scales(state, ("input", "weight", "grad_output")) if fp8 else [(None, False)] * 3
@@ -48,9 +46,9 @@ def layernorm_linear(
     dy2 = dy.reshape(-1, N).to(torch.float32)
     dln = (qdq_operand(dy2, sg, recipe, "backward", d) @ qdq_operand(w32, sw, recipe, "forward", d, dim=0)).to(x.dtype).float()
     dw = qdq_operand(dy2, sg, recipe, "backward", wg, dim=0).t() @ qdq_operand(lnv, sx, recipe, "forward", wg, dim=0, dtype=x.dtype)
-    grads = torch.autograd.grad(ln, [t for t in (x32, g, beta) if t is not None], dln)
+    grads = torch.autograd.grad(ln, leaves, dln)
     return {
         "y": y, "ln": lnv, "dx": grads[0].reshape(x.shape), "dln_w": grads[1],
-        "dln_b": grads[2] if beta is not None else None, "dw": dw, "db": dy2.sum(0),
+        "dln_b": grads[2] if ln_b is not None else None, "dw": dw, "db": dy2.sum(0),
         "amax_ln": amax(lnv), "amax_w": amax(w32), "amax_dy": amax(dy2),
     }

@@ -28,7 +28,7 @@ from ..recipes import compute_scale
 from .quantize import amax as _amax
 from .quantize import saturating_cast
 
-__all__ = ["layer_norm", "norm32", "norm_amax", "norm_bwd", "norm_fwd", "rms_norm"]
+__all__ = ["layer_norm", "norm32", "norm32_leaves", "norm_amax", "norm_bwd", "norm_fwd", "rms_norm"]
 
 
 def _sum_input(x: Tensor, residual: Tensor | None) -> Tensor:
@@ -148,6 +148,18 @@ def norm32(x: Tensor, weight: Tensor, bias: Tensor | None, *, eps: float, rms: b
            zero_centered_gamma: bool) -> Tensor:
     """The normalised output of the rows of ``x`` (M, K) in float32, differentiable with autograd."""
     return _y32(x, None, weight, bias, eps, rms, zero_centered_gamma)[1]
+
+
+def norm32_leaves(x: Tensor, weight: Tensor, bias: Tensor | None, *, normalization: str, eps: float,
+                  zero_centered_gamma: bool) -> tuple[list[Tensor], Tensor]:
+    """The norm in front of a GEMM, for the references of the fused ops: float32 leaves
+    ``[x (M, K), weight, bias (if any)]`` that require grad, and their normalised output (M, K)."""
+    K = weight.shape[-1]
+    leaves = [t.detach().to(torch.float32).requires_grad_() for t in (x.reshape(-1, K), weight, bias) if t is not None]
+    beta = leaves[2] if bias is not None else None
+    ln = norm32(leaves[0], leaves[1], beta, rms=normalization == "RMSNorm", eps=eps,
+                zero_centered_gamma=zero_centered_gamma)
+    return leaves, ln
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, *, eps: float = 1e-5,
