@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ._glue import refuse_compiled_transform
 from ._checks import check_float_tensor
-from .kernels import activation as _kernels  # noqa: F401  (registers the fp8ops::act_* library ops)
+from .kernels import activation as _K
+from .kernels._library import define as _define
 from .quantize import QuantSpec, _loop_vmap
 from .reference import activation as _ref
 
@@ -330,12 +331,13 @@ def activation(h: Tensor, act: str) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# CPU kernels (the reference math) and vmap rules of the library ops.
+# The library ops, every kernel side by side: CUDA and fake kernels from kernels/<stem>.py, the CPU
+# kernel is the reference math; then their vmap rules.
 
-torch.library.register_kernel("fp8ops::act_fwd", "cpu", _ref.act_fwd)
-torch.library.register_kernel("fp8ops::act_amax", "cpu", _ref.act_amax)
-torch.library.register_kernel("fp8ops::act_bwd", "cpu", _ref.act_bwd)
-torch.library.register_kernel("fp8ops::act_bwd_amax", "cpu", _ref.act_bwd_amax)
+_define(_K.act_fwd, cpu=_ref.act_fwd)
+_define(_K.act_amax, cpu=_ref.act_amax)
+_define(_K.act_bwd, cpu=_ref.act_bwd)
+_define(_K.act_bwd_amax, cpu=_ref.act_bwd_amax)
 
 for _name in ("act_fwd", "act_amax", "act_bwd", "act_bwd_amax"):
     torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))

@@ -10,13 +10,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernels as _kernels  # noqa: F401  (registers fp8ops:: ops)
+from .kernels import gemm as _K
+from .kernels._library import define as _define
 from ._glue import cast
 from .reference import gemm as _ref
 
 __all__ = ["resolve_backend", "scaled_mm"]
 
-torch.library.register_kernel("fp8ops::scaled_mm", "cpu", _ref.scaled_mm)
+# The library op, every kernel side by side: CUDA and fake kernels from kernels/gemm.py, the CPU
+# kernel is the reference math.
+_define(_K.scaled_mm, cpu=_ref.scaled_mm)
 
 
 def _scaled_mm_vmap(info, in_dims, a, b, scale_a, scale_b, bias, out_dtype, fast_accum):  # type: ignore[no-untyped-def]

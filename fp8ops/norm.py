@@ -17,7 +17,8 @@ from torch import Tensor
 
 from ._checks import check_device, check_eps, check_float_tensor, check_zero_centered_gamma
 from ._glue import autocast_dtype, refuse_compiled_transform
-from .kernels import norm as _kernels_norm  # noqa: F401  (registers the fp8ops::norm_* library ops)
+from .kernels import norm as _K
+from .kernels._library import define as _define
 from .quantize import _loop_vmap
 from .reference import norm as _ref
 
@@ -271,11 +272,12 @@ def rms_norm(
 
 
 # ------------------------------------------------------------------------------------------------
-# CPU kernels (the reference math) and vmap rules of the library ops.
+# The library ops, every kernel side by side: CUDA and fake kernels from kernels/<stem>.py, the CPU
+# kernel is the reference math; then their vmap rules.
 
-torch.library.register_kernel("fp8ops::norm_fwd", "cpu", _ref.norm_fwd)
-torch.library.register_kernel("fp8ops::norm_amax", "cpu", _ref.norm_amax)
-torch.library.register_kernel("fp8ops::norm_bwd", "cpu", _ref.norm_bwd)
+_define(_K.norm_fwd, cpu=_ref.norm_fwd)
+_define(_K.norm_amax, cpu=_ref.norm_amax)
+_define(_K.norm_bwd, cpu=_ref.norm_bwd)
 
 for _name in ("norm_fwd", "norm_amax", "norm_bwd"):
     torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from . import kernels as _kernels  # noqa: F401  (registers the fp8ops:: library ops)
+from .kernels import quantize as _K
+from .kernels._library import define as _define
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_recipe
 from .formats import Role, check_role
 from .recipes import Recipe
@@ -231,12 +232,13 @@ def dequantize(q: Float8Value, *, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# CPU kernels (the reference math) and vmap rules of the library ops.
+# The library ops, every kernel side by side: CUDA and fake kernels from kernels/<stem>.py, the CPU
+# kernel is the reference math; then their vmap rules.
 
-torch.library.register_kernel("fp8ops::amax", "cpu", _ref.amax)
-torch.library.register_kernel("fp8ops::cast", "cpu", _ref.cast)
-torch.library.register_kernel("fp8ops::cast_transpose", "cpu", _ref.cast_transpose)
-torch.library.register_kernel("fp8ops::cast_rowwise", "cpu", _ref.cast_rowwise)
+_define(_K.amax, cpu=_ref.amax)
+_define(_K.cast, cpu=_ref.cast)
+_define(_K.cast_transpose, cpu=_ref.cast_transpose)
+_define(_K.cast_rowwise, cpu=_ref.cast_rowwise)
 
 
 def _loop_vmap(op: Any) -> Any:

@@ -1,5 +1,6 @@
-"""Registration of fp8ops's library ops through the dispatcher's low-level API, and the launch
-configuration helper shared by the launchers.
+"""Registration of fp8ops's library ops through the dispatcher's low-level API, the CUDA-kernel
+adapter that hands launchers the memory layout they need, and the launch configuration helper
+shared by the launchers.
 
 ``torch.library.custom_op`` wraps every call in Python layers (autograd, alias checks, a dynamo
 guard) that cost on the order of 100 µs per call on the host, more than the kernels of a whole
@@ -11,28 +12,51 @@ output shapes) and have no autograd kernel: fp8ops calls them inside its autogra
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["define", "merge_config"]
+__all__ = ["OpSpec", "contiguous_args", "define", "merge_config"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
 
-def define(schema: str, *, cuda: Callable[..., Any], fake: Callable[..., Any],
-           cpu: Callable[..., Any] | None = None) -> Any:
-    """Define ``fp8ops::<schema>`` with a CUDA kernel, a fake kernel and optionally a CPU kernel.
+class OpSpec(NamedTuple):
+    """A library op as a kernel module provides it: the schema ``"<name>(<args>) -> <returns>"``, the
+    CUDA kernel (a launcher) and the fake kernel (output shapes for ``torch.compile``). The op is
+    defined by :func:`define`, called from the fp8ops module that also gives its CPU kernel."""
+
+    schema: str
+    cuda: Callable[..., Any]
+    fake: Callable[..., Any]
+
+
+def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
+    """Define ``fp8ops::<name>`` with every kernel side by side: the CUDA and fake kernels of
+    ``spec`` and the CPU kernel ``cpu`` (the FP32 reference math).
 
     Returns the op overload packet ``torch.ops.fp8ops.<name>``.
     """
-    name = schema.split("(", 1)[0]
-    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
-    _LIB.impl(name, cuda, "CUDA")
-    if cpu is not None:
-        _LIB.impl(name, cpu, "CPU")
-    torch.library.register_fake(f"fp8ops::{name}", fake, lib=_LIB)
+    name = spec.schema.split("(", 1)[0]
+    _LIB.define(spec.schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _LIB.impl(name, spec.cuda, "CUDA")
+    _LIB.impl(name, cpu, "CPU")
+    torch.library.register_fake(f"fp8ops::{name}", spec.fake, lib=_LIB)
     return getattr(torch.ops.fp8ops, name)
+
+
+def contiguous_args(
+    launch: Callable[..., Any], count: int = 1, layout: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Callable[..., Any]:
+    """A CUDA kernel for :func:`define`: ``launch`` called with its first ``count`` arguments made
+    contiguous (or passed through ``layout``); None arguments pass through, the others are unchanged."""
+    fix = layout if layout is not None else torch.Tensor.contiguous
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        head = [a if a is None else fix(a) for a in args[:count]]
+        return launch(*head, *args[count:], **kwargs)
+
+    return kernel
 
 
 def merge_config(default: dict[str, Any], override: dict[str, Any] | None, *, name: str) -> dict[str, Any]:

@@ -21,9 +21,9 @@ Math (``h`` the fc1 output, all arithmetic in float32)::
     d a = (da * b) * act'(a),  d b = da * act(a)
 
 ``1 + tanh(u) = 2 sigmoid(2u)`` removes the tanh (Triton has none) without cancellation. The FP8
-epilogue is the cast of ``kernels/quantize.py``: ``q = rne(sat(v * s))``, ``amax = max |v|`` over
-the float32 values (NaN wins), ``inv = 1 / s``, with the scale computed just in time from
-``amax_in`` for current scaling.
+epilogue is the cast of ``kernels/quantize.py`` (its ``@triton.jit`` helpers live in
+``kernels/_jit.py``): ``q = rne(sat(v * s))``, ``amax = max |v|`` over the float32 values (NaN
+wins), ``inv = 1 / s``, with the scale computed just in time from ``amax_in`` for current scaling.
 
 Kernels:
 
@@ -66,8 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._library import define, merge_config
-from .quantize import _just_in_time_scale, _saturate
+from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile
+from ._library import OpSpec, contiguous_args, merge_config
 
 __all__ = [
     "ACTIVATIONS",
@@ -144,16 +144,14 @@ def _load_h(ptrs, mask, h_inv_ptr, H_FP8: tl.constexpr):
 
 
 @triton.jit
-def _tile_coords(num_m, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped along M so neighbouring programs write neighbouring rows of the transposed copy.
+def _tile(num_m, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # This program's tile: (pid, pid_m, row indices, column indices), in grouped order along M so
+    # that neighbouring programs write neighbouring rows of the transposed copy.
     pid = tl.program_id(0)
-    per_group = GROUP_M * num_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    return pid, pid_m, pid_n
+    pid_m, pid_n = grouped_tile(pid, GROUP_M * num_n, num_m, GROUP_M=GROUP_M)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid, pid_m, rm, rn
 
 
 @triton.jit
@@ -188,38 +186,31 @@ def _act_fwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     # Step 1: tile coordinates.
-    pid, pid_m, pid_n = _tile_coords(num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid, pid_m, rm, rn = _tile(num_m, num_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     # Step 2: load the tile of h (and of the gate half; dequantized when h is FP8), activation in fp32.
     h_rows = h_ptr + rm[:, None] * stride_hm
-    x = _load_h(h_rows + rn[None, :], mask, h_inv_ptr, H_FP8)
+    x = _load_h(h_rows + rn[None, :], mask, h_inv_ptr, H_FP8=H_FP8)
     if GATED:
-        g = _load_h(h_rows + F + rn[None, :], mask, h_inv_ptr, H_FP8)
-        a = _act(x, ACT) * g
+        g = _load_h(h_rows + F + rn[None, :], mask, h_inv_ptr, H_FP8=H_FP8)
+        a = _act(x, ACT=ACT) * g
     else:
-        a = _act(x, ACT)
+        a = _act(x, ACT=ACT)
     # Step 3: the high-precision output.
     if STORE_Y:
         tl.store(y_ptr + rm[:, None] * F + rn[None, :], a.to(y_ptr.dtype.element_ty), mask=mask)
     # Step 4: the FP8 cast with the given or just-in-time scale, and its transposed copy.
     if HAS_FP8:
-        if SCALE_FROM_AMAX:
-            scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
-        else:
-            scale = tl.load(scale_ptr)
-        if pid == 0:
-            tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
-        q = _saturate(a * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+        scale = fp8_scale(scale_ptr, amax_in_ptr, inv_ptr, pid,
+                          FP8_MAX=FP8_MAX, MARGIN=MARGIN, SCALE_FROM_AMAX=SCALE_FROM_AMAX, POWER_2=POWER_2)
+        q = cast_fp8(a, scale, q_ptr, FP8_MAX=FP8_MAX)
         if STORE_Q:
             tl.store(q_ptr + rm[:, None] * F + rn[None, :], q, mask=mask)
         if TRANSPOSE:
             tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
     # Step 5: amax of the tile on the float bits, one atomic per program.
     bits = tl.where(mask, tl.abs(a), 0.0).to(tl.int32, bitcast=True)
-    tile_max = tl.max(tl.max(bits, axis=1), axis=0)
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile_max, sem="relaxed")
+    atomic_amax(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
 
 
 @triton.jit
@@ -247,14 +238,13 @@ def _bwd_epilogue(
     if STORE_DH:
         tl.store(dh_ptr + rm[:, None] * C + cols[None, :], d.to(dh_ptr.dtype.element_ty), mask=mask)
     if HAS_FP8:
-        q = _saturate(d * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+        q = cast_fp8(d, scale, q_ptr, FP8_MAX=FP8_MAX)
         tl.store(q_ptr + rm[:, None] * C + cols[None, :], q, mask=mask)
         if TRANSPOSE:
             tl.store(qt_ptr + cols[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
     if DBIAS:
         tl.store(part_ptr + pid_m.to(tl.int64) * C + cols, tl.sum(d, axis=0), mask=col_ok)
-    bits = tl.abs(d).to(tl.int32, bitcast=True)
-    return tl.max(tl.max(bits, axis=1), axis=0)
+    return tl.max(tl.max(abs_bits(d), axis=1), axis=0)
 
 
 @triton.jit
@@ -292,40 +282,35 @@ def _act_bwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     # Step 1: tile coordinates (over the (M, F) grid of da).
-    pid, pid_m, pid_n = _tile_coords(num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid, pid_m, rm, rn = _tile(num_m, num_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M)
     col_ok = rn < F
     mask = (rm[:, None] < M) & col_ok[None, :]
     # Step 2: the scale.
     scale = 1.0
     if HAS_FP8:
-        if SCALE_FROM_AMAX:
-            scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
-        else:
-            scale = tl.load(scale_ptr)
-        if pid == 0:
-            tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+        scale = fp8_scale(scale_ptr, amax_in_ptr, inv_ptr, pid,
+                          FP8_MAX=FP8_MAX, MARGIN=MARGIN, SCALE_FROM_AMAX=SCALE_FROM_AMAX, POWER_2=POWER_2)
     # Step 3: load da and h once (h dequantized when FP8); the gradient in fp32 and the epilogue
     # of each half.
     da = tl.load(da_ptr + rm[:, None] * stride_dam + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     h_rows = h_ptr + rm[:, None] * stride_hm
-    x = _load_h(h_rows + rn[None, :], mask, h_inv_ptr, H_FP8)
+    x = _load_h(h_rows + rn[None, :], mask, h_inv_ptr, H_FP8=H_FP8)
     if GATED:
         C = 2 * F
-        g = _load_h(h_rows + F + rn[None, :], mask, h_inv_ptr, H_FP8)
-        d_a = (da * g) * _dact(x, ACT)
-        d_b = da * _act(x, ACT)
+        g = _load_h(h_rows + F + rn[None, :], mask, h_inv_ptr, H_FP8=H_FP8)
+        d_a = (da * g) * _dact(x, ACT=ACT)
+        d_b = da * _act(x, ACT=ACT)
         m1 = _bwd_epilogue(d_a, rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr, pid_m, M, C,
-                           HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+                           HAS_FP8=HAS_FP8, STORE_DH=STORE_DH, TRANSPOSE=TRANSPOSE, DBIAS=DBIAS, FP8_MAX=FP8_MAX)
         m2 = _bwd_epilogue(d_b, rm, rn + F, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr, pid_m, M, C,
-                           HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+                           HAS_FP8=HAS_FP8, STORE_DH=STORE_DH, TRANSPOSE=TRANSPOSE, DBIAS=DBIAS, FP8_MAX=FP8_MAX)
         tile_max = tl.maximum(m1, m2)
     else:
-        tile_max = _bwd_epilogue(da * _dact(x, ACT), rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr,
-                                 pid_m, M, F, HAS_FP8, STORE_DH, TRANSPOSE, DBIAS, FP8_MAX)
+        tile_max = _bwd_epilogue(da * _dact(x, ACT=ACT), rm, rn, mask, col_ok, scale, dh_ptr, q_ptr, qt_ptr, part_ptr,
+                                 pid_m, M, F,
+                                 HAS_FP8=HAS_FP8, STORE_DH=STORE_DH, TRANSPOSE=TRANSPOSE, DBIAS=DBIAS, FP8_MAX=FP8_MAX)
     # Step 4: the amax, one atomic per program.
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile_max, sem="relaxed")
+    atomic_amax(amax_ptr, tile_max)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,16 +378,39 @@ def _check_scalar(name: str, arg: str, t: torch.Tensor | None) -> None:
         raise ValueError(f"{name}: {arg} must be a 0-d float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
 
 
-def _fp8_setup(
-    name: str, h: torch.Tensor, scale: torch.Tensor | None, amax_in: torch.Tensor | None, out_dtype: torch.dtype | None
-) -> tuple[float, torch.Tensor]:
+def _cast_args(
+    name: str,
+    h: torch.Tensor,
+    scale: torch.Tensor | None,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Validate the FP8 cast of a launch; returns ``(amax, inv_scale, kwargs)``: the () float32
+    amax output, the inverse-scale output (empty (0,) without ``out_dtype``) and the cast arguments
+    of the kernel launch (pointers and constexprs)."""
     _check_scalar(name, "scale", scale)
     _check_scalar(name, "amax_in", amax_in)
-    if out_dtype is None:
-        return 0.0, h.new_empty(0, dtype=torch.float32)
-    if out_dtype not in _FP8_MAX:
+    has_fp8 = out_dtype is not None
+    if has_fp8 and out_dtype not in _FP8_MAX:
         raise ValueError(f"{name}: out_dtype must be torch.float8_e4m3fn, torch.float8_e5m2 or None, got {out_dtype}")
-    return _FP8_MAX[out_dtype], torch.empty((), dtype=torch.float32, device=h.device)
+    dev = h.device
+    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    inv = torch.empty((), dtype=torch.float32, device=dev) if has_fp8 else h.new_empty(0, dtype=torch.float32)
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=dev)
+    kwargs = dict(
+        scale_ptr=scale, amax_in_ptr=amax_in if amax_in is not None else amax, amax_ptr=amax,
+        inv_ptr=inv if has_fp8 else amax, HAS_FP8=has_fp8, FP8_MAX=_FP8_MAX[out_dtype] if has_fp8 else 0.0,
+        MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
+    )
+    return amax, inv, kwargs
+
+
+def _output(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, written: bool) -> torch.Tensor:
+    # An output of the given shape, or an empty (0,) placeholder when the kernel does not write it.
+    return torch.empty(shape if written else (0,), dtype=dtype, device=device)
 
 
 def _tiles(M: int, N: int, cfg: dict[str, Any]) -> tuple[int, int]:
@@ -448,26 +456,22 @@ def act_fwd_launch(
     ACT, gated = _check_act(name, act)
     ydt = _check_h(name, h, h_inv, hp_dtype, bool(store_y))
     F = _check_width(name, h, gated, act)
-    fp8_max, inv = _fp8_setup(name, h, scale, amax_in, out_dtype)
+    amax, inv, cast = _cast_args(name, h, scale, amax_in, margin, power_2, out_dtype)
     cfg = merge_config(_FWD_CFG, config, name=name)
     M = h.shape[0]
     dev = h.device
     has_fp8 = out_dtype is not None
     store_q, transpose = bool(store_q and has_fp8), bool(transpose and has_fp8)
     qdt = out_dtype if has_fp8 else h.dtype
-    y = torch.empty((M, F), dtype=ydt, device=dev) if store_y else torch.empty(0, dtype=ydt, device=dev)
-    q = torch.empty((M, F), dtype=qdt, device=dev) if store_q else torch.empty(0, dtype=qdt, device=dev)
-    qt = torch.empty((F, M), dtype=qdt, device=dev) if transpose else torch.empty(0, dtype=qdt, device=dev)
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
-    if scale is None:
-        scale = torch.ones((), dtype=torch.float32, device=dev)
+    y = _output((M, F), ydt, dev, bool(store_y))
+    q = _output((M, F), qdt, dev, store_q)
+    qt = _output((F, M), qdt, dev, transpose)
     num_m, num_n = _tiles(M, F, cfg)
     _act_fwd_kernel[(num_m * num_n,)](
-        h, y, q, qt, scale, amax_in if amax_in is not None else amax, amax, inv if has_fp8 else amax,
-        h_inv if h_inv is not None else amax, M, F, h.stride(0), num_m, num_n,
-        ACT=ACT, GATED=gated, H_FP8=h_inv is not None, HAS_FP8=has_fp8, STORE_Y=bool(store_y), STORE_Q=store_q, TRANSPOSE=transpose,
-        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+        h, y, q, qt, h_inv_ptr=h_inv if h_inv is not None else amax,
+        M=M, F=F, stride_hm=h.stride(0), num_m=num_m, num_n=num_n,
+        ACT=ACT, GATED=gated, H_FP8=h_inv is not None, STORE_Y=bool(store_y), STORE_Q=store_q, TRANSPOSE=transpose,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **cast,
     )
     return y, q, qt, amax, inv
 
@@ -475,7 +479,8 @@ def act_fwd_launch(
 def act_amax_launch(h: torch.Tensor, act: str, h_inv: torch.Tensor | None = None, *,
                     config: dict[str, Any] | None = None) -> torch.Tensor:
     """max |act(h)| as a 0-d float32 tensor: the first pass of current scaling (reads h once)."""
-    return act_fwd_launch(h, act, False, None, None, 0, False, None, False, False, h_inv, config=config)[3]
+    return act_fwd_launch(h, act, store_y=False, scale=None, amax_in=None, margin=0, power_2=False, out_dtype=None,
+                          store_q=False, transpose=False, h_inv=h_inv, config=config)[3]
 
 
 def act_bwd_launch(
@@ -520,26 +525,22 @@ def act_bwd_launch(
     if tuple(da.shape) != (M, F):
         raise ValueError(f"{name}: da must have shape (M, F) = {(M, F)} for h of shape {tuple(h.shape)} and "
                          f"act={act!r}, got {tuple(da.shape)}")
-    fp8_max, inv = _fp8_setup(name, h, scale, amax_in, out_dtype)
+    amax, inv, cast = _cast_args(name, h, scale, amax_in, margin, power_2, out_dtype)
     cfg = merge_config(_BWD_CFG, config, name=name)
     dev = h.device
     has_fp8 = out_dtype is not None
     transpose = bool(transpose and has_fp8)
     qdt = out_dtype if has_fp8 else h.dtype
-    dh = torch.empty((M, C), dtype=dhdt, device=dev) if store_dh else torch.empty(0, dtype=dhdt, device=dev)
-    q = torch.empty((M, C), dtype=qdt, device=dev) if has_fp8 else torch.empty(0, dtype=qdt, device=dev)
-    qt = torch.empty((C, M), dtype=qdt, device=dev) if transpose else torch.empty(0, dtype=qdt, device=dev)
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    dh = _output((M, C), dhdt, dev, bool(store_dh))
+    q = _output((M, C), qdt, dev, has_fp8)
+    qt = _output((C, M), qdt, dev, transpose)
     num_m, num_n = _tiles(M, F, cfg)
     part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else amax
-    if scale is None:
-        scale = torch.ones((), dtype=torch.float32, device=dev)
     _act_bwd_kernel[(num_m * num_n,)](
-        da, h, dh, q, qt, part, scale, amax_in if amax_in is not None else amax, amax, inv if has_fp8 else amax,
-        h_inv if h_inv is not None else amax, M, F, da.stride(0), h.stride(0), num_m, num_n,
-        ACT=ACT, GATED=gated, H_FP8=h_inv is not None, HAS_FP8=has_fp8, STORE_DH=bool(store_dh), TRANSPOSE=transpose, DBIAS=bool(dbias),
-        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+        da, h, dh, q, qt, part, h_inv_ptr=h_inv if h_inv is not None else amax,
+        M=M, F=F, stride_dam=da.stride(0), stride_hm=h.stride(0), num_m=num_m, num_n=num_n,
+        ACT=ACT, GATED=gated, H_FP8=h_inv is not None, STORE_DH=bool(store_dh), TRANSPOSE=transpose, DBIAS=bool(dbias),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **cast,
     )
     # Finalize the bias gradient: a fixed-order sum over the row tiles' partial sums.
     db = part.sum(dim=0) if dbias else h.new_empty(0, dtype=torch.float32)
@@ -549,8 +550,8 @@ def act_bwd_launch(
 def act_bwd_amax_launch(da: torch.Tensor, h: torch.Tensor, act: str, h_inv: torch.Tensor | None = None, *,
                         config: dict[str, Any] | None = None) -> torch.Tensor:
     """max |da * act'(h)| as a 0-d float32 tensor: the first pass of current scaling."""
-    return act_bwd_launch(da, h, act, False, None, None, 0, False, None, False, False, h_inv,
-                          config=config)[3]
+    return act_bwd_launch(da, h, act, store_dh=False, scale=None, amax_in=None, margin=0, power_2=False,
+                          out_dtype=None, transpose=False, dbias=False, h_inv=h_inv, config=config)[3]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -603,42 +604,35 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1) else t.contiguous()
 
 
-act_fwd = define(
+act_fwd = OpSpec(
     "act_fwd(Tensor h, str act, bool store_y, Tensor? scale, Tensor? amax_in, int margin, bool power_2, "
     "ScalarType? out_dtype, bool store_q, bool transpose, Tensor? h_inv=None, ScalarType? hp_dtype=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    cuda=lambda h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose, h_inv=None,
-    hp_dtype=None: act_fwd_launch(
-        _unit(h), act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose, h_inv, hp_dtype
-    ),
+    cuda=contiguous_args(act_fwd_launch, 1, _unit),
     fake=_act_fwd_fake,
 )
 """``fp8ops::act_fwd``: activation + FP8 cast, ``(y, q, q_t, amax, inv_scale)``; see :func:`act_fwd_launch`."""
 
-act_amax = define(
+act_amax = OpSpec(
     "act_amax(Tensor h, str act, Tensor? h_inv=None) -> Tensor",
-    cuda=lambda h, act, h_inv=None: act_amax_launch(_unit(h), act, h_inv),
+    cuda=contiguous_args(act_amax_launch, 1, _unit),
     fake=_act_amax_fake,
 )
 """``fp8ops::act_amax``: max |act(h)|, float32, NaN-propagating."""
 
-act_bwd = define(
+act_bwd = OpSpec(
     "act_bwd(Tensor da, Tensor h, str act, bool store_dh, Tensor? scale, Tensor? amax_in, int margin, "
     "bool power_2, ScalarType? out_dtype, bool transpose, bool dbias, Tensor? h_inv=None, "
     "ScalarType? hp_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    cuda=lambda da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias, h_inv=None,
-    hp_dtype=None: act_bwd_launch(
-        _unit(da), _unit(h), act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias, h_inv,
-        hp_dtype
-    ),
+    cuda=contiguous_args(act_bwd_launch, 2, _unit),
     fake=_act_bwd_fake,
 )
 """``fp8ops::act_bwd``: activation gradient + FP8 cast + bias gradient,
 ``(dh, q, q_t, amax, inv_scale, dbias)``; see :func:`act_bwd_launch`."""
 
-act_bwd_amax = define(
+act_bwd_amax = OpSpec(
     "act_bwd_amax(Tensor da, Tensor h, str act, Tensor? h_inv=None) -> Tensor",
-    cuda=lambda da, h, act, h_inv=None: act_bwd_amax_launch(_unit(da), _unit(h), act, h_inv),
+    cuda=contiguous_args(act_bwd_amax_launch, 2, _unit),
     fake=_act_bwd_amax_fake,
 )
 """``fp8ops::act_bwd_amax``: max |da * act'(h)|, float32, NaN-propagating."""

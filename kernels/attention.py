@@ -262,6 +262,35 @@ def _load_tile(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.co
 
 
 @triton.jit
+def _head_ptr(ptr, b, h, row, stride_b, stride_h, stride_s):
+    # Pointer to row `row` of head (b, h) of a (B, H, S, ...) tensor, in 64-bit offsets.
+    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + row.to(tl.int64) * stride_s
+
+
+@triton.jit
+def _block_lists(b, h, row, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im):
+    # Offsets of the block-mask list of block row `row` of (b, h): (into the counts, into the indices).
+    n_off = b * stride_nb + h * stride_nh + row * stride_nm
+    i_off = b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + row.to(tl.int64) * stride_im
+    return n_off, i_off
+
+
+@triton.jit
+def _query_program(cu_q_ptr, cu_kv_ptr, seq_q, seq_kv, REVERSE: tl.constexpr, VARLEN: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    # This program's query tile (axis 0; the last tile first with REVERSE), head (axis 1) and
+    # sequence (axis 2): (b, h, m0, q_start, q_len, kv_start, kv_len), m0 the tile's first row.
+    pid_m = tl.program_id(0)
+    if REVERSE:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len = _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN=VARLEN)
+    m0 = pid_m * BLOCK_M
+    return b, h, m0, q_start, q_len, kv_start, kv_len
+
+
+@triton.jit
 def _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN: tl.constexpr):
     # (q_start, q_len, kv_start, kv_len) of sequence b.
     if VARLEN:
@@ -343,11 +372,13 @@ def _visible(q_rows, kv_cols, q_len, kv_len, b, h, win_left, win_right,
 
 
 @triton.jit
-def _attn_fwd_tile(
-    acc, l_i, m_i, q,
+def _attn_fwd_tiles(
+    m_i, l_i, acc,  # running row max (base 2), row sum and output accumulator of the query tile
+    q,
     k_base,  # pointer to k[b, hk, seq_start]; rows at stride_ks
     v_base,  # pointer to v[b, hk, seq_start]
-    start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+    start, stop,  # key range [start, stop), visited in BLOCK_N tiles
+    q_len, kv_len, offs_m, offs_d, offs_dv,
     stride_ks, stride_kd, stride_vs, stride_vd,
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
@@ -358,46 +389,50 @@ def _attn_fwd_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    kv_ok = offs_n < kv_len
-    # Step 1: K tile (BLOCK_N, D) and the scores (BLOCK_M, BLOCK_N), fp32.
-    k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    k = _load_tile(k_ptrs, kv_ok, offs_d < HEAD_DIM, CHECK_KV, BLOCK_D != HEAD_DIM)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if HAS_DESCALE:
-        qk = qk * tl.load(kds_base + start_n // DESCALE_KV)
-    # Step 2: score_mod in natural units, then base-2 units.
-    if HAS_SCORE_MOD:
-        s = qk * sm_scale
-        qc = tl.minimum(offs_m, q_len - 1)[:, None]
-        kc = tl.minimum(offs_n, kv_len - 1)[None, :]
-        s = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32)
-        s2 = s * _LOG2E
-    else:
-        s2 = qk * qk_scale
-    # Step 3: visibility (edge tiles only).
-    if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
-        vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
-                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN, False, CHECK_KV, CHECK_BAND, APPLY_MASK_MOD)
-        s2 = tl.where(vis, s2, float("-inf"))
-    # Step 4: online softmax update; a row with no visible key so far keeps m = -inf, l = 0.
-    m_new = tl.maximum(m_i, tl.max(s2, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s2 - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if DROPOUT:
-        keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
-        p = tl.where(keep, p, 0.0)
-    # Step 5: P V, with P in V's dtype (bf16/fp16 now, FP8 later).
-    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
-    v = _load_tile(v_ptrs, kv_ok, offs_dv < HEAD_DIM_V, CHECK_KV, BLOCK_DV != HEAD_DIM_V)
-    if HAS_DESCALE:
-        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * tl.load(vds_base + start_n // DESCALE_KV)
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    # The key tiles [start, stop) of one query tile, in order: scores, online softmax, P V.
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_ok = offs_n < kv_len
+        # Step 1: K tile (BLOCK_N, D) and the scores (BLOCK_M, BLOCK_N), fp32.
+        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        k = _load_tile(k_ptrs, kv_ok, offs_d < HEAD_DIM, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_DESCALE:
+            qk = qk * tl.load(kds_base + start_n // DESCALE_KV)
+        # Step 2: score_mod in natural units, then base-2 units.
+        if HAS_SCORE_MOD:
+            s = qk * sm_scale
+            qc = tl.minimum(offs_m, q_len - 1)[:, None]
+            kc = tl.minimum(offs_n, kv_len - 1)[None, :]
+            s = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32)
+            s2 = s * _LOG2E
+        else:
+            s2 = qk * qk_scale
+        # Step 3: visibility (edge tiles only).
+        if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
+            vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
+                           mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=False, CHECK_KV=CHECK_KV,
+                           CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
+            s2 = tl.where(vis, s2, float("-inf"))
+        # Step 4: online softmax update; a row with no visible key so far keeps m = -inf, l = 0.
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s2 - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
+            p = tl.where(keep, p, 0.0)
+        # Step 5: P V, with P in V's dtype (bf16/fp16 now, FP8 later).
+        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+        v = _load_tile(v_ptrs, kv_ok, offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        if HAS_DESCALE:
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * tl.load(vds_base + start_n // DESCALE_KV)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 def _attention_fwd_kernel(
@@ -436,13 +471,8 @@ def _attention_fwd_kernel(
     REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Step 1: program coordinates; causal-like bands run the longest query tiles first.
-    pid_m = tl.program_id(0)
-    if REVERSE:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, q_len, kv_start, kv_len = _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN)
-    m0 = pid_m * BLOCK_M
+    b, h, m0, q_start, q_len, kv_start, kv_len = _query_program(cu_q_ptr, cu_kv_ptr, seq_q, seq_kv, REVERSE=REVERSE,
+                                                                VARLEN=VARLEN, BLOCK_M=BLOCK_M)
     if m0 >= q_len:
         return
     hk = h // group
@@ -454,9 +484,9 @@ def _attention_fwd_kernel(
     # Step 2: the query tile stays in registers.
     q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + m0).to(tl.int64) * stride_qs
     q_ptrs = q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    q = _load_tile(q_ptrs, q_ok, offs_d < HEAD_DIM, True, BLOCK_D != HEAD_DIM)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
+    q = _load_tile(q_ptrs, q_ok, offs_d < HEAD_DIM, CHECK_ROWS=True, CHECK_COLS=BLOCK_D != HEAD_DIM)
+    k_base = _head_ptr(k_ptr, b, hk, kv_start, stride_kb, stride_kh, stride_ks)
+    v_base = _head_ptr(v_ptr, b, hk, kv_start, stride_vb, stride_vh, stride_vs)
 
     qk_scale = sm_scale * _LOG2E
     kds_base = kds_ptr
@@ -475,55 +505,42 @@ def _attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
 
     if BLOCK_SPARSE:
-        # Step 3a: the block mask's lists for this query block: partial blocks, then full ones.
-        sb = m0 // SPARSE_Q
-        n_off = b * stride_nb + h * stride_nh + sb * stride_nm
-        i_off = b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + sb.to(tl.int64) * stride_im
-        num = tl.load(kvn_ptr + n_off)
-        for i in range(0, num):
-            blk = tl.load(kvi_ptr + i_off + i)
-            for start_n in range(blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len), BLOCK_N):
-                acc, l_i, m_i = _attn_fwd_tile(
-                    acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                    stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                    SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT, HAS_DESCALE, DESCALE_KV,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
-        num = tl.load(fkvn_ptr + n_off)
-        for i in range(0, num):
-            blk = tl.load(fkvi_ptr + i_off + i)
-            for start_n in range(blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len), BLOCK_N):
-                acc, l_i, m_i = _attn_fwd_tile(
-                    acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                    stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                    SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, False, True, BAND, DROPOUT, HAS_DESCALE, DESCALE_KV,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        # Step 3a: the block mask's lists for this query block: partial blocks (mask_mod evaluated),
+        # then full ones (mask_mod skipped).
+        n_off, i_off = _block_lists(b, h, m0 // SPARSE_Q, stride_nb, stride_nh, stride_nm,
+                                    stride_ib, stride_ih, stride_im)
+        for full in tl.static_range(2):
+            num = tl.load((fkvn_ptr if full else kvn_ptr) + n_off)
+            for i in range(0, num):
+                blk = tl.load((fkvi_ptr if full else kvi_ptr) + i_off + i)
+                m_i, l_i, acc = _attn_fwd_tiles(
+                    m_i, l_i, acc, q, k_base, v_base,
+                    blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len),
+                    q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
+                    qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
+                    mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                    APPLY_MASK_MOD=HAS_MASK_MOD and not full, CHECK_KV=True, CHECK_BAND=BAND,
+                    SCORE_FN=SCORE_MOD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD, DROPOUT=DROPOUT,
+                    HAS_DESCALE=HAS_DESCALE, DESCALE_KV=DESCALE_KV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+                    BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
     else:
-        # Step 3b: the band's key range: masked edge tiles around an unmasked middle.
+        # Step 3b: the band's key range: masked edge tiles [lo, full_lo) and [full_hi, hi) around
+        # the unmasked tiles [full_lo, full_hi), visited in that order.
         lo, full_lo, full_hi, hi = _kv_range(m0, tl.minimum(m0 + BLOCK_M, q_len), kv_len, win_left, win_right,
-                                             BAND, BLOCK_N)
-        for start_n in range(lo, full_lo, BLOCK_N):
-            acc, l_i, m_i = _attn_fwd_tile(
-                acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT, HAS_DESCALE, DESCALE_KV,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            acc, l_i, m_i = _attn_fwd_tile(
-                acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, False, False, DROPOUT, HAS_DESCALE, DESCALE_KV,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
-        for start_n in range(full_hi, hi, BLOCK_N):
-            acc, l_i, m_i = _attn_fwd_tile(
-                acc, l_i, m_i, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT, HAS_DESCALE, DESCALE_KV,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+                                             BAND=BAND, BLOCK_N=BLOCK_N)
+        for part in tl.static_range(3):
+            edge = part != 1
+            m_i, l_i, acc = _attn_fwd_tiles(
+                m_i, l_i, acc, q, k_base, v_base,
+                lo if part == 0 else (full_lo if part == 1 else full_hi),
+                full_lo if part == 0 else (full_hi if part == 1 else hi),
+                q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
+                qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
+                mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                APPLY_MASK_MOD=HAS_MASK_MOD, CHECK_KV=edge, CHECK_BAND=BAND and edge,
+                SCORE_FN=SCORE_MOD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD, DROPOUT=DROPOUT,
+                HAS_DESCALE=HAS_DESCALE, DESCALE_KV=DESCALE_KV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+                BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
     # Step 4: normalise once; rows that saw nothing give 0 and MASKED_ROW_LSE.
     seen = l_i > 0.0
@@ -532,13 +549,13 @@ def _attention_fwd_kernel(
     if DROPOUT:
         out = out * drop_scale
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * _LN2, _MASKED_LSE)
-    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + (q_start + m0).to(tl.int64) * stride_os
+    o_base = _head_ptr(o_ptr, b, h, q_start + m0, stride_ob, stride_oh, stride_os)
     o_ptrs = o_base + tl.arange(0, BLOCK_M)[:, None] * stride_os + offs_dv[None, :] * stride_od
     if BLOCK_DV != HEAD_DIM_V:
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
     else:
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
-    l_base = lse_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (q_start + m0).to(tl.int64) * stride_ls
+    l_base = _head_ptr(lse_ptr, b, h, q_start + m0, stride_lb, stride_lh, stride_ls)
     tl.store(l_base + tl.arange(0, BLOCK_M) * stride_ls, lse, mask=q_ok)
 
 
@@ -559,11 +576,8 @@ def _attention_bwd_preprocess_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, q_len, _, _ = _seq_bounds(cu_q_ptr, cu_q_ptr, b, seq_q, seq_q, VARLEN)
-    m0 = pid_m * BLOCK_M
+    b, h, m0, q_start, q_len, _, _ = _query_program(cu_q_ptr, cu_q_ptr, seq_q, seq_q, REVERSE=False, VARLEN=VARLEN,
+                                                    BLOCK_M=BLOCK_M)
     if m0 >= q_len:
         return
     rows = tl.arange(0, BLOCK_M)
@@ -571,30 +585,31 @@ def _attention_bwd_preprocess_kernel(
     ok = (m0 + rows) < q_len
     # Step 1: delta = rowsum(o * do) in fp32.
     pos = (q_start + m0).to(tl.int64)
-    o = tl.load(o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + pos * stride_os
+    o = tl.load(_head_ptr(o_ptr, b, h, pos, stride_ob, stride_oh, stride_os)
                 + rows[:, None] * stride_os + offs_dv[None, :] * stride_od,
                 mask=ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + pos * stride_gs
+    do = tl.load(_head_ptr(do_ptr, b, h, pos, stride_gb, stride_gh, stride_gs)
                  + rows[:, None] * stride_gs + offs_dv[None, :] * stride_gd,
                  mask=ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
     # Step 2: a gradient flowing into the LSE enters as -dlse (d lse / d s = p).
     if HAS_DLSE:
-        delta -= tl.load(dlse_ptr + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh + pos * stride_es
+        delta -= tl.load(_head_ptr(dlse_ptr, b, h, pos, stride_eb, stride_eh, stride_es)
                          + rows * stride_es, mask=ok, other=0.0).to(tl.float32)
-    tl.store(delta_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + pos * stride_ls + rows * stride_ls,
+    tl.store(_head_ptr(delta_ptr, b, h, pos, stride_lb, stride_lh, stride_ls) + rows * stride_ls,
              delta, mask=ok)
 
 
 @triton.jit
-def _attn_bwd_dkdv_tile(
+def _attn_bwd_dkdv_tiles(
     dk, dv, k, v,
     q_base,  # pointer to q[b, hq, seq_start]
     do_base,  # pointer to do[b, hq, seq_start]
     l_base,  # pointer to lse[b, hq, seq_start]
     e_base,  # pointer to delta[b, hq, seq_start]
     dq_base,  # pointer to the fp32 dq accumulator [b, hq, seq_start] (ATOMIC_DQ)
-    start_m, q_len, kv_len, offs_n, offs_d, offs_dv,
+    start, stop,  # query range [start, stop), visited in BLOCK_M tiles
+    q_len, kv_len, offs_n, offs_d, offs_dv,
     stride_qs, stride_qd, stride_gs, stride_gd, stride_ls, stride_as, stride_ad,
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
@@ -605,56 +620,59 @@ def _attn_bwd_dkdv_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_ok = offs_m < q_len
-    # Step 1: Q and dO tiles, and the row statistics.
-    q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok, offs_d < HEAD_DIM,
-                   MASKED, BLOCK_D != HEAD_DIM)
-    do = _load_tile(do_base + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok,
-                    offs_dv < HEAD_DIM_V, MASKED, BLOCK_DV != HEAD_DIM_V)
-    if MASKED:
-        lse2 = tl.load(l_base + offs_m * stride_ls, mask=q_ok, other=0.0) * _LOG2E
-        delta = tl.load(e_base + offs_m * stride_ls, mask=q_ok, other=0.0)
-    else:
-        lse2 = tl.load(l_base + offs_m * stride_ls) * _LOG2E
-        delta = tl.load(e_base + offs_m * stride_ls)
-    # Step 2: transposed scores s^T = K Q^T (BLOCK_N, BLOCK_M) and probabilities p^T.
-    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-    if HAS_SCORE_MOD:
-        sT = qkT * sm_scale
-        qc = tl.minimum(offs_m, q_len - 1)[None, :]
-        kc = tl.minimum(offs_n, kv_len - 1)[:, None]
-        s2 = SCORE_FN(sT, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
-    else:
-        s2 = qkT * qk_scale
-    if MASKED:
-        # Masking the exponent (not the result) keeps exp2 finite for rows that see nothing.
-        vis = _visible(offs_m[None, :], offs_n[:, None], q_len, kv_len, b, h, win_left, win_right,
-                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN, True, True, CHECK_BAND, APPLY_MASK_MOD)
-        s2 = tl.where(vis, s2, float("-inf"))
-    else:
-        vis = (offs_m[None, :] >= 0) & (offs_n[:, None] >= 0)
-    pT = tl.math.exp2(s2 - lse2[None, :])
-    # Step 3: dV += P^T dO (dropout-scaled), dP^T = V dO^T.
-    if DROPOUT:
-        keep = _dropout_keep(drop_key, offs_m[None, :], offs_n[:, None], drop_thresh)
-        dv = tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    else:
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    if DROPOUT:
-        dpT = tl.where(keep, dpT * drop_scale, 0.0)
-    # Step 4: dS^T, through score_mod's derivative (captured-tensor gradients scatter here).
-    dsT = pT * (dpT - delta[None, :])
-    if HAS_SCORE_MOD:
-        dsT = GRAD_FN(dsT, sT, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, g0, g1, g2, g3).to(tl.float32)
-        dsT = tl.where(vis, dsT, 0.0)
-    # Step 5: dK += dS^T Q; optionally dQ^T += K^T dS^T with atomics (fp32 accumulator).
-    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    if ATOMIC_DQ:
-        dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION) * sm_scale
-        dq_ptrs = dq_base + offs_m[None, :] * stride_as + offs_d[:, None] * stride_ad
-        tl.atomic_add(dq_ptrs, dqT, mask=q_ok[None, :] & (offs_d < HEAD_DIM)[:, None], sem="relaxed")
+    # The query tiles [start, stop) that see one key tile, in order: dV, dK (and dQ with atomics).
+    for start_m in range(start, stop, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ok = offs_m < q_len
+        # Step 1: Q and dO tiles, and the row statistics.
+        q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok, offs_d < HEAD_DIM,
+                       CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_D != HEAD_DIM)
+        do = _load_tile(do_base + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok,
+                        offs_dv < HEAD_DIM_V, CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        if MASKED:
+            lse2 = tl.load(l_base + offs_m * stride_ls, mask=q_ok, other=0.0) * _LOG2E
+            delta = tl.load(e_base + offs_m * stride_ls, mask=q_ok, other=0.0)
+        else:
+            lse2 = tl.load(l_base + offs_m * stride_ls) * _LOG2E
+            delta = tl.load(e_base + offs_m * stride_ls)
+        # Step 2: transposed scores s^T = K Q^T (BLOCK_N, BLOCK_M) and probabilities p^T.
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if HAS_SCORE_MOD:
+            sT = qkT * sm_scale
+            qc = tl.minimum(offs_m, q_len - 1)[None, :]
+            kc = tl.minimum(offs_n, kv_len - 1)[:, None]
+            s2 = SCORE_FN(sT, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
+        else:
+            s2 = qkT * qk_scale
+        if MASKED:
+            # Masking the exponent (not the result) keeps exp2 finite for rows that see nothing.
+            vis = _visible(offs_m[None, :], offs_n[:, None], q_len, kv_len, b, h, win_left, win_right,
+                           mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=True, CHECK_KV=True,
+                           CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
+            s2 = tl.where(vis, s2, float("-inf"))
+        else:
+            vis = (offs_m[None, :] >= 0) & (offs_n[:, None] >= 0)
+        pT = tl.math.exp2(s2 - lse2[None, :])
+        # Step 3: dV += P^T dO (dropout-scaled), dP^T = V dO^T.
+        if DROPOUT:
+            keep = _dropout_keep(drop_key, offs_m[None, :], offs_n[:, None], drop_thresh)
+            dv = tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        # Step 4: dS^T, through score_mod's derivative (captured-tensor gradients scatter here).
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SCORE_MOD:
+            dsT = GRAD_FN(dsT, sT, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, g0, g1, g2, g3).to(tl.float32)
+            dsT = tl.where(vis, dsT, 0.0)
+        # Step 5: dK += dS^T Q; optionally dQ^T += K^T dS^T with atomics (fp32 accumulator).
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION) * sm_scale
+            dq_ptrs = dq_base + offs_m[None, :] * stride_as + offs_d[:, None] * stride_ad
+            tl.atomic_add(dq_ptrs, dqT, mask=q_ok[None, :] & (offs_d < HEAD_DIM)[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -696,7 +714,7 @@ def _attention_bwd_dkdv_kernel(
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, kv_start, kv_len = _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN)
+    q_start, q_len, kv_start, kv_len = _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN=VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= kv_len:
         return
@@ -705,94 +723,77 @@ def _attention_bwd_dkdv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     kv_ok = offs_n < kv_len
     owned_full = n0 + BLOCK_N <= kv_len
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
+    k_base = _head_ptr(k_ptr, b, hk, kv_start, stride_kb, stride_kh, stride_ks)
+    v_base = _head_ptr(v_ptr, b, hk, kv_start, stride_vb, stride_vh, stride_vs)
     k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok, offs_d < HEAD_DIM,
-                   True, BLOCK_D != HEAD_DIM)
+                   CHECK_ROWS=True, CHECK_COLS=BLOCK_D != HEAD_DIM)
     v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
-                   offs_dv < HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
+                   offs_dv < HEAD_DIM_V, CHECK_ROWS=True, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     qk_scale = sm_scale * _LOG2E
     lo, full_lo, full_hi, hi = _q_range(n0, tl.minimum(n0 + BLOCK_N, kv_len), owned_full, q_len,
-                                        win_left, win_right, BAND, BLOCK_M)
+                                        win_left, win_right, BAND=BAND, BLOCK_M=BLOCK_M)
 
     # Step 2: every query head of the GQA group, every query tile that sees this key tile.
     for g in range(0, group):
         h = hk * group + g
         seq = (q_start).to(tl.int64)
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + seq * stride_qs
-        do_base = do_ptr + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + seq * stride_gs
-        l_base = lse_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + seq * stride_ls
-        e_base = delta_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + seq * stride_ls
+        q_base = _head_ptr(q_ptr, b, h, seq, stride_qb, stride_qh, stride_qs)
+        do_base = _head_ptr(do_ptr, b, h, seq, stride_gb, stride_gh, stride_gs)
+        l_base = _head_ptr(lse_ptr, b, h, seq, stride_lb, stride_lh, stride_ls)
+        e_base = _head_ptr(delta_ptr, b, h, seq, stride_lb, stride_lh, stride_ls)
         dq_base = dqa_ptr
         if ATOMIC_DQ:
-            dq_base = dqa_ptr + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah + seq * stride_as
+            dq_base = _head_ptr(dqa_ptr, b, h, seq, stride_ab, stride_ah, stride_as)
         drop_key = b.to(tl.uint32)
         if DROPOUT:
             drop_key = _dropout_key(seed_ptr, b, h)
         if BLOCK_SPARSE:
-            sb = n0 // SPARSE_KV
-            n_off = b * stride_nb + h * stride_nh + sb * stride_nm
-            i_off = b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + sb.to(tl.int64) * stride_im
-            num = tl.load(qn_ptr + n_off)
-            for i in range(0, num):
-                blk = tl.load(qi_ptr + i_off + i)
-                for start_m in range(blk * SPARSE_Q, tl.minimum(blk * SPARSE_Q + SPARSE_Q, q_len), BLOCK_M):
-                    dk, dv = _attn_bwd_dkdv_tile(
-                        dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
-                        offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-                        stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
+            # The block mask's lists for this key block: partial blocks (mask_mod evaluated), then
+            # full ones (mask_mod skipped).
+            n_off, i_off = _block_lists(b, h, n0 // SPARSE_KV, stride_nb, stride_nh, stride_nm,
+                                        stride_ib, stride_ih, stride_im)
+            for full in tl.static_range(2):
+                num = tl.load((fqn_ptr if full else qn_ptr) + n_off)
+                for i in range(0, num):
+                    blk = tl.load((fqi_ptr if full else qi_ptr) + i_off + i)
+                    dk, dv = _attn_bwd_dkdv_tiles(
+                        dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base,
+                        blk * SPARSE_Q, tl.minimum(blk * SPARSE_Q + SPARSE_Q, q_len),
+                        q_len, kv_len, offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd,
+                        stride_ls, stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
                         sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                        drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                        HAS_SCORE_MOD, True, BAND, HAS_MASK_MOD, DROPOUT, ATOMIC_DQ,
-                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
-            num = tl.load(fqn_ptr + n_off)
-            for i in range(0, num):
-                blk = tl.load(fqi_ptr + i_off + i)
-                for start_m in range(blk * SPARSE_Q, tl.minimum(blk * SPARSE_Q + SPARSE_Q, q_len), BLOCK_M):
-                    dk, dv = _attn_bwd_dkdv_tile(
-                        dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
-                        offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-                        stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
-                        sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                        drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                        HAS_SCORE_MOD, True, BAND, False, DROPOUT, ATOMIC_DQ,
-                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
+                        drop_key, drop_thresh, drop_scale,
+                        MASKED=True, CHECK_BAND=BAND, APPLY_MASK_MOD=HAS_MASK_MOD and not full,
+                        SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
+                        DROPOUT=DROPOUT, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+                        BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                        DOT_PRECISION=DOT_PRECISION)
         else:
-            for start_m in range(lo, full_lo, BLOCK_M):
-                dk, dv = _attn_bwd_dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
-                    offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-                    stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
+            # Masked edge tiles [lo, full_lo) and [full_hi, hi) around the tiles [full_lo, full_hi)
+            # that need no band or bounds check, visited in that order.
+            for part in tl.static_range(3):
+                edge = part != 1
+                dk, dv = _attn_bwd_dkdv_tiles(
+                    dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base,
+                    lo if part == 0 else (full_lo if part == 1 else full_hi),
+                    full_lo if part == 0 else (full_hi if part == 1 else hi),
+                    q_len, kv_len, offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd,
+                    stride_ls, stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
                     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                    drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                    HAS_SCORE_MOD, True, BAND, HAS_MASK_MOD, DROPOUT, ATOMIC_DQ,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
-            for start_m in range(full_lo, full_hi, BLOCK_M):
-                dk, dv = _attn_bwd_dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
-                    offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-                    stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
-                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                    drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                    HAS_SCORE_MOD, HAS_MASK_MOD, False, HAS_MASK_MOD, DROPOUT, ATOMIC_DQ,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
-            for start_m in range(full_hi, hi, BLOCK_M):
-                dk, dv = _attn_bwd_dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len, kv_len,
-                    offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-                    stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
-                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                    drop_key, drop_thresh, drop_scale, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                    HAS_SCORE_MOD, True, BAND, HAS_MASK_MOD, DROPOUT, ATOMIC_DQ,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
+                    drop_key, drop_thresh, drop_scale,
+                    MASKED=edge or HAS_MASK_MOD, CHECK_BAND=BAND and edge, APPLY_MASK_MOD=HAS_MASK_MOD,
+                    SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
+                    DROPOUT=DROPOUT, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
+                    BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    DOT_PRECISION=DOT_PRECISION)
 
     # Step 3: store dK (scaled once) and dV; rows past the sequence end are not written.
     dk = dk * sm_scale
     row0 = (kv_start + n0).to(tl.int64)
-    dk_base = dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + row0 * stride_dks
-    dv_base = dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + row0 * stride_dvs
+    dk_base = _head_ptr(dk_ptr, b, hk, row0, stride_dkb, stride_dkh, stride_dks)
+    dv_base = _head_ptr(dv_ptr, b, hk, row0, stride_dvb, stride_dvh, stride_dvs)
     rows = tl.arange(0, BLOCK_N)
     tl.store(dk_base + rows[:, None] * stride_dks + offs_d[None, :] * stride_dkd, dk.to(dk_ptr.dtype.element_ty),
              mask=kv_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
@@ -801,9 +802,11 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_tile(
+def _attn_bwd_dq_tiles(
     dq, q, do, lse2, delta,
-    k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
+    k_base, v_base,
+    start, stop,  # key range [start, stop), visited in BLOCK_N tiles
+    q_len, kv_len, offs_m, offs_d, offs_dv,
     stride_ks, stride_kd, stride_vs, stride_vd,
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
@@ -814,39 +817,43 @@ def _attn_bwd_dq_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    kv_ok = offs_n < kv_len
-    # Step 1: K, V tiles; scores and probabilities (BLOCK_M, BLOCK_N).
-    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok, offs_d < HEAD_DIM,
-                   CHECK_KV, BLOCK_D != HEAD_DIM)
-    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
-                   offs_dv < HEAD_DIM_V, CHECK_KV, BLOCK_DV != HEAD_DIM_V)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if HAS_SCORE_MOD:
-        s = qk * sm_scale
-        qc = tl.minimum(offs_m, q_len - 1)[:, None]
-        kc = tl.minimum(offs_n, kv_len - 1)[None, :]
-        s2 = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
-    else:
-        s2 = qk * qk_scale
-    if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
-        vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
-                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN, False, CHECK_KV, CHECK_BAND, APPLY_MASK_MOD)
-        s2 = tl.where(vis, s2, float("-inf"))
-    else:
-        vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)
-    p = tl.math.exp2(s2 - lse2[:, None])
-    # Step 2: dP = dO V^T, dS = P (dP - delta), through score_mod's derivative.
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    if DROPOUT:
-        keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
-        dp = tl.where(keep, dp * drop_scale, 0.0)
-    ds = p * (dp - delta[:, None])
-    if HAS_SCORE_MOD:
-        ds = GRAD_FN(ds, s, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, None, None, None, None).to(tl.float32)
-        ds = tl.where(vis, ds, 0.0)
-    # Step 3: dQ += dS K.
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    # The key tiles [start, stop) seen by one query tile, in order: dS, then dQ += dS K.
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_ok = offs_n < kv_len
+        # Step 1: K, V tiles; scores and probabilities (BLOCK_M, BLOCK_N).
+        k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok, offs_d < HEAD_DIM,
+                       CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
+                       offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SCORE_MOD:
+            s = qk * sm_scale
+            qc = tl.minimum(offs_m, q_len - 1)[:, None]
+            kc = tl.minimum(offs_n, kv_len - 1)[None, :]
+            s2 = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
+        else:
+            s2 = qk * qk_scale
+        if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
+            vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
+                           mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=False, CHECK_KV=CHECK_KV,
+                           CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
+            s2 = tl.where(vis, s2, float("-inf"))
+        else:
+            vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)
+        p = tl.math.exp2(s2 - lse2[:, None])
+        # Step 2: dP = dO V^T, dS = P (dP - delta), through score_mod's derivative.
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SCORE_MOD:
+            ds = GRAD_FN(ds, s, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, None, None, None, None).to(tl.float32)
+            ds = tl.where(vis, ds, 0.0)
+        # Step 3: dQ += dS K.
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
 
 
 def _attention_bwd_dq_kernel(
@@ -876,13 +883,8 @@ def _attention_bwd_dq_kernel(
     REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Step 1: this program's query tile, dO, LSE and delta stay in registers.
-    pid_m = tl.program_id(0)
-    if REVERSE:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, q_len, kv_start, kv_len = _seq_bounds(cu_q_ptr, cu_kv_ptr, b, seq_q, seq_kv, VARLEN)
-    m0 = pid_m * BLOCK_M
+    b, h, m0, q_start, q_len, kv_start, kv_len = _query_program(cu_q_ptr, cu_kv_ptr, seq_q, seq_kv, REVERSE=REVERSE,
+                                                                VARLEN=VARLEN, BLOCK_M=BLOCK_M)
     if m0 >= q_len:
         return
     hk = h // group
@@ -892,76 +894,61 @@ def _attention_bwd_dq_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ok = offs_m < q_len
     pos = (q_start + m0).to(tl.int64)
-    q = _load_tile(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + pos * stride_qs
+    q = _load_tile(_head_ptr(q_ptr, b, h, pos, stride_qb, stride_qh, stride_qs)
                    + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok, offs_d < HEAD_DIM,
-                   True, BLOCK_D != HEAD_DIM)
-    do = _load_tile(do_ptr + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh + pos * stride_gs
+                   CHECK_ROWS=True, CHECK_COLS=BLOCK_D != HEAD_DIM)
+    do = _load_tile(_head_ptr(do_ptr, b, h, pos, stride_gb, stride_gh, stride_gs)
                     + rows[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok, offs_dv < HEAD_DIM_V,
-                    True, BLOCK_DV != HEAD_DIM_V)
+                    CHECK_ROWS=True, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
     l_off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + pos * stride_ls + rows * stride_ls
     lse2 = tl.load(lse_ptr + l_off, mask=q_ok, other=0.0) * _LOG2E
     delta = tl.load(delta_ptr + l_off, mask=q_ok, other=0.0)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + kv_start.to(tl.int64) * stride_ks
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + kv_start.to(tl.int64) * stride_vs
+    k_base = _head_ptr(k_ptr, b, hk, kv_start, stride_kb, stride_kh, stride_ks)
+    v_base = _head_ptr(v_ptr, b, hk, kv_start, stride_vb, stride_vh, stride_vs)
     qk_scale = sm_scale * _LOG2E
     drop_key = b.to(tl.uint32)
     if DROPOUT:
         drop_key = _dropout_key(seed_ptr, b, h)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
 
-    # Step 2: the key tiles this query tile sees (same ranges as the forward).
+    # Step 2: the key tiles this query tile sees (same lists and ranges as the forward).
     if BLOCK_SPARSE:
-        sb = m0 // SPARSE_Q
-        n_off = b * stride_nb + h * stride_nh + sb * stride_nm
-        i_off = b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + sb.to(tl.int64) * stride_im
-        num = tl.load(kvn_ptr + n_off)
-        for i in range(0, num):
-            blk = tl.load(kvi_ptr + i_off + i)
-            for start_n in range(blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len), BLOCK_N):
-                dq = _attn_bwd_dq_tile(
-                    dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                    stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                    SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
-        num = tl.load(fkvn_ptr + n_off)
-        for i in range(0, num):
-            blk = tl.load(fkvi_ptr + i_off + i)
-            for start_n in range(blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len), BLOCK_N):
-                dq = _attn_bwd_dq_tile(
-                    dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                    stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                    SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, False, True, BAND, DROPOUT,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        n_off, i_off = _block_lists(b, h, m0 // SPARSE_Q, stride_nb, stride_nh, stride_nm,
+                                    stride_ib, stride_ih, stride_im)
+        for full in tl.static_range(2):
+            num = tl.load((fkvn_ptr if full else kvn_ptr) + n_off)
+            for i in range(0, num):
+                blk = tl.load((fkvi_ptr if full else kvi_ptr) + i_off + i)
+                dq = _attn_bwd_dq_tiles(
+                    dq, q, do, lse2, delta, k_base, v_base,
+                    blk * SPARSE_KV, tl.minimum(blk * SPARSE_KV + SPARSE_KV, kv_len),
+                    q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
+                    qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
+                    mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                    APPLY_MASK_MOD=HAS_MASK_MOD and not full, CHECK_KV=True, CHECK_BAND=BAND,
+                    SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD_DQ, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
+                    DROPOUT=DROPOUT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D,
+                    BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
     else:
         lo, full_lo, full_hi, hi = _kv_range(m0, tl.minimum(m0 + BLOCK_M, q_len), kv_len, win_left, win_right,
-                                             BAND, BLOCK_N)
-        for start_n in range(lo, full_lo, BLOCK_N):
-            dq = _attn_bwd_dq_tile(
-                dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            dq = _attn_bwd_dq_tile(
-                dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, False, False, DROPOUT,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
-        for start_n in range(full_hi, hi, BLOCK_N):
-            dq = _attn_bwd_dq_tile(
-                dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                SCORE_MOD, SCORE_GRAD_DQ, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, True, BAND, DROPOUT,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+                                             BAND=BAND, BLOCK_N=BLOCK_N)
+        for part in tl.static_range(3):
+            edge = part != 1
+            dq = _attn_bwd_dq_tiles(
+                dq, q, do, lse2, delta, k_base, v_base,
+                lo if part == 0 else (full_lo if part == 1 else full_hi),
+                full_lo if part == 0 else (full_hi if part == 1 else hi),
+                q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
+                qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
+                mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                APPLY_MASK_MOD=HAS_MASK_MOD, CHECK_KV=edge, CHECK_BAND=BAND and edge,
+                SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD_DQ, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
+                DROPOUT=DROPOUT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D,
+                BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
     # Step 3: store dQ (scaled once).
     dq = dq * sm_scale
-    dq_base = dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + pos * stride_dqs
+    dq_base = _head_ptr(dq_ptr, b, h, pos, stride_dqb, stride_dqh, stride_dqs)
     tl.store(dq_base + rows[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(dq_ptr.dtype.element_ty),
              mask=q_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 

@@ -78,7 +78,8 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._library import define, merge_config
+from ._jit import grouped_tile
+from ._library import OpSpec, merge_config
 
 __all__ = [
     "FP8_DTYPES",
@@ -94,15 +95,24 @@ _BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
-    # Grouped order: GROUP_M consecutive tile rows walk the tile columns together, so the strip of
-    # b they share stays in L2.
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
+def _schedule(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # The persistent tile schedule: (tile rows, tiles per group of GROUP_M tile rows, K blocks, tiles).
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    return num_pid_m, num_pid_in_group, k_tiles, num_tiles
+
+
+@triton.jit
+def _dot(a, b, acc, FAST_ACCUM: tl.constexpr, PROMOTE_K: tl.constexpr):
+    # acc + a @ b.T; the precise mode adds every PROMOTE_K products to acc in FP32.
+    if FAST_ACCUM:
+        acc = tl.dot(a, b.T, acc)
+    else:
+        acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE_K)
+    return acc
 
 
 @triton.jit
@@ -173,16 +183,13 @@ def _scaled_mm_tma_fwd_kernel(
 ):
     # Step 1: the tile schedule. Program p owns tiles p, p + NUM_PROGRAMS, ...
     start_pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    num_tiles = num_pid_m * num_pid_n
-    num_pid_in_group = GROUP_M * num_pid_n
+    num_pid_m, num_pid_in_group, k_tiles, num_tiles = _schedule(
+        M, N, K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M)
     # A separate counter for the epilogue keeps the prologue of the next tile free of epilogue
     # values, which the flattened software pipeline needs.
     tile_id_c = start_pid - NUM_PROGRAMS
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M=GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         # Step 2: the K loop. TMA zero-fills the part of a box past K, M or N.
@@ -191,19 +198,16 @@ def _scaled_mm_tma_fwd_kernel(
             off_k = ki * BLOCK_K
             a = a_desc.load([off_m, off_k])  # (BLOCK_M, BLOCK_K) fp8
             b = b_desc.load([off_n, off_k])  # (BLOCK_N, BLOCK_K) fp8, K-major
-            if FAST_ACCUM:
-                acc = tl.dot(a, b.T, acc)
-            else:
-                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE_K)
+            acc = _dot(a, b, acc, FAST_ACCUM=FAST_ACCUM, PROMOTE_K=PROMOTE_K)
         # Step 3: the epilogue: scales, bias, cast, TMA store (clipped at the tensor's edge).
         tile_id_c += NUM_PROGRAMS
-        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M=GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        acc = _epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr,
-                        stride_sa, stride_sb, stride_bias, ROWWISE_A, ROWWISE_B, HAS_BIAS)
+        acc = _epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, stride_sa, stride_sb,
+                        stride_bias, ROWWISE_A=ROWWISE_A, ROWWISE_B=ROWWISE_B, HAS_BIAS=HAS_BIAS)
         if EPILOGUE_SUBTILE:
             # Two (BLOCK_M, BLOCK_N // 2) stores: half the shared-memory staging buffer.
             acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
@@ -246,15 +250,12 @@ def _scaled_mm_fwd_kernel(
 ):
     # Step 1: the tile schedule, as in the TMA kernel.
     start_pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    num_tiles = num_pid_m * num_pid_n
-    num_pid_in_group = GROUP_M * num_pid_n
+    num_pid_m, num_pid_in_group, k_tiles, num_tiles = _schedule(
+        M, N, K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M)
     offs_k0 = tl.arange(0, BLOCK_K)
     tile_id_c = start_pid - NUM_PROGRAMS
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M=GROUP_M)
         # Step 2: row indices past M or N are clamped to row 0 rather than masked: the loads stay
         # unmasked along M/N (vectorized), and those rows are never stored.
         offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -270,17 +271,14 @@ def _scaled_mm_fwd_kernel(
             k_ok = offs_k0 < K - ki * BLOCK_K
             a = tl.load(a_rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
             b = tl.load(b_rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
-            if FAST_ACCUM:
-                acc = tl.dot(a, b.T, acc)
-            else:
-                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE_K)
+            acc = _dot(a, b, acc, FAST_ACCUM=FAST_ACCUM, PROMOTE_K=PROMOTE_K)
         # Step 4: the epilogue: scales, bias, cast, masked store.
         tile_id_c += NUM_PROGRAMS
-        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M=GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr,
-                        stride_sa, stride_sb, stride_bias, ROWWISE_A, ROWWISE_B, HAS_BIAS)
+        acc = _epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, stride_sa, stride_sb,
+                        stride_bias, ROWWISE_A=ROWWISE_A, ROWWISE_B=ROWWISE_B, HAS_BIAS=HAS_BIAS)
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -583,7 +581,7 @@ def _scaled_mm_fake(a, b, scale_a, scale_b, bias, out_dtype, fast_accum):  # typ
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-scaled_mm = define(
+scaled_mm = OpSpec(
     "scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, ScalarType out_dtype,"
     " bool fast_accum) -> Tensor",
     cuda=lambda a, b, scale_a, scale_b, bias, out_dtype, fast_accum: scaled_mm_launch(

@@ -28,8 +28,9 @@ Kernels:
   variance, stable in one read), the second normalises ``(BLOCK_M, BLOCK_K)`` tiles and writes y, q
   and q_t (each q_t store is ``BLOCK_M`` contiguous bytes); the second read mostly hits L2. The amax
   is reduced per program and folded into one word with an integer ``atomic_max`` on the float bits
-  (see kernels/quantize.py). The same kernel, storing nothing but the amax, is ``fp8ops::norm_amax``:
-  the first pass of current scaling, whose scale is then computed just in time on the device.
+  (see kernels/quantize.py; the shared helpers are in kernels/_jit.py). The same kernel, storing
+  nothing but the amax, is ``fp8ops::norm_amax``: the first pass of current scaling, whose scale is
+  then computed just in time on the device.
 - ``_norm_bwd_kernel``: a persistent grid (about ``#SMs * PROGRAMS_PER_SM`` programs), each looping
   over row blocks. dx is computed per row in one pass (two sweeps when the row is chunked);
   the weight and bias gradients accumulate in float32 registers per program and are written once as
@@ -54,14 +55,14 @@ kernel, the FP32 reference math, is registered by ``fp8ops.norm``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._library import define, merge_config
-from .quantize import FP8_DTYPES, _just_in_time_scale, _saturate
+from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale
+from ._library import OpSpec, contiguous_args, merge_config
 
 __all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
 
@@ -79,6 +80,42 @@ def _sum_input(
     if HAS_RES:
         return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
     return x
+
+
+@triton.jit
+def _load_input(
+    x_ptr,  # (M, K) input, contiguous
+    r_ptr,  # (M, K) residual, contiguous (HAS_RES)
+    offs,  # (BLOCK_M, BLOCK_K) int64 offsets of the chunk
+    mask,  # (BLOCK_M, BLOCK_K) valid elements
+    HAS_RES: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    # A chunk of x and of the residual (x again without one), in x's dtype.
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
+    r = x
+    if HAS_RES:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
+    return x, r
+
+
+@triton.jit
+def _next_chunk(
+    x_ptr,  # (M, K) input, contiguous
+    r_ptr,  # (M, K) residual, contiguous (HAS_RES)
+    row_ok,  # (BLOCK_M,) valid rows
+    rk,  # (BLOCK_K,) columns of the current chunk
+    offs,  # (BLOCK_M, BLOCK_K) int64 offsets of the current chunk
+    K,
+    HAS_RES: tl.constexpr,
+    EVICT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # The prefetch of the next chunk of a chunked sweep: (mask, offsets, x, r) of columns rk + BLOCK_K.
+    mask_n = row_ok[:, None] & ((rk + BLOCK_K)[None, :] < K)
+    offs_n = offs + BLOCK_K
+    x_n, r_n = _load_input(x_ptr, r_ptr, offs_n, mask_n, HAS_RES=HAS_RES, EVICT=EVICT)
+    return mask_n, offs_n, x_n, r_n
 
 
 @triton.jit
@@ -113,13 +150,43 @@ def _normalize_tile(
     if STORE_Y:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     if HAS_Q:
-        q = _saturate(y * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+        q = cast_fp8(y, scale, q_ptr, FP8_MAX=FP8_MAX)
         tl.store(q_ptr + offs, q, mask=mask)
         if TRANSPOSE:
             tl.store(qt_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
     # Padding lanes (columns >= K, rows >= M) hold bias / -mean*rstd terms: keep them out of the amax.
-    bits = tl.where(mask, tl.abs(y).to(tl.int32, bitcast=True), 0)
-    return tl.max(bits, axis=1)
+    return tl.max(tl.where(mask, abs_bits(y), 0), axis=1)
+
+
+@triton.jit
+def _load_gamma(
+    w_ptr,  # (K,) weight
+    rk,  # (BLOCK_K,) column indices
+    col_ok,  # (BLOCK_K,) rk < K
+    ZERO_CENTERED: tl.constexpr,
+):
+    # gamma in fp32: weight (+ 1 when zero-centred), 0 beyond K.
+    g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        g = tl.where(col_ok, g + 1.0, 0.0)
+    return g
+
+
+@triton.jit
+def _load_gamma_bias(
+    w_ptr,  # (K,) weight
+    b_ptr,  # (K,) bias (HAS_BIAS)
+    rk,  # (BLOCK_K,) column indices
+    col_ok,  # (BLOCK_K,) rk < K
+    ZERO_CENTERED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    # (gamma, bias) in fp32; without a bias the second value is gamma, never read.
+    g = _load_gamma(w_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED)
+    bias = g
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+    return g, bias
 
 
 @triton.jit
@@ -187,12 +254,8 @@ def _norm_fwd_kernel(
     # Step 1: the FP8 scale, read or computed just in time (every program computes the same value).
     scale = 1.0
     if HAS_Q:
-        if SCALE_FROM_AMAX:
-            scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
-        else:
-            scale = tl.load(scale_ptr)
-        if pid == 0:
-            tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+        scale = fp8_scale(scale_ptr, amax_in_ptr, inv_ptr, pid,
+                          FP8_MAX=FP8_MAX, MARGIN=MARGIN, SCALE_FROM_AMAX=SCALE_FROM_AMAX, POWER_2=POWER_2)
     amax_bits = tl.zeros((BLOCK_M,), dtype=tl.int32)
     if SINGLE:
         # Whole rows in registers; a persistent program loops over row blocks and prefetches the
@@ -202,12 +265,7 @@ def _norm_fwd_kernel(
         rk = tl.arange(0, BLOCK_K)
         col_ok = rk < K
         # Step 2: gamma and bias once per program.
-        g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            g = tl.where(col_ok, g + 1.0, 0.0)
-        bias = g
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+        g, bias = _load_gamma_bias(w_ptr, b_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED, HAS_BIAS=HAS_BIAS)
         rows = tl.arange(0, BLOCK_M).to(tl.int64)
         rm_n = rows + pid * BLOCK_M
         mask_n = (rm_n < M)[:, None] & col_ok[None, :]
@@ -228,11 +286,11 @@ def _norm_fwd_kernel(
                 r_n = tl.load(r_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
             # Step 4: statistics, normalisation and the FP8 epilogue of the current block.
             offs = rm[:, None] * K + rk[None, :]
-            s = _sum_input(x, r, HAS_RES)
+            s = _sum_input(x, r, HAS_RES=HAS_RES)
             if STORE_S:
                 tl.store(s_ptr + offs, s, mask=mask)
             v = s.to(tl.float32)
-            mean, rstd = _row_stats(v, mask, K, eps, RMS)
+            mean, rstd = _row_stats(v, mask, K, eps, RMS=RMS)
             row_ok = rm < M
             if STORE_STATS:
                 tl.store(rstd_ptr + rm, rstd, mask=row_ok)
@@ -240,7 +298,7 @@ def _norm_fwd_kernel(
                     tl.store(mean_ptr + rm, mean, mask=row_ok)
             tile_bits = _normalize_tile(
                 v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,
-                RMS, HAS_BIAS, STORE_Y, HAS_Q, TRANSPOSE, FP8_MAX,
+                RMS=RMS, HAS_BIAS=HAS_BIAS, STORE_Y=STORE_Y, HAS_Q=HAS_Q, TRANSPOSE=TRANSPOSE, FP8_MAX=FP8_MAX,
             )
             amax_bits = tl.maximum(amax_bits, tile_bits)
     else:
@@ -254,22 +312,13 @@ def _norm_fwd_kernel(
         m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         mask_n = row_ok[:, None] & (cols[None, :] < K)
         offs_n = rm[:, None] * K + cols[None, :]
-        x_n = tl.load(x_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
-        r_n = x_n
-        if HAS_RES:
-            r_n = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
+        x_n, r_n = _load_input(x_ptr, r_ptr, offs_n, mask_n, HAS_RES=HAS_RES, EVICT="evict_last")
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + cols
-            mask = mask_n
-            offs = offs_n
-            x = x_n
-            r = r_n
-            mask_n = row_ok[:, None] & ((rk + BLOCK_K)[None, :] < K)
-            offs_n = offs + BLOCK_K
-            x_n = tl.load(x_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
-            if HAS_RES:
-                r_n = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_last")
-            s = _sum_input(x, r, HAS_RES)
+            mask, offs, x, r = mask_n, offs_n, x_n, r_n
+            mask_n, offs_n, x_n, r_n = _next_chunk(x_ptr, r_ptr, row_ok, rk, offs, K,
+                                                   HAS_RES=HAS_RES, EVICT="evict_last", BLOCK_K=BLOCK_K)
+            s = _sum_input(x, r, HAS_RES=HAS_RES)
             if STORE_S:
                 tl.store(s_ptr + offs, s, mask=mask)
             v = s.to(tl.float32)
@@ -292,36 +341,51 @@ def _norm_fwd_kernel(
         # Step 3: normalise chunk by chunk (second read mostly from L2), store y / q / q_t.
         mask_n = row_ok[:, None] & (cols[None, :] < K)
         offs_n = rm[:, None] * K + cols[None, :]
-        x_n = tl.load(x_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
-        r_n = x_n
-        if HAS_RES:
-            r_n = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
+        x_n, r_n = _load_input(x_ptr, r_ptr, offs_n, mask_n, HAS_RES=HAS_RES, EVICT="evict_first")
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + cols
             col_ok = rk < K
-            mask = mask_n
-            offs = offs_n
-            x = x_n
-            r = r_n
-            mask_n = row_ok[:, None] & ((rk + BLOCK_K)[None, :] < K)
-            offs_n = offs + BLOCK_K
-            x_n = tl.load(x_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
-            if HAS_RES:
-                r_n = tl.load(r_ptr + offs_n, mask=mask_n, other=0.0, eviction_policy="evict_first")
-            v = _sum_input(x, r, HAS_RES).to(tl.float32)
-            g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
-            if ZERO_CENTERED:
-                g = tl.where(col_ok, g + 1.0, 0.0)
-            bias = g
-            if HAS_BIAS:
-                bias = tl.load(b_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
+            mask, offs, x, r = mask_n, offs_n, x_n, r_n
+            mask_n, offs_n, x_n, r_n = _next_chunk(x_ptr, r_ptr, row_ok, rk, offs, K,
+                                                   HAS_RES=HAS_RES, EVICT="evict_first", BLOCK_K=BLOCK_K)
+            v = _sum_input(x, r, HAS_RES=HAS_RES).to(tl.float32)
+            g, bias = _load_gamma_bias(w_ptr, b_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED, HAS_BIAS=HAS_BIAS)
             tile_bits = _normalize_tile(
                 v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,
-                RMS, HAS_BIAS, STORE_Y, HAS_Q, TRANSPOSE, FP8_MAX,
+                RMS=RMS, HAS_BIAS=HAS_BIAS, STORE_Y=STORE_Y, HAS_Q=HAS_Q, TRANSPOSE=TRANSPOSE, FP8_MAX=FP8_MAX,
             )
             amax_bits = tl.maximum(amax_bits, tile_bits)
     # Step 5: one atomic per program on the float bits (|y| >= 0: integer order is float order).
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(amax_bits, axis=0), sem="relaxed")
+    atomic_amax(amax_ptr, tl.max(amax_bits, axis=0))
+
+
+@triton.jit
+def _bwd_chunk(
+    dy_ptr,  # (M, K) gradient of y, contiguous
+    s_ptr,  # (M, K) the normalised input, contiguous
+    w_ptr,  # (K,) weight
+    rm,  # (BLOCK_M,) int64 row indices
+    row_ok,  # (BLOCK_M,) rm < M
+    k0,  # first column of the chunk
+    K,
+    mean,  # (BLOCK_M,) fp32 (0 for RMSNorm)
+    rstd,  # (BLOCK_M,) fp32
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    # One (BLOCK_M, BLOCK_K) chunk of a chunked row block: its columns, mask and offsets, dy in
+    # fp32, xh (0 outside the rows and K) and gdy = dy * gamma.
+    rk = k0 + tl.arange(0, BLOCK_K)
+    col_ok = rk < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rm[:, None] * K + rk[None, :]
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    s = tl.load(s_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    g = _load_gamma(w_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED)
+    xh = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+    gdy = dy * g[None, :]
+    return rk, col_ok, mask, offs, dy, xh, gdy
 
 
 @triton.jit
@@ -354,9 +418,7 @@ def _norm_bwd_kernel(
         # Step 1: the weight of the whole row, once per program; the first row block prefetched.
         rk = tl.arange(0, BLOCK_K)
         col_ok = rk < K
-        g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            g = tl.where(col_ok, g + 1.0, 0.0)
+        g = _load_gamma(w_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED)
         acc_dw = tl.zeros((BLOCK_K,), dtype=tl.float32)
         acc_db = tl.zeros((BLOCK_K,), dtype=tl.float32)
         rm_n = rows + pid * BLOCK_M
@@ -420,17 +482,10 @@ def _norm_bwd_kernel(
             c1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             c2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                col_ok = rk < K
-                mask = row_ok[:, None] & col_ok[None, :]
-                offs = rm[:, None] * K + rk[None, :]
-                dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                s = tl.load(s_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
-                if ZERO_CENTERED:
-                    g = tl.where(col_ok, g + 1.0, 0.0)
-                xh = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
-                gdy = dy * g[None, :]
+                rk, col_ok, mask, offs, dy, xh, gdy = _bwd_chunk(
+                    dy_ptr, s_ptr, w_ptr, rm, row_ok, k0, K, mean, rstd,
+                    ZERO_CENTERED=ZERO_CENTERED, BLOCK_K=BLOCK_K, EVICT="evict_last",
+                )
                 c2 += tl.sum(gdy * xh, axis=1)
                 c1 += tl.sum(gdy, axis=1)
             c1 = c1 / K
@@ -438,17 +493,10 @@ def _norm_bwd_kernel(
             # Step 2: dx per chunk (second read mostly from L2), and the program's partial sums,
             # read-modify-written in its private row of the partial buffers.
             for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                col_ok = rk < K
-                mask = row_ok[:, None] & col_ok[None, :]
-                offs = rm[:, None] * K + rk[None, :]
-                dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                s = tl.load(s_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                g = tl.load(w_ptr + rk, mask=col_ok, other=0.0).to(tl.float32)
-                if ZERO_CENTERED:
-                    g = tl.where(col_ok, g + 1.0, 0.0)
-                xh = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
-                gdy = dy * g[None, :]
+                rk, col_ok, mask, offs, dy, xh, gdy = _bwd_chunk(
+                    dy_ptr, s_ptr, w_ptr, rm, row_ok, k0, K, mean, rstd,
+                    ZERO_CENTERED=ZERO_CENTERED, BLOCK_K=BLOCK_K, EVICT="evict_first",
+                )
                 if RMS:
                     dx = (gdy - xh * c2[:, None]) * rstd[:, None]
                 else:
@@ -565,6 +613,20 @@ def _check_fwd_inputs(name: str, x: torch.Tensor, residual: torch.Tensor | None,
         raise ValueError(f"{name}: eps must be > 0, got {eps}")
 
 
+class _Cast(NamedTuple):
+    """The FP8 output of a forward launch, as in :func:`norm_fwd_launch` (``out_dtype`` None: none)."""
+
+    scale: torch.Tensor | None
+    amax_in: torch.Tensor | None
+    margin: int
+    power_2: bool
+    out_dtype: torch.dtype | None
+    transpose: bool
+
+
+_NO_CAST = _Cast(scale=None, amax_in=None, margin=0, power_2=False, out_dtype=None, transpose=False)
+
+
 def _launch_fwd(
     name: str,
     x: torch.Tensor,
@@ -578,20 +640,16 @@ def _launch_fwd(
     store_y: bool,
     store_stats: bool,
     store_s: bool,
-    scale: torch.Tensor | None,
-    amax_in: torch.Tensor | None,
-    margin: int,
-    power_2: bool,
-    out_dtype: torch.dtype | None,
-    transpose: bool,
+    cast: _Cast,
     config: dict[str, Any] | None,
 ) -> tuple[torch.Tensor, ...]:
     M, K = x.shape
     dev = x.device
+    scale, amax_in, margin, power_2, out_dtype, transpose = cast
     has_q = out_dtype is not None
     fp8_max = 1.0
     if has_q:
-        if out_dtype not in FP8_DTYPES:
+        if out_dtype not in _FP8_MAX:
             raise ValueError(f"{name}: out_dtype must be torch.float8_e4m3fn, torch.float8_e5m2 or None, "
                              f"got {out_dtype}")
         fp8_max = _FP8_MAX[out_dtype]
@@ -674,8 +732,8 @@ def norm_fwd_launch(
     _check_fwd_inputs(name, x, residual, weight, bias, eps)
     return _launch_fwd(
         name, x, residual, weight, bias, eps, rms, zero_centered_gamma,
-        store_y=store_y, store_stats=True, store_s=residual is not None, scale=scale, amax_in=amax_in,
-        margin=margin, power_2=power_2, out_dtype=out_dtype, transpose=transpose, config=config,
+        store_y=store_y, store_stats=True, store_s=residual is not None,
+        cast=_Cast(scale, amax_in, margin, power_2, out_dtype, transpose), config=config,
     )
 
 
@@ -696,8 +754,7 @@ def norm_amax_launch(
     _check_fwd_inputs(name, x, residual, weight, bias, eps)
     out = _launch_fwd(
         name, x, residual, weight, bias, eps, rms, zero_centered_gamma,
-        store_y=False, store_stats=False, store_s=False, scale=None, amax_in=None, margin=0,
-        power_2=False, out_dtype=None, transpose=False, config=config,
+        store_y=False, store_stats=False, store_s=False, cast=_NO_CAST, config=config,
     )
     return out[4]
 
@@ -791,43 +848,28 @@ def _norm_bwd_fake(dy, s, weight, mean, rstd, ds, rms, zero_centered_gamma, has_
     return s.new_empty(s.shape), weight.new_empty((K,)), weight.new_empty((K,) if has_bias else 0)
 
 
-def _cuda_fwd(x, residual, weight, bias, eps, rms, zero_centered_gamma, store_y, scale, amax_in,  # type: ignore[no-untyped-def]
-              margin, power_2, out_dtype, transpose):
-    return norm_fwd_launch(
-        x.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(),
-        None if bias is None else bias.contiguous(), eps, rms, zero_centered_gamma, store_y, scale, amax_in,
-        margin, power_2, out_dtype, transpose,
-    )
-
-
-norm_fwd = define(
+norm_fwd = OpSpec(
     "norm_fwd(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, bool rms, "
     "bool zero_centered_gamma, bool store_y, Tensor? scale, Tensor? amax_in, int margin, bool power_2, "
     "ScalarType? out_dtype, bool transpose) "
     "-> (Tensor y, Tensor s, Tensor q, Tensor q_t, Tensor amax, Tensor inv_scale, Tensor mean, Tensor rstd)",
-    cuda=_cuda_fwd,
+    cuda=contiguous_args(norm_fwd_launch, 4),
     fake=_norm_fwd_fake,
 )
 """``fp8ops::norm_fwd``: LayerNorm / RMSNorm forward (+ residual, + FP8 output); see :func:`norm_fwd_launch`."""
 
-norm_amax = define(
+norm_amax = OpSpec(
     "norm_amax(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, bool rms, "
     "bool zero_centered_gamma) -> Tensor",
-    cuda=lambda x, residual, weight, bias, eps, rms, zero_centered_gamma: norm_amax_launch(
-        x.contiguous(), None if residual is None else residual.contiguous(), weight.contiguous(),
-        None if bias is None else bias.contiguous(), eps, rms, zero_centered_gamma,
-    ),
+    cuda=contiguous_args(norm_amax_launch, 4),
     fake=_norm_amax_fake,
 )
 """``fp8ops::norm_amax``: max |y32| of the norm output (first pass of current scaling)."""
 
-norm_bwd = define(
+norm_bwd = OpSpec(
     "norm_bwd(Tensor dy, Tensor s, Tensor weight, Tensor mean, Tensor rstd, Tensor? ds, bool rms, "
     "bool zero_centered_gamma, bool has_bias) -> (Tensor dx, Tensor dweight, Tensor dbias)",
-    cuda=lambda dy, s, weight, mean, rstd, ds, rms, zero_centered_gamma, has_bias: norm_bwd_launch(
-        dy.contiguous(), s.contiguous(), weight.contiguous(), mean.contiguous(), rstd.contiguous(),
-        None if ds is None else ds.contiguous(), rms, zero_centered_gamma, has_bias,
-    ),
+    cuda=contiguous_args(norm_bwd_launch, 6),
     fake=_norm_bwd_fake,
 )
 """``fp8ops::norm_bwd``: LayerNorm / RMSNorm backward ``(dx, dweight, dbias)``; see :func:`norm_bwd_launch`."""

@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._library import define, merge_config
+from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile, saturate, scale_from_amax
+from ._library import OpSpec, contiguous_args, merge_config
 
 __all__ = [
     "FP8_DTYPES",
@@ -60,34 +61,6 @@ __all__ = [
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-@triton.jit
-def _just_in_time_scale(
-    amax_in_ptr,  # () fp32: amax of the whole tensor
-    fallback_ptr,  # () fp32: scale used when the amax is 0 or not finite
-    FP8_MAX: tl.constexpr,
-    MARGIN: tl.constexpr,
-    POWER_2: tl.constexpr,
-):
-    amax = tl.load(amax_in_ptr)
-    fallback = tl.load(fallback_ptr)
-    # Step: fmax / amax / 2**margin, clamped to the normal float32 range.
-    sf = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), amax)
-    if MARGIN > 0:
-        sf = sf * (0.5**MARGIN)  # exact: a power of two
-    sf = tl.minimum(tl.maximum(sf, 1.1754943508222875e-38), 3.4028234663852886e38)
-    if POWER_2:
-        # Round down to a power of two: keep the exponent bits, clear the mantissa.
-        sf = (sf.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    valid = (amax > 0.0) & (amax < float("inf"))
-    return tl.where(valid, sf, fallback)
-
-
-@triton.jit
-def _saturate(y, FP8_MAX: tl.constexpr):
-    # Clamp to the finite range; a NaN passes through unchanged (min/max would drop it).
-    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
 
 
 @triton.jit
@@ -107,21 +80,16 @@ def _cast_fwd_kernel(
 ):
     pid = tl.program_id(0)
     # Step 1: the scale, read or computed just in time (every program computes the same value).
-    if SCALE_FROM_AMAX:
-        scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
-    else:
-        scale = tl.load(scale_ptr)
-    if pid == 0:
-        tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+    scale = fp8_scale(scale_ptr, amax_in_ptr, inv_ptr, pid,
+                      FP8_MAX=FP8_MAX, MARGIN=MARGIN, SCALE_FROM_AMAX=SCALE_FROM_AMAX, POWER_2=POWER_2)
     # Step 2: load, scale, saturate, cast, store.
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = _saturate(x * scale, FP8_MAX)
+    y = saturate(x * scale, FP8_MAX=FP8_MAX)
     tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
     # Step 3: amax of the block on the bit patterns, one atomic per program.
-    bits = tl.abs(x).to(tl.int32, bitcast=True)
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits, axis=0), sem="relaxed")
+    atomic_amax(amax_ptr, tl.max(abs_bits(x), axis=0))
 
 
 @triton.jit
@@ -148,31 +116,20 @@ def _cast_transpose_fwd_kernel(
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_k = tl.cdiv(K, BLOCK_K)
-    per_group = GROUP_M * num_k
-    group = pid // per_group
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_k = (pid % per_group) // size_m
+    pid_m, pid_k = grouped_tile(pid, GROUP_M * num_k, num_m, GROUP_M=GROUP_M)
     # Step 2: the scale.
-    if SCALE_FROM_AMAX:
-        scale = _just_in_time_scale(amax_in_ptr, scale_ptr, FP8_MAX, MARGIN, POWER_2)
-    else:
-        scale = tl.load(scale_ptr)
-    if pid == 0:
-        tl.store(inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
+    scale = fp8_scale(scale_ptr, amax_in_ptr, inv_ptr, pid,
+                      FP8_MAX=FP8_MAX, MARGIN=MARGIN, SCALE_FROM_AMAX=SCALE_FROM_AMAX, POWER_2=POWER_2)
     # Step 3: load the tile, cast, store it and its transpose.
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = _saturate(x * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+    q = cast_fp8(x, scale, q_ptr, FP8_MAX=FP8_MAX)
     tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
     tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
     # Step 4: amax of the tile.
-    bits = tl.abs(x).to(tl.int32, bitcast=True)
-    tile_max = tl.max(tl.max(bits, axis=1), axis=0)
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tile_max, sem="relaxed")
+    atomic_amax(amax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
 
 
 @triton.jit
@@ -199,27 +156,20 @@ def _cast_rowwise_fwd_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (rk[None, :] < K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1))
+        acc = tl.maximum(acc, tl.max(abs_bits(x), axis=1))
     row_amax = acc.to(tl.float32, bitcast=True)
     # Step 2: one scale per row; a zero or non-finite row keeps scale 1.
-    sf = tl.math.div_rn(FP8_MAX + tl.zeros_like(row_amax), row_amax)
-    if MARGIN > 0:
-        sf = sf * (0.5**MARGIN)
-    sf = tl.minimum(tl.maximum(sf, 1.1754943508222875e-38), 3.4028234663852886e38)
-    if POWER_2:
-        sf = (sf.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    valid = (row_amax > 0.0) & (row_amax < float("inf"))
-    scale = tl.where(valid, sf, 1.0)
+    scale = scale_from_amax(row_amax, 1.0, FP8_MAX=FP8_MAX, MARGIN=MARGIN, POWER_2=POWER_2)
     tl.store(inv_ptr + rm, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale), mask=row_ok)
     # Step 3: cast with the row scales (the second sweep mostly reads from L2).
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (rk[None, :] < K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = _saturate(x * scale[:, None], FP8_MAX)
+        y = saturate(x * scale[:, None], FP8_MAX=FP8_MAX)
         tl.store(q_ptr + rm[:, None] * K + rk[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     # Step 4: the tensor amax.
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0), sem="relaxed")
+    atomic_amax(amax_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -232,8 +182,7 @@ def _amax_fwd_kernel(
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n_elements, other=0.0).to(tl.float32)
-    bits = tl.abs(x).to(tl.int32, bitcast=True)
-    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits, axis=0), sem="relaxed")
+    atomic_amax(amax_ptr, tl.max(abs_bits(x), axis=0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,6 +220,32 @@ def _check_scalar(name: str, arg: str, t: torch.Tensor | None) -> None:
         raise ValueError(f"{name}: {arg} must be a 0-d float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
 
 
+def _cast_args(
+    name: str,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype,
+    *,
+    flat: bool,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Validate a per-tensor cast; returns ``(amax, inv_scale, kwargs)``: the two () float32
+    outputs and the FP8 cast arguments of the kernel launch (pointers and constexprs)."""
+    _check_input(name, x, flat=flat)
+    fp8_max = _check_out_dtype(name, out_dtype)
+    _check_scalar(name, "scale", scale)
+    _check_scalar(name, "amax_in", amax_in)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    inv = torch.empty((), dtype=torch.float32, device=x.device)
+    kwargs = dict(
+        scale_ptr=scale, amax_in_ptr=amax_in if amax_in is not None else amax, amax_ptr=amax, inv_ptr=inv,
+        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
+    )
+    return amax, inv, kwargs
+
+
 def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> torch.Tensor:
     """max |x| as a 0-d float32 tensor (NaN if x holds a NaN). x: any shape, contiguous."""
     _check_input("amax", x, flat=True)
@@ -305,21 +280,12 @@ def cast_launch(
     Returns:
         ``(q, amax, inv_scale)``: q (...) FP8, amax () and inv_scale () float32.
     """
-    _check_input("cast", x, flat=True)
-    fp8_max = _check_out_dtype("cast", out_dtype)
-    _check_scalar("cast", "scale", scale)
-    _check_scalar("cast", "amax_in", amax_in)
+    amax, inv, cast = _cast_args("cast", x, scale, amax_in, margin, power_2, out_dtype, flat=True)
     cfg = merge_config(_CAST_CFG, config, name="cast")
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    inv = torch.empty((), dtype=torch.float32, device=x.device)
     n = x.numel()
     grid = (max(1, triton.cdiv(n, cfg["BLOCK"])),)
-    _cast_fwd_kernel[grid](
-        x, q, scale, amax_in if amax_in is not None else amax, amax, inv, n,
-        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
-        BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
-    )
+    _cast_fwd_kernel[grid](x, q, n_elements=n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], **cast)
     return q, amax, inv
 
 
@@ -341,22 +307,15 @@ def cast_transpose_launch(
     Returns:
         ``(q, q_t, amax, inv_scale)``: q (M, K) and q_t (K, M) FP8, both contiguous.
     """
-    _check_input("cast_transpose", x, flat=False)
-    fp8_max = _check_out_dtype("cast_transpose", out_dtype)
-    _check_scalar("cast_transpose", "scale", scale)
-    _check_scalar("cast_transpose", "amax_in", amax_in)
+    amax, inv, cast = _cast_args("cast_transpose", x, scale, amax_in, margin, power_2, out_dtype, flat=False)
     cfg = merge_config(_CAST_T_CFG, config, name="cast_transpose")
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     qt = torch.empty((K, M), dtype=out_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max(1, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"])),)
     _cast_transpose_fwd_kernel[grid](
-        x, q, qt, scale, amax_in if amax_in is not None else amax, amax, inv,
-        M, K, x.stride(0),
-        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+        x, q, qt, M=M, K=K, stride_xm=x.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **cast,
     )
     return q, qt, amax, inv
 
@@ -429,37 +388,27 @@ def _cast_rowwise_fake(x, margin, power_2, out_dtype):  # type: ignore[no-untype
     )
 
 
-amax = define(
-    "amax(Tensor x) -> Tensor",
-    cuda=lambda x: amax_launch(x.contiguous()),
-    fake=_amax_fake,
-)
+# The schema arguments of a per-tensor cast.
+_CAST_SCHEMA = "Tensor x, Tensor scale, Tensor? amax_in, int margin, bool power_2, ScalarType out_dtype"
+
+amax = OpSpec("amax(Tensor x) -> Tensor", cuda=contiguous_args(amax_launch), fake=_amax_fake)
 """``fp8ops::amax``: max |x| over every element, float32, NaN-propagating."""
 
-cast = define(
-    "cast(Tensor x, Tensor scale, Tensor? amax_in, int margin, bool power_2, ScalarType out_dtype)"
-    " -> (Tensor, Tensor, Tensor)",
-    cuda=lambda x, scale, amax_in, margin, power_2, out_dtype: cast_launch(
-        x.contiguous(), scale, amax_in, margin, power_2, out_dtype
-    ),
-    fake=_cast_fake,
+cast = OpSpec(
+    f"cast({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor)", cuda=contiguous_args(cast_launch), fake=_cast_fake
 )
 """``fp8ops::cast``: saturating FP8 cast + amax, ``(q, amax, inv_scale)``; see :func:`cast_launch`."""
 
-cast_transpose = define(
-    "cast_transpose(Tensor x, Tensor scale, Tensor? amax_in, int margin, bool power_2, ScalarType out_dtype)"
-    " -> (Tensor, Tensor, Tensor, Tensor)",
-    cuda=lambda x, scale, amax_in, margin, power_2, out_dtype: cast_transpose_launch(
-        x.contiguous(), scale, amax_in, margin, power_2, out_dtype
-    ),
+cast_transpose = OpSpec(
+    f"cast_transpose({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)",
+    cuda=contiguous_args(cast_transpose_launch),
     fake=_cast_transpose_fake,
 )
 """``fp8ops::cast_transpose``: cast + transposed copy + amax, ``(q, q_t, amax, inv_scale)``."""
 
-cast_rowwise = define(
+cast_rowwise = OpSpec(
     "cast_rowwise(Tensor x, int margin, bool power_2, ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",
-    cuda=lambda x, margin, power_2, out_dtype: cast_rowwise_launch(x.contiguous(), margin, power_2, out_dtype),
+    cuda=contiguous_args(cast_rowwise_launch),
     fake=_cast_rowwise_fake,
 )
 """``fp8ops::cast_rowwise``: cast with one scale per row, ``(q, inv_scale (M, 1), amax)``."""
-

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._glue import refuse_compiled_transform
 from ..kernels import attention as _K
-from ..kernels._library import define as _define
+from ..kernels._library import OpSpec, define as _define
 from ..reference import attention as _ref
 from .block_mask import BlockMask
 from .layouts import _alloc_layout, _alloc_lse
@@ -139,9 +139,10 @@ def _attention_fwd_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tupl
 # CPU kernel serves CPU tensors under TRITON_INTERPRET=1 (the CPU path of attention() runs the
 # reference math and never calls it).
 _define(
-    "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_q, Tensor? cu_kv, Tensor? seed, Tensor? kvn, "
-    "Tensor? kvi, Tensor? fkvn, Tensor? fkvi, Tensor[] buffers, str static) -> (Tensor, Tensor)",
-    cuda=_attention_fwd_impl, cpu=_attention_fwd_impl, fake=_attention_fwd_fake,
+    OpSpec("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_q, Tensor? cu_kv, Tensor? seed, Tensor? kvn, "
+           "Tensor? kvi, Tensor? fkvn, Tensor? fkvi, Tensor[] buffers, str static) -> (Tensor, Tensor)",
+           cuda=_attention_fwd_impl, fake=_attention_fwd_fake),
+    cpu=_attention_fwd_impl,
 )
 torch.library.register_vmap("fp8ops::attention_fwd", _attention_fwd_vmap)
 
