@@ -45,6 +45,7 @@ from .transformer_layer import (
     params_from_basic_layer,
     transformer_layer,
 )
+from .parallel import gather_transformer_params, shard_transformer_params
 
 __version__ = "0.1.0"
 
@@ -82,6 +83,7 @@ __all__ = [
     "fake_quantize",
     "fp8_linear",
     "fused_ln_mlp",
+    "gather_transformer_params",
     "init_transformer_params",
     "init_transformer_state",
     "layer_norm",
@@ -101,6 +103,7 @@ __all__ = [
     "relative_position_bias",
     "rms_norm",
     "score_mod",
+    "shard_transformer_params",
     "sliding_window_mask",
     "softcap",
     "state_dict",

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ._parallel import PARALLEL_MODES, column_input, gather_seq_fp8, probe_sink, row_output, tp_config
 from ._glue import autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
 from ._operands import (
@@ -295,6 +296,9 @@ def fp8_linear(
     grad_probe: Tensor | None = None,
     weight_cache: WeightCache | None = None,
     wgrad_dtype: torch.dtype | None = None,
+    tp_group: Any = None,
+    parallel_mode: str | None = None,
+    sequence_parallel: bool = False,
 ) -> tuple[Tensor, LinearState | None]:
     """FP8 linear layer ``y = x @ weight.T + bias`` with FP8 GEMMs in forward and backward.
 
@@ -336,6 +340,18 @@ def fp8_linear(
         wgrad_dtype: dtype the wgrad GEMM writes; default ``weight.dtype``. To accumulate FP32
             weight gradients, differentiate FP32 (master) weights: they are quantized directly
             and the wgrad GEMM writes FP32, with no separate cast.
+        tp_group: a ``torch.distributed`` process group for tensor parallelism, or None.
+        parallel_mode: with ``tp_group``, ``"column"`` (``weight`` is this rank's (N/w, K) row
+            shard, ``bias`` its (N/w,) shard, y the last-dim shard) or ``"row"`` (``weight`` is
+            the (N, K/w) column shard, x the last-dim shard, ``bias`` the full (N,); y is summed
+            over the group and the bias added once).
+        sequence_parallel: with ``tp_group``, x of a column-parallel call and y of a row-parallel
+            call are this rank's slice of dim 0 (the sequence): the column-parallel x is
+            all-gathered before the GEMM (dx reduce-scattered), the row-parallel y reduce-scattered
+            after it (dy all-gathered). With a per-tensor FP8 recipe both all-gathers move FP8
+            bytes, quantized with one scale for the group. The state observes this rank's amaxes;
+            ``fp8ops.update(..., group=tp_group)`` makes the states of the group identical. See
+            ``docs/parallel.md``.
 
     Returns:
         ``(y, new_state)``: y (..., N); ``new_state`` with amax(x) and amax(W) max-merged into
@@ -366,6 +382,35 @@ def fp8_linear(
     where = "fp8_linear"
     check_float_tensor(x, "x", where)
     check_float_tensor(weight, "weight", where)
+    tp = tp_config(where, tp_group, parallel_mode, sequence_parallel, modes=PARALLEL_MODES)
+    if tp is not None:
+        kw = {"recipe": recipe, "grad_probe": grad_probe, "weight_cache": weight_cache, "wgrad_dtype": wgrad_dtype}
+        fp8_comm = tp.sp and check_state_recipe(state, recipe, LinearState, x, where) and recipe.mode != "rowwise"
+        if parallel_mode == "column":
+            if fp8_comm:
+                # FP8 all-gather: x is quantized on the slice with the group's scale; the op quantizes
+                # the gathered values back to the same bytes. The state observes amax of the slice.
+                assert state is not None and recipe is not None
+                spec = QuantSpec.of(recipe, "forward", state.input.calibrated)
+                xg, amax = gather_seq_fp8(x, state.input.scale, spec, tp.group)
+                y, new_state = fp8_linear(xg, weight, bias, state, **kw)
+                return y, new_state.replace(input=state.input.observe(amax))  # type: ignore[union-attr]
+            return fp8_linear(column_input(x, tp, where), weight, bias, state, **kw)
+        fp8_grad = None
+        if fp8_comm:
+            # FP8 all-gather of dy in the backward: the true amax of this rank's dy reaches the probe
+            # through the reduce-scatter; the op's own probe gets a sink (it sees dequantized values).
+            assert state is not None and recipe is not None
+            check_probe(grad_probe, where, device=x.device)
+            spec = QuantSpec.of(recipe, "backward", state.grad_output.calibrated and grad_probe is not None)
+            fp8_grad = (grad_probe, state.grad_output.scale, spec)
+            kw["grad_probe"] = probe_sink(grad_probe)
+        y, new_state = fp8_linear(x, weight, None, state, **kw)
+        if bias is not None:
+            check_float_tensor(bias, "bias", where)
+            if tuple(bias.shape) != (weight.shape[0],):
+                raise ValueError(f"{where}: bias must have shape (N,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+        return row_output(y, bias, tp, where, fp8_grad), new_state
     ac = autocast_dtype(x.device.type)
     if ac is not None:
         # torch.autocast: compute as F.linear does, in the autocast dtype. The casts stay outside the

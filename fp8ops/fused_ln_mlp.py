@@ -38,8 +38,9 @@ import torch
 from torch import Tensor
 
 from . import activation as _activation
+from ._parallel import copy_to_tp, row_output, tp_config
 from ._glue import autocast_dtype, autocast_inputs, refuse_compiled_transform
-from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
+from ._checks import check_float_tensor, check_norm_args, check_probe, check_state_recipe, check_weight
 from .formats import Role
 from ._operands import (
     HIGH,
@@ -56,6 +57,8 @@ from ._operands import (
 )
 from .quantize import QuantSpec, quantize_2d
 from .recipes import GemmSpec, Recipe
+from .fp8_linear import LinearState, fp8_linear
+from .norm import layer_norm, rms_norm
 from .state import OpState, ScalingState
 
 __all__ = ["LayerNormMLPState", "fused_ln_mlp"]
@@ -328,6 +331,42 @@ class _FusedLNMLP(torch.autograd.Function):
 _FusedLNMLP.forward.__signature__ = inspect.signature(_FusedLNMLP.forward)  # type: ignore[attr-defined]
 
 
+def _sequence_parallel(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1_weight: Tensor,
+                       fc1_bias: Tensor | None, fc2_weight: Tensor, fc2_bias: Tensor | None, state: Any, recipe: Any,
+                       normalization: str, activation: str, eps: float, zero_centered_gamma: bool, recompute: Any,
+                       grad_probe: Tensor | None, tp_group: Any) -> tuple[Tensor, LayerNormMLPState | None]:
+    """fused_ln_mlp under sequence parallelism, unfused: norm on the slice -> fc1 (column-parallel)
+    -> activation -> fc2 (row-parallel), with the states of fc1 and fc2 as two LinearStates."""
+    where = "fused_ln_mlp"
+    if recompute is not None:
+        raise ValueError(f"{where}: recompute={recompute!r} is not supported with sequence_parallel; "
+                         f"pass recompute=None")
+    fp8 = check_state_recipe(state, recipe, LayerNormMLPState, x, where)
+    check_probe(grad_probe, where, shape=(2,), name="grad_probe", device=x.device)
+    _activation.check_activation(activation, where)
+    # Step 1: the norm on this rank's slice; its parameters' gradients are partial sums over the group.
+    kw: dict[str, Any] = {"eps": eps, "zero_centered_gamma": zero_centered_gamma}
+    if normalization == "RMSNorm":
+        ln, _ = rms_norm(x, copy_to_tp(ln_weight, tp_group), None, **kw)  # type: ignore[arg-type]
+    else:
+        ln_b = copy_to_tp(ln_bias, tp_group)
+        ln, _ = layer_norm(x, copy_to_tp(ln_weight, tp_group), ln_b, None, **kw)  # type: ignore[arg-type]
+    # Step 2: fc1 (all-gathers ln), the activation, fc2 (reduce-scatters y), each with its LinearState.
+    st1 = st2 = None
+    if fp8:
+        st1 = LinearState(input=state.fc1_input, weight=state.fc1_weight, grad_output=state.fc1_grad_output)
+        st2 = LinearState(input=state.fc2_input, weight=state.fc2_weight, grad_output=state.fc2_grad_output)
+    p1, p2 = (None, None) if grad_probe is None else (grad_probe[0], grad_probe[1])
+    tp = {"tp_group": tp_group, "sequence_parallel": True}
+    h, st1 = fp8_linear(ln, fc1_weight, fc1_bias, st1, recipe=recipe, grad_probe=p1, parallel_mode="column", **tp)
+    y, st2 = fp8_linear(_activation.activation(h, activation), fc2_weight, fc2_bias, st2, recipe=recipe,
+                        grad_probe=p2, parallel_mode="row", **tp)
+    if not fp8:
+        return y, None
+    assert st1 is not None and st2 is not None
+    return y, state.replace(fc1_input=st1.input, fc1_weight=st1.weight, fc2_input=st2.input, fc2_weight=st2.weight)
+
+
 def fused_ln_mlp(
     x: Tensor,
     ln_weight: Tensor,
@@ -346,6 +385,8 @@ def fused_ln_mlp(
     recompute: str | None = None,
     grad_probe: Tensor | None = None,
     grad_probes: Tensor | None = None,
+    tp_group: Any = None,
+    sequence_parallel: bool = False,
 ) -> tuple[Tensor, LayerNormMLPState | None]:
     """LayerNorm (or RMSNorm) -> fc1 -> activation -> fc2, with FP8 GEMMs and fused FP8 producers.
 
@@ -385,6 +426,17 @@ def fused_ln_mlp(
             output gradients are quantized with current scaling. (Every op calls its probe
             ``grad_probe``; a pytree of probes, as ``transformer_layer`` takes, is ``probes``.)
         grad_probes: the old name of ``grad_probe``; still accepted, with a ``DeprecationWarning``.
+        tp_group: a ``torch.distributed`` process group for tensor parallelism, or None. fc1 is
+            column-parallel and fc2 row-parallel: ``fc1_weight`` is this rank's (C/w, K) shard
+            (for gated activations the rows of both halves a and b of this rank, a first; see
+            :func:`fp8ops.shard_transformer_params`), ``fc1_bias`` its shard, ``fc2_weight`` the
+            (K2, F/w) column shard; the norm's parameters and ``fc2_bias`` are replicated. y is
+            summed over the group, ``fc2_bias`` added once.
+        sequence_parallel: with ``tp_group``, x and y are this rank's slice of dim 0 (the
+            sequence). The op then runs unfused: the norm on the slice, fc1 as a column-parallel
+            :func:`fp8ops.fp8_linear` (which all-gathers the norm output), the activation, fc2 as
+            a row-parallel one (reduce-scatter; dy all-gathered in the backward); with a
+            per-tensor FP8 recipe both all-gathers move FP8 bytes. Not with ``recompute``.
 
     Returns:
         ``(y, new_state)``: y (..., K2); ``new_state`` with the amaxes of the normalised input,
@@ -419,6 +471,23 @@ def fused_ln_mlp(
         warnings.warn(f"{where}: grad_probes is renamed grad_probe (one name for an op's probe in every op); "
                       f"grad_probes will be removed in the next release", DeprecationWarning, stacklevel=2)
         grad_probe = grad_probes
+    tp = tp_config(where, tp_group, None, sequence_parallel)
+    if tp is not None:
+        check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
+        if fc2_bias is not None:
+            check_float_tensor(fc2_bias, "fc2_bias", where)
+        g = tp.group
+        if tp.sp:
+            return _sequence_parallel(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state,
+                                      recipe, normalization, activation, eps, zero_centered_gamma, recompute,
+                                      grad_probe, tp_group)
+        y, new_state = fused_ln_mlp(
+            copy_to_tp(x, g), copy_to_tp(ln_weight, g), copy_to_tp(ln_bias, g), fc1_weight, fc1_bias,
+            fc2_weight, None, state, recipe=recipe, normalization=normalization, activation=activation, eps=eps,
+            zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probe=grad_probe)
+        if fc2_bias is not None and tuple(fc2_bias.shape) != (y.shape[-1],):
+            raise ValueError(f"{where}: fc2_bias must have shape (K2,) = ({y.shape[-1]},), got {tuple(fc2_bias.shape)}")
+        return row_output(y, fc2_bias, tp, where), new_state
     ac = autocast_dtype(x.device.type) if isinstance(x, Tensor) else None
     if ac is not None:
         # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._parallel import copy_to_tp, tp_config
 from ._glue import autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
 from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
 from ._operands import (
@@ -41,7 +42,8 @@ from ._operands import (
     quantize_grad,
     quantize_weight_operands,
 )
-from .fp8_linear import LinearState
+from .fp8_linear import LinearState, fp8_linear
+from .norm import layer_norm, rms_norm
 from .quantize import QuantSpec
 from .recipes import GemmSpec, Recipe
 
@@ -182,6 +184,9 @@ def layernorm_linear(
     zero_centered_gamma: bool = False,
     return_layernorm_output: bool = False,
     grad_probe: Tensor | None = None,
+    tp_group: Any = None,
+    parallel_mode: str | None = None,
+    sequence_parallel: bool = False,
 ) -> tuple[Any, LayerNormLinearState | None]:
     """LayerNorm / RMSNorm followed by an FP8 linear layer, with the norm writing the FP8 operand.
 
@@ -209,6 +214,15 @@ def layernorm_linear(
         return_layernorm_output: also return the normalised output (differentiable).
         grad_probe: a 0-d float32 zero on x's device whose gradient becomes amax(dy); without
             one, dy is quantized with current scaling.
+        tp_group: a ``torch.distributed`` process group for tensor parallelism, or None.
+        parallel_mode: with ``tp_group``, ``"column"``: ``weight`` is this rank's (N/w, K) row
+            shard, ``bias`` its (N/w,) shard, y the last-dim shard; the norm's parameters are
+            replicated (their gradients are summed over the group). A row-parallel norm is not
+            supported (the norm needs the whole hidden dimension).
+        sequence_parallel: with ``tp_group``, x is this rank's slice of dim 0 (the sequence): the
+            norm runs on the slice (unfused: :func:`fp8ops.layer_norm` / :func:`fp8ops.rms_norm`),
+            and :func:`fp8ops.fp8_linear` all-gathers its output before the GEMM (FP8 bytes with
+            a per-tensor recipe). Not with ``return_layernorm_output``.
 
     All tensors must be on x's device.
 
@@ -240,6 +254,28 @@ def layernorm_linear(
         Normalization" (2019); NVIDIA Transformer Engine ``LayerNormLinear``.
     """
     where = "layernorm_linear"
+    tp = tp_config(where, tp_group, parallel_mode, sequence_parallel, modes=("column",))
+    if tp is not None:
+        if return_layernorm_output:
+            raise ValueError(f"{where}: return_layernorm_output is not supported with tp_group (the norm output "
+                             f"is replicated and its gradient would be summed over the group)")
+        check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
+        g = tp.group
+        if tp.sp:
+            # SP: the norm on this rank's slice (its parameters' gradients are partial sums), then the
+            # column-parallel GEMM all-gathers its output (FP8 bytes with a per-tensor recipe).
+            kw: dict[str, Any] = {"eps": eps, "zero_centered_gamma": zero_centered_gamma}
+            if normalization == "RMSNorm":
+                ln, _ = rms_norm(x, copy_to_tp(ln_weight, g), None, **kw)  # type: ignore[arg-type]
+            else:
+                ln_b = copy_to_tp(ln_bias, g)
+                ln, _ = layer_norm(x, copy_to_tp(ln_weight, g), ln_b, None, **kw)  # type: ignore[arg-type]
+            return fp8_linear(ln, weight, bias, state, recipe=recipe, grad_probe=grad_probe, tp_group=g,
+                              parallel_mode="column", sequence_parallel=True)
+        return layernorm_linear(
+            copy_to_tp(x, g), copy_to_tp(ln_weight, g), copy_to_tp(ln_bias, g), weight, bias,
+            state, recipe=recipe, normalization=normalization, eps=eps, zero_centered_gamma=zero_centered_gamma,
+            grad_probe=grad_probe)
     ac = autocast_dtype(x.device.type) if isinstance(x, Tensor) else None
     if ac is not None:
         # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,

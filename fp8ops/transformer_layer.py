@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._parallel import copy_to_tp, tp_config, transformer_shard_shapes
 from ._checks import NORMALIZATIONS, check_float_tensor, check_recipe
 from .activation import ACTIVATIONS, GATED
 from .attention import BlockMask, MaskMod, attention, modmath
@@ -396,10 +397,11 @@ def init_transformer_state(
 # The layer
 
 
-def _check_params(params: Any, cfg: TransformerConfig, x: Tensor, where: str) -> None:
+def _check_params(params: Any, cfg: TransformerConfig, x: Tensor, where: str,
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     if not isinstance(params, Mapping):
         raise TypeError(f"{where}: params must be a dict[str, Tensor] (init_transformer_params), got {type(params).__name__}")
-    shapes = cfg.param_shapes()
+    shapes = cfg.param_shapes() if shapes is None else shapes  # or those of a tensor-parallel shard
     missing = [k for k in shapes if k not in params]
     extra = [k for k in params if k not in shapes]
     if missing or extra:
@@ -475,6 +477,8 @@ def transformer_layer(
     training: bool = True,
     dropout_seed: int | Tensor | None = None,
     layout: str = "sbh",
+    tp_group: Any = None,
+    sequence_parallel: bool = False,
 ) -> tuple[Tensor, dict[str, Any] | None]:
     """One transformer encoder layer (the seed's GPT layer, generalised) with FP8 GEMMs.
 
@@ -519,6 +523,13 @@ def transformer_layer(
             computes on the transposed input, and a stack of ``"bsh"`` layers makes no copies
             between layers (y is not contiguous; its transpose is). ``attention_mask`` is (B, S)
             in both layouts. Ignored for packed (T, H) tokens.
+        tp_group: a ``torch.distributed`` process group for tensor parallelism, or None. params
+            are then this rank's shard (:func:`fp8ops.shard_transformer_params`): QKV and fc1
+            column-parallel, the projection and fc2 row-parallel, the heads (and GQA groups) and
+            the MLP width split across the group; the state observes this rank's amaxes.
+        sequence_parallel: with ``tp_group``, x and y are this rank's contiguous slice of the
+            sequence (S/w rows of (S, B, H)); dropout, residuals and the post-norm norms run on
+            the slice. See ``docs/parallel.md``.
 
     Returns:
         ``(y, new_state)``: y like x; ``new_state`` with this call's forward amaxes recorded
@@ -552,6 +563,10 @@ def transformer_layer(
     """
     where = "transformer_layer"
     cfg = _check_config(config, where)
+    tp = tp_config(where, tp_group, None, sequence_parallel)
+    # with tp_group, params are this rank's shard: (the group size, the shard's parameter shapes)
+    shard = (1, None) if tp is None else (tp.world, transformer_shard_shapes(cfg, tp.world, cfg.activation in GATED,
+                                                                             where))
     # Step 1: validate.
     check_float_tensor(x, "x", where)
     _check_layout(layout, where)
@@ -564,7 +579,8 @@ def transformer_layer(
         y, new_state = transformer_layer(
             params, x.transpose(0, 1), state, config=cfg, recipe=recipe, probes=probes,
             attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=None, max_seqlen=max_seqlen,
-            training=training, dropout_seed=dropout_seed, layout="sbh")
+            training=training, dropout_seed=dropout_seed, layout="sbh", tp_group=tp_group,
+            sequence_parallel=sequence_parallel)
         return y.transpose(0, 1), new_state
     if packed:
         if x.dim() != 2 or x.shape[1] != H:
@@ -574,7 +590,7 @@ def transformer_layer(
             f"{where}: x must be (S, B, H) = (S, B, {H}) (sequence first, as the seed), got {tuple(x.shape)}; "
             f"pass layout='bsh' for batch-first (B, S, H), or cu_seqlens for packed (T, H) tokens"
         )
-    _check_params(params, cfg, x, where)
+    _check_params(params, cfg, x, where, shard[1])
     _check_state(state, probes, recipe, where)
     if recipe is None and probes is not None:
         raise ValueError(f"{where}: probes given with recipe=None (there is no FP8 state to observe into)")
@@ -588,7 +604,7 @@ def transformer_layer(
         if block_mask is not None:
             raise ValueError(f"{where}: attention_mask and block_mask are exclusive; fold the padding into the "
                              f"block mask's mask_mod")
-        S, B = x.shape[0], x.shape[1]
+        S, B = x.shape[0] * (tp.world if tp is not None and tp.sp else 1), x.shape[1]
         if not isinstance(attention_mask, Tensor) or attention_mask.dtype != torch.bool \
                 or tuple(attention_mask.shape) != (B, S):
             got = (f"{tuple(attention_mask.shape)} {attention_mask.dtype}" if isinstance(attention_mask, Tensor)
@@ -608,7 +624,7 @@ def transformer_layer(
     p = params
     st: dict[str, Any] = dict(state) if fp8 else {}  # type: ignore[arg-type]
     pr: Mapping[str, Any] = probes if probes is not None else {"qkv": None, "proj": None, "mlp": None}
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+    hq, hkv, d = cfg.num_attention_heads // shard[0], cfg.num_kv_heads // shard[0], cfg.head_dim
     norm_kw = {"normalization": cfg.normalization, "eps": cfg.layernorm_epsilon,
                "zero_centered_gamma": cfg.zero_centered_gamma}
     if cfg.fuse_qkv_params:
@@ -617,14 +633,20 @@ def transformer_layer(
         w_qkv = torch.cat([p["q.weight"], p["k.weight"], p["v.weight"]])
         b_qkv = torch.cat([p["q.bias"], p["k.bias"], p["v.bias"]]) if cfg.bias else None
     new_state: dict[str, Any] = {}
+    col = row = mlp_tp = {}
+    pn = p  # the post-norms' parameters: with SP a rank normalises its slice, their gradients are partial sums
+    if tp is not None:
+        mlp_tp = {"tp_group": tp_group, "sequence_parallel": tp.sp}
+        col, row = {**mlp_tp, "parallel_mode": "column"}, {**mlp_tp, "parallel_mode": "row"}
+        pn = {k: copy_to_tp(v, tp.group) for k, v in p.items() if k.startswith("ln")} if tp.sp else p
 
     # Step 2: the QKV projection (fused with LN1 in pre-norm).
     if cfg.norm_position == "pre":
         qkv, new_state["qkv"] = layernorm_linear(
             x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
-            grad_probe=pr["qkv"], **norm_kw)
-    elif fp8:  # post-norm: the QKV input is x itself (a LayerNormLinearState is a LinearState)
-        qkv, new_state["qkv"] = fp8_linear(x, w_qkv, b_qkv, st["qkv"], recipe=recipe, grad_probe=pr["qkv"])
+            grad_probe=pr["qkv"], **norm_kw, **col)
+    elif fp8 or tp:  # post-norm: the QKV input is x itself (a LayerNormLinearState is a LinearState)
+        qkv, new_state["qkv"] = fp8_linear(x, w_qkv, b_qkv, st.get("qkv"), recipe=recipe, grad_probe=pr["qkv"], **col)
     else:
         qkv = _hp_linear(x, w_qkv, b_qkv)
 
@@ -642,9 +664,9 @@ def transformer_layer(
     ctx = ctx.reshape(*lead, hq * d)
 
     # Step 4: the output projection, hidden dropout and the first residual.
-    if fp8:
-        out, new_state["proj"] = fp8_linear(ctx, p["proj.weight"], p.get("proj.bias"), st["proj"], recipe=recipe,
-                                            grad_probe=pr["proj"])
+    if fp8 or tp:
+        out, new_state["proj"] = fp8_linear(ctx, p["proj.weight"], p.get("proj.bias"), st.get("proj"), recipe=recipe,
+                                            grad_probe=pr["proj"], **row)
     else:
         out = _hp_linear(ctx, p["proj.weight"], p.get("proj.bias"))
     if training and cfg.hidden_dropout > 0:
@@ -652,7 +674,7 @@ def transformer_layer(
     mlp_drop = cfg.mlp_hidden_dropout if training else 0.0
 
     # Step 5: the MLP (fused with its norm) and the second residual.
-    mlp_kw = {"activation": cfg.activation, "grad_probe": pr["mlp"], **norm_kw}
+    mlp_kw = {"activation": cfg.activation, "grad_probe": pr["mlp"], **norm_kw, **mlp_tp}
     mlp_params = (p["fc1.weight"], p.get("fc1.bias"), p["fc2.weight"], p.get("fc2.bias"))
     if cfg.norm_position == "pre":
         s = x + out
@@ -664,10 +686,10 @@ def transformer_layer(
     else:
         # h = LN1(x + out) is both the MLP input (normalised again inside the fused op, which
         # quantizes its own LN output) and the residual.
-        h, s = _norm(out, p, "ln1", cfg, residual=x)
+        h, s = _norm(out, pn, "ln1", cfg, residual=x)
         m, new_state["mlp"] = fused_ln_mlp(s, p["ln1.weight"], p.get("ln1.bias"), *mlp_params, st.get("mlp"),
                                            recipe=recipe, **mlp_kw)
         if mlp_drop > 0:
             m = F.dropout(m, mlp_drop, training=True)
-        y, _ = _norm(m, p, "ln2", cfg, residual=h)
+        y, _ = _norm(m, pn, "ln2", cfg, residual=h)
     return y, (new_state if fp8 else None)

@@ -1,0 +1,350 @@
+"""Tensor and sequence parallelism: the four collectives of Megatron-LM / Transformer Engine as
+autograd Functions, and the checks of the ``tp_group`` / ``parallel_mode`` / ``sequence_parallel``
+arguments shared by the linear ops.
+
+With w ranks in the tensor-parallel group::
+
+    copy_to_tp        y = x                     dx = all_reduce(dy)          (replicated input)
+    reduce_from_tp    y = all_reduce(x)         dx = dy                      (row-parallel output)
+    gather_seq        y = all_gather_0(x)       dx = reduce_scatter_0(dy)    (SP -> column input)
+    scatter_seq       y = reduce_scatter_0(x)   dx = all_gather_0(dy)        (row output -> SP)
+
+With FP8, ``gather_seq_fp8`` (forward) and ``scatter_seq_fp8`` (its backward) move FP8 bytes with
+one scale shared by the group.
+
+A column-parallel linear holds the (N/w, K) row shard of W and returns the last-dim shard of y; a
+row-parallel linear holds the (N, K/w) column shard, takes the last-dim shard of x and sums the
+partial outputs. With sequence parallelism the activations between the parallel regions are this
+rank's contiguous slice of dim 0 (S/w rows of (S, B, H)), so the all-reduce splits into an
+all-gather before the column GEMM and a reduce-scatter after the row GEMM.
+
+The collectives are ``torch.distributed._functional_collectives`` (all_reduce, all_gather_single,
+reduce_scatter_single: traceable by torch.compile, and run by gloo on the CPU).
+
+References:
+    Shoeybi et al., "Megatron-LM" (2019); Korthikanti et al., "Reducing Activation Recomputation
+    in Large Transformer Models" (2022, sequence parallelism); NVIDIA Transformer Engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .quantize import quantize_2d
+from .recipes import compute_scale
+
+__all__ = [
+    "TP", "check_divisible", "column_input", "copy_to_tp", "gather_seq", "gather_seq_fp8", "probe_sink",
+    "reduce_from_tp", "row_output", "scatter_seq", "scatter_seq_fp8", "tp_config", "transformer_shard_shapes",
+    "transformer_split",
+]
+
+PARALLEL_MODES = ("column", "row")
+
+
+def _fc() -> Any:
+    import torch.distributed._functional_collectives as fc  # only when torch.distributed is used
+
+    return fc
+
+
+def _done(t: Tensor) -> Tensor:
+    """The plain tensor of a functional collective's result (eager mode returns a lazy wrapper)."""
+    fc = _fc()
+    if isinstance(t, fc.AsyncCollectiveTensor):
+        return t.wait()
+    return t
+
+
+def _all_reduce(t: Tensor, group: Any) -> Tensor:
+    return _done(_fc().all_reduce(t.contiguous(), "sum", group))
+
+
+def _all_gather(t: Tensor, group: Any) -> Tensor:
+    return _done(_fc().all_gather_single(t.contiguous(), 0, group))
+
+
+def _reduce_scatter(t: Tensor, group: Any) -> Tensor:
+    return _done(_fc().reduce_scatter_single(t.contiguous(), "sum", 0, group))
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        with torch.no_grad():
+            return _all_reduce(dy, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return dy, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        return _all_gather(x, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        with torch.no_grad():
+            return _reduce_scatter(dy, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        with torch.no_grad():
+            return _all_gather(dy, ctx.group), None
+
+
+def _fp8_all_gather(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor]:
+    """(x all-gathered along dim 0 as FP8 bytes and dequantized, amax of this rank's x)."""
+    # Step 1: one scale for the whole group: the state's (identical on every rank after
+    # update(group=)), or from the group's amax (current scaling, an uncalibrated state).
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M/w, K)
+    amax = x2.abs().amax().to(torch.float32) if x2.numel() else x2.new_zeros((), dtype=torch.float32)
+    if spec.mode != "delayed" or not spec.calibrated:
+        amax_g = _done(_fc().all_reduce(amax, "max", group))
+        scale = compute_scale(amax_g, torch.ones_like(amax_g), torch.finfo(spec.dtype).max, margin=spec.margin,
+                              power_2_scale=spec.power_2)
+    # Step 2: quantize this rank's slice, gather the FP8 bytes, dequantize with the shared scale.
+    data, inv, _, _ = quantize_2d(x2, scale, spec._replace(mode="delayed", calibrated=True))
+    full = _all_gather(data.view(torch.uint8), group).view(spec.dtype)  # (M, K)
+    y = (full.to(torch.float32) * inv).to(x.dtype)
+    return y.reshape(-1, *x.shape[1:]), amax
+
+
+class _GatherSeqFP8(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return _fp8_all_gather(x, scale, spec, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[3]
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor | None, _: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        if dy is None:
+            return None, None, None, None
+        with torch.no_grad():
+            return _reduce_scatter(dy, ctx.group), None, None, None
+
+
+class _ScatterSeqFP8(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        y: Tensor, probe: Tensor | None, g_scale: Tensor, spec: Any, group: Any
+    ) -> Tensor:
+        return _reduce_scatter(y, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, probe, g_scale, spec, group = inputs
+        ctx.save_for_backward(g_scale)
+        ctx.spec, ctx.group, ctx.has_probe = spec, group, probe is not None
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (g_scale,) = ctx.saved_tensors
+        with torch.no_grad():
+            dy_full, amax = _fp8_all_gather(dy, g_scale, ctx.spec, ctx.group)
+        return dy_full, (amax if ctx.has_probe else None), None, None, None
+
+
+class _ProbeSink(torch.autograd.Function):
+    @staticmethod
+    def forward(probe: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.zeros_like(probe)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor | None:  # type: ignore[override]
+        return None
+
+
+def scatter_seq_fp8(y: Tensor, probe: Tensor | None, g_scale: Tensor, spec: Any, group: Any) -> Tensor:
+    """:func:`scatter_seq` whose backward all-gathers the output gradient as FP8 bytes, quantized
+    with one scale for the group (``spec``: the gradient role's per-tensor spec; the state's
+    ``g_scale`` when calibrated with a probe, else the group's current amax). amax of this
+    rank's dy becomes the gradient of ``probe``; the op in front, given
+    ``probe_sink(probe)``, quantizes the gathered gradient back to the same bytes and its own
+    (dequantized) observation is dropped."""
+    return _ScatterSeqFP8.apply(y, probe, g_scale, spec, group)
+
+
+def probe_sink(probe: Tensor | None) -> Tensor | None:
+    """A zero probe whose gradient goes nowhere (see :func:`scatter_seq_fp8`)."""
+    return None if probe is None else _ProbeSink.apply(probe)
+
+
+def gather_seq_fp8(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor]:
+    """:func:`gather_seq` through FP8: ``(x', amax)`` with x' the gathered dequantized FP8 values
+    and amax that of this rank's x (its observation).
+
+    Each rank quantizes its slice with one scale shared by the group (``spec`` a per-tensor
+    :class:`fp8ops.quantize.QuantSpec`), the FP8 bytes are all-gathered (a quarter of float32's
+    bytes, half of bfloat16's) and dequantized. x' is made of FP8 values times 1/scale, so the
+    op that consumes it with the same scale quantizes it back to the same FP8 bytes. dx is
+    reduce-scattered in high precision."""
+    return _GatherSeqFP8.apply(x, scale, spec, group)
+
+
+def copy_to_tp(x: Tensor | None, group: Any) -> Tensor | None:
+    """x as it is; its gradient is summed over the group (a replicated input of a sharded op)."""
+    return None if x is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group: Any) -> Tensor:
+    """The sum of x over the group; the gradient passes through."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x: Tensor, group: Any) -> Tensor:
+    """The ranks' dim-0 slices of x concatenated in rank order; the gradient is reduce-scattered."""
+    return _GatherSeq.apply(x, group)
+
+
+def scatter_seq(x: Tensor, group: Any) -> Tensor:
+    """This rank's dim-0 slice of the sum of x over the group; the gradient is all-gathered."""
+    return _ScatterSeq.apply(x, group)
+
+
+class TP(NamedTuple):
+    """A checked tensor-parallel setting: the group, its size and this rank's index in it."""
+
+    group: Any
+    world: int
+    rank: int
+    sp: bool
+
+
+def tp_config(where: str, tp_group: Any, parallel_mode: Any, sequence_parallel: Any, *,
+              modes: tuple[str | None, ...] = (None,)) -> TP | None:
+    """The :class:`TP` of an op's arguments, or None when ``tp_group`` is None (no parallelism).
+
+    ``modes`` lists the ``parallel_mode`` values the op accepts with a ``tp_group`` (None: the op
+    splits itself, as fused_ln_mlp does); without a group only None is accepted."""
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"{where}: sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if parallel_mode not in (None, *PARALLEL_MODES):
+        raise ValueError(f"{where}: parallel_mode must be one of {[None, *PARALLEL_MODES]}, got {parallel_mode!r}")
+    if tp_group is None:
+        if parallel_mode is not None or sequence_parallel:
+            raise ValueError(f"{where}: parallel_mode={parallel_mode!r} and sequence_parallel={sequence_parallel} "
+                             f"need tp_group (a torch.distributed process group); pass tp_group, or leave both unset")
+        return None
+    if not dist.is_available() or not isinstance(tp_group, dist.ProcessGroup):
+        raise TypeError(f"{where}: tp_group must be a torch.distributed.ProcessGroup (e.g. "
+                        f"dist.group.WORLD or device_mesh.get_group('tp')), got {type(tp_group).__name__}")
+    if parallel_mode not in modes:
+        raise ValueError(f"{where}: with tp_group, parallel_mode must be one of {list(modes)}, got {parallel_mode!r}")
+    return TP(tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group), sequence_parallel)
+
+
+def check_divisible(where: str, what: str, n: int, world: int) -> int:
+    """``n // world``; a ValueError naming ``what`` when the tensor-parallel size does not divide n."""
+    if n % world != 0:
+        raise ValueError(f"{where}: {what} ({n}) must be divisible by the tensor-parallel size ({world}); "
+                         f"uneven splits are not supported")
+    return n // world
+
+
+def column_input(x: Tensor, tp: TP, where: str) -> Tensor:
+    """The input of a column-parallel GEMM: x gathered along the sequence (SP), or x replicated."""
+    if tp.sp:
+        if x.dim() < 2:
+            raise ValueError(f"{where}: with sequence_parallel, x must be (S/w, ..., K), got shape {tuple(x.shape)}")
+        return gather_seq(x, tp.group)
+    return copy_to_tp(x, tp.group)  # type: ignore[return-value]
+
+
+def row_output(y: Tensor, bias: Tensor | None, tp: TP, where: str, fp8_grad: tuple[Any, ...] | None = None
+               ) -> Tensor:
+    """A row-parallel GEMM's partial output summed over the group (reduce-scattered along the
+    sequence with SP; ``fp8_grad`` = (probe, g_scale, spec): its gradient all-gathered in FP8),
+    plus the bias once."""
+    if tp.sp:
+        check_divisible(where, "the sequence length (dim 0 of x)", y.shape[0], tp.world)
+        y = scatter_seq(y, tp.group) if fp8_grad is None else scatter_seq_fp8(y, *fp8_grad, tp.group)
+    else:
+        y = reduce_from_tp(y, tp.group)
+    if bias is not None:
+        # With SP each rank adds the bias to its slice: its gradient is a partial sum.
+        b = copy_to_tp(bias, tp.group) if tp.sp else bias
+        y = y + b.to(y.dtype)  # type: ignore[union-attr]
+    return y
+
+
+
+def transformer_split(cfg: Any, gated: bool) -> dict[str, tuple[int, tuple[int, ...]] | None]:
+    """For each parameter of a transformer_layer config: (the dim that tensor parallelism splits,
+    the full sizes of its segments, each split w ways), or None (replicated)."""
+    d, hq, hkv, F = cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads, cfg.ffn_hidden_size
+    split = {"qkv": (0, (hq * d, hkv * d, hkv * d)), "q": (0, (hq * d,)), "k": (0, (hkv * d,)),
+             "v": (0, (hkv * d,)), "fc1": (0, (F, F) if gated else (F,))}
+    out: dict[str, tuple[int, tuple[int, ...]] | None] = {}
+    for key in cfg.param_shapes():
+        name, kind = key.split(".")
+        if name in split:
+            out[key] = split[name]
+        elif kind == "weight" and name in ("proj", "fc2"):
+            out[key] = (1, (hq * d,) if name == "proj" else (F,))
+        else:
+            out[key] = None
+    return out
+
+
+def transformer_shard_shapes(cfg: Any, world: int, gated: bool, where: str) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes of one rank's shard; a ValueError when ``world`` does not divide the
+    query heads, the key/value heads or the MLP width. Plain Python (no config is built), so that
+    torch.compile traces it."""
+    check_divisible(where, "num_attention_heads", cfg.num_attention_heads, world)
+    check_divisible(where, "the key/value heads (num_gqa_groups)", cfg.num_kv_heads, world)
+    check_divisible(where, "ffn_hidden_size", cfg.ffn_hidden_size, world)
+    shapes = dict(cfg.param_shapes())
+    for key, spec in transformer_split(cfg, gated).items():
+        if spec is not None:
+            shape = list(shapes[key])
+            shape[spec[0]] //= world
+            shapes[key] = tuple(shape)
+    return shapes

@@ -1,0 +1,180 @@
+"""Tensor-parallel shards of :func:`fp8ops.transformer_layer`'s parameters, and their inverse.
+
+Rank r of w holds (d = head dim, h_q query heads, h_kv key/value heads, F the MLP width)::
+
+    qkv.weight  rows [q heads r·h_q/w .. | k heads r·h_kv/w .. | v heads r·h_kv/w ..]  column-parallel
+    q/k/v       the same heads of the unfused weights (and biases)
+    proj.weight columns of the same query heads                                    row-parallel
+    fc1.weight  rows r·F/w .. (r+1)·F/w (gated: those rows of each half a and b)   column-parallel
+    fc2.weight  columns r·F/w .. (r+1)·F/w                                         row-parallel
+    norms, proj.bias, fc2.bias  replicated
+
+Call ``transformer_layer(shard, x, state, ..., tp_group=group)`` with ``rank`` the rank in ``group``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ._parallel import transformer_shard_shapes, transformer_split
+from .activation import GATED
+from .transformer_layer import TransformerConfig
+
+__all__ = ["gather_transformer_params", "shard_transformer_params"]
+
+
+def _layout(cfg: TransformerConfig) -> dict[str, tuple[int, tuple[int, ...]] | None]:
+    return transformer_split(cfg, cfg.activation in GATED)
+
+
+def _check(where: str, config: object, world_size: object) -> TransformerConfig:
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"{where}: config must be a fp8ops.TransformerConfig, got {type(config).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{where}: world_size must be a positive int, got {world_size!r}")
+    transformer_shard_shapes(config, world_size, False, where)  # raises on uneven splits
+    return config
+
+
+def _check_keys(where: str, name: str, d: object, shapes: dict[str, tuple[int, ...]]) -> Mapping[str, Tensor]:
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{where}: {name} must be a dict[str, Tensor], got {type(d).__name__}")
+    extra = [k for k in d if k not in shapes]
+    if extra:
+        raise ValueError(f"{where}: {name} has keys {extra} that the config does not have (expected a subset of "
+                         f"{list(shapes)})")
+    for k, t in d.items():
+        if not isinstance(t, Tensor) or tuple(t.shape) != shapes[k]:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{where}: {name}[{k!r}] must have shape {shapes[k]}, got {got}")
+    return d
+
+
+def shard_transformer_params(
+    params: Mapping[str, Tensor],
+    config: TransformerConfig,
+    *,
+    rank: int,
+    world_size: int,
+) -> dict[str, Tensor]:
+    """This rank's tensor-parallel shard of a full :func:`fp8ops.transformer_layer` parameter dict.
+
+    The shard is what ``transformer_layer(shard, x, state, config=config, ..., tp_group=group)``
+    takes on rank ``rank`` of a group of ``world_size`` ranks (the layout is in this module's
+    docstring): QKV and fc1 are split by output rows, the projection and fc2 by input columns,
+    the norms and the row-parallel biases are replicated. The shard's tensors are slices of the
+    given ones (views where one slice suffices, else new tensors); gradients flow back to
+    ``params`` through them. Works as well on a dict of gradients (any subset of the keys).
+
+    Args:
+        params: the full parameter dict (``config.param_shapes()``), or a subset of it.
+        config: the layer's :class:`fp8ops.TransformerConfig` (the full, unsharded one).
+        rank: this rank's index in the tensor-parallel group, 0 <= rank < world_size.
+        world_size: the size of the tensor-parallel group; it must divide the query heads, the
+            key/value heads (``num_gqa_groups``) and ``ffn_hidden_size``.
+
+    Returns:
+        A new ``dict[str, Tensor]`` with the same keys.
+
+    Raises:
+        TypeError, ValueError: a bad config, rank or world size, keys or shapes that do not
+            match the config, or a world size that does not divide the heads, the GQA groups or
+            the MLP width.
+
+    Example:
+        >>> import fp8ops
+        >>> cfg = fp8ops.TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+        ...                                num_gqa_groups=2)
+        >>> params = fp8ops.init_transformer_params(cfg)
+        >>> shards = [fp8ops.shard_transformer_params(params, cfg, rank=r, world_size=2) for r in range(2)]
+        >>> tuple(shards[0]["qkv.weight"].shape), tuple(shards[0]["fc2.weight"].shape)
+        ((32, 32), (32, 32))
+        >>> full = fp8ops.gather_transformer_params(shards, cfg)
+        >>> all(bool((full[k] == params[k]).all()) for k in params)
+        True
+    """
+    where = "shard_transformer_params"
+    cfg = _check(where, config, world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"{where}: rank must be an int in [0, {world_size}), got {rank!r}")
+    _check_keys(where, "params", params, cfg.param_shapes())
+    layout = _layout(cfg)
+    out: dict[str, Tensor] = {}
+    for key, t in params.items():
+        spec = layout[key]
+        if spec is None:
+            out[key] = t
+            continue
+        dim, sizes = spec
+        pieces, start = [], 0
+        for n in sizes:
+            part = n // world_size
+            pieces.append(t.narrow(dim, start + rank * part, part))
+            start += n
+        out[key] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+    return out
+
+
+def gather_transformer_params(
+    shards: Sequence[Mapping[str, Tensor]],
+    config: TransformerConfig,
+) -> dict[str, Tensor]:
+    """The full parameter dict from the shards of every rank: the inverse of
+    :func:`shard_transformer_params`.
+
+    Gathers parameters or their gradients (e.g. the shards' ``.grad`` collected with
+    ``torch.distributed.all_gather_object``). Replicated entries (norms, ``proj.bias``,
+    ``fc2.bias``) are taken from ``shards[0]``; under tensor parallelism their gradients are
+    already equal on every rank.
+
+    Args:
+        shards: one dict per rank, in rank order (``len(shards)`` is the world size), each with
+            the same keys (a subset of ``config.param_shapes()``) and the shard's shapes.
+        config: the layer's full :class:`fp8ops.TransformerConfig`.
+
+    Returns:
+        A new ``dict[str, Tensor]`` with the full shapes of ``config.param_shapes()``.
+
+    Raises:
+        TypeError, ValueError: no shards, shards with different keys, or shapes that are not the
+            shard shapes for ``len(shards)`` ranks.
+
+    Example:
+        >>> import fp8ops
+        >>> cfg = fp8ops.TransformerConfig(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+        ...                                activation="swiglu")
+        >>> params = fp8ops.init_transformer_params(cfg)
+        >>> shards = [fp8ops.shard_transformer_params(params, cfg, rank=r, world_size=4) for r in range(4)]
+        >>> tuple(shards[1]["fc1.weight"].shape)            # 64 / 4 rows of each swiglu half
+        (32, 32)
+        >>> bool((fp8ops.gather_transformer_params(shards, cfg)["fc1.weight"] == params["fc1.weight"]).all())
+        True
+    """
+    where = "gather_transformer_params"
+    if isinstance(shards, Mapping) or not isinstance(shards, Sequence) or len(shards) == 0:
+        raise TypeError(f"{where}: shards must be a non-empty list of dicts, one per rank, got {type(shards).__name__}")
+    world = len(shards)
+    cfg = _check(where, config, world)
+    local_shapes = transformer_shard_shapes(cfg, world, cfg.activation in GATED, where)
+    keys = list(_check_keys(where, "shards[0]", shards[0], local_shapes))
+    for r, s in enumerate(shards):
+        _check_keys(where, f"shards[{r}]", s, local_shapes)
+        if set(s) != set(keys):
+            raise ValueError(f"{where}: shards[{r}] has keys {sorted(s)}, shards[0] has {sorted(keys)}")
+    layout = _layout(cfg)
+    out: dict[str, Tensor] = {}
+    for key in keys:
+        spec = layout[key]
+        if spec is None:
+            out[key] = shards[0][key]
+            continue
+        dim, sizes = spec
+        segments = []
+        for i, n in enumerate(sizes):
+            part, start = n // world, sum(sizes[:i]) // world
+            segments += [s[key].narrow(dim, start, part) for s in shards]
+        out[key] = torch.cat(segments, dim)
+    return out
