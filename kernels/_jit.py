@@ -113,9 +113,11 @@ def atomic_amax(
 @triton.jit
 def grouped_tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
     # (pid_m, pid_n) of tile tile_id; num_pid_in_group = GROUP_M * (number of tile columns).
+    # An empty matrix still launches one program (it writes the inverse scale): with no tile row,
+    # the group size is held at 1 so that no integer division by zero makes a wild tile index.
     group_id = tile_id // num_pid_in_group
     first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    group_size_m = tl.maximum(tl.minimum(num_pid_m - first_pid_m, GROUP_M), 1)
     pid_m = first_pid_m + (tile_id % group_size_m)
     pid_n = (tile_id % num_pid_in_group) // group_size_m
     return pid_m, pid_n

@@ -133,6 +133,19 @@ def test_cast_current(dtype, margin, pow2, transpose):
     _check_dequantized(x, q, inv, qr, inv_r, dtype)
 
 
+@pytest.mark.parametrize("shape", [(0, 16), (0, 1), (5, 0)])
+@pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
+def test_cast_transpose_empty(shape, current):
+    """An empty matrix launches one program that only writes the inverse scale (no tile row: the
+    grouped tile order must not divide by the zero tile count)."""
+    x = torch.empty(shape, dtype=torch.bfloat16)
+    scale = torch.tensor(4.0)
+    amax_in = K.amax_launch(x) if current else None
+    q, qt, amax, inv = K.cast_transpose_launch(x, scale, amax_in, 0, False, torch.float8_e4m3fn)
+    assert q.shape == shape and qt.shape == shape[::-1]
+    assert amax.item() == 0.0 and inv.item() == 0.25
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_cast_current_zero_and_nonfinite_amax_use_fallback(dtype):
     x = torch.zeros(4, 8)
