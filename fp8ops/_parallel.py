@@ -72,63 +72,31 @@ def _reduce_scatter(t: Tensor, group: Any) -> Tensor:
     return _done(_fc().reduce_scatter_single(t.contiguous(), "sum", 0, group))
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        return x.view_as(x)
+def _conjugate(name: str, fwd: Any, bwd: Any) -> Any:
+    """An autograd.Function running the collective ``fwd(x, group)`` forward and its conjugate
+    ``bwd(dy, group)`` backward (the four of Megatron-style tensor and sequence parallelism)."""
 
-    @staticmethod
+    def forward(x: Tensor, group: Any) -> Tensor:
+        return fwd(x, group)
+
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.group = inputs[1]
 
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:
         with torch.no_grad():
-            return _all_reduce(dy, ctx.group), None
+            return bwd(dy, ctx.group), None
+
+    body = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward), "__module__": __name__}
+    return type(name, (torch.autograd.Function,), body)
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return dy, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        return _all_gather(x, group)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        with torch.no_grad():
-            return _reduce_scatter(dy, ctx.group), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        with torch.no_grad():
-            return _all_gather(dy, ctx.group), None
+# copy-to-TP: identity forward, all-reduce backward; reduce-from-TP: the converse; gather-from-
+# sequence: all-gather forward, reduce-scatter backward; scatter-to-sequence: the converse.
+_CopyToTP = _conjugate("_CopyToTP", lambda x, g: x.view_as(x), _all_reduce)
+_ReduceFromTP = _conjugate("_ReduceFromTP", _all_reduce, lambda dy, g: dy)
+_GatherSeq = _conjugate("_GatherSeq", _all_gather, _reduce_scatter)
+_ScatterSeq = _conjugate("_ScatterSeq", _reduce_scatter, _all_gather)
 
 
 def _fp8_all_gather(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor]:
