@@ -14,23 +14,16 @@ from fp8ops import (
     LayerNormMLPState,
 )
 from fp8ops.reference import fused_ln_mlp as R
+from fp8ops.testing import rel_error
+from fp8ops.testing.states import calibrate
 
 DELAYED = DelayedScaling(amax_history_len=4)
 
-
 RECIPES = {"none": None, "delayed": DELAYED, "current": CurrentScaling(), "rowwise": CurrentScaling(granularity="row")}
-
 
 ACTS = ["gelu", "gelu_tanh", "relu", "squared_relu", "silu", "qgelu", "swiglu", "geglu", "reglu"]
 
-
 GATED = {"swiglu", "geglu", "reglu"}
-
-
-def _calibrate(st, recipe, scales):
-    if recipe is None or recipe.mode != "delayed":
-        return st
-    return st.replace(**{n: getattr(st, n).replace(scale=torch.tensor(s), calibrated=True) for n, s in scales.items()})
 
 
 def _mlp_state(recipe, calibrated):
@@ -39,12 +32,7 @@ def _mlp_state(recipe, calibrated):
     st = LayerNormMLPState.init(recipe)
     scales = {"fc1_input": 64.0, "fc1_weight": 256.0, "fc1_grad_output": 2.0**12,
               "fc2_input": 64.0, "fc2_weight": 256.0, "fc2_grad_output": 2.0**12}
-    return _calibrate(st, recipe, scales) if calibrated else st
-
-
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return calibrate(st, recipe, scales=scales) if calibrated else st
 
 
 def _tol(dtype, recipe):
@@ -87,7 +75,7 @@ def _check_mlp(args, dy, st, recipe, act, norm, dtype, recompute=None, **kw):
     names = ["dx", "dln_w", "dln_b", "dw1", "db1", "dw2", "db2"]
     pairs = [("y", y, ref["y"])] + [(n, g, ref[n]) for n, g in zip(names, grads) if g is not None]
     for name, got, want in pairs:
-        err = _rel(got, want)
+        err = rel_error(got, want)
         assert err <= tol, f"{act}/{norm}/{recipe}: {name} rel err {err:.2e} > {tol:.0e}"
     if recipe is not None:
         want = torch.stack([ref["amax_dh"], ref["amax_dy"]])
@@ -160,9 +148,9 @@ def test_recompute_differs_from_the_plain_path_by_the_fp8_rounding_of_h(rname):
     st = _mlp_state(recipe, False)
     y0, g0, _, _ = _run_mlp(args, dy, st, recipe, activation="swiglu")
     y1, g1, _, _ = _run_mlp(args, dy, st, recipe, activation="swiglu", recompute="activation")
-    assert 0 < _rel(y1, y0) < 0.1  # E4M3 keeps 3 mantissa bits: a few % per element, averaged out
+    assert 0 < rel_error(y1, y0) < 0.1  # E4M3 keeps 3 mantissa bits: a few % per element, averaged out
     for a, b in zip(g0, g1):
-        assert _rel(b, a) < 0.2
+        assert rel_error(b, a) < 0.2
 
 
 @pytest.mark.parametrize("act", ["gelu_tanh", "geglu"])
@@ -184,7 +172,7 @@ def test_partial_gradients_and_no_probe():
     y, _ = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, activation="gelu")
     y.backward(dy)
     ref = R.fused_ln_mlp(*args, st, dy, recipe=recipe, activation_name="gelu", has_probe=False)
-    assert _rel(leaves[5].grad, ref["dw2"]) < 2e-4
+    assert rel_error(leaves[5].grad, ref["dw2"]) < 2e-4
     assert all(t.grad is None for i, t in enumerate(leaves) if i != 5 and t is not None)
 
 

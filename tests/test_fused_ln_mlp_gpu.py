@@ -10,38 +10,24 @@ import torch
 import fp8ops
 from fp8ops import CurrentScaling, DelayedScaling, LayerNormMLPState
 from fp8ops.reference import fused_ln_mlp as R
+from fp8ops.testing import rel_error
+from fp8ops.testing.states import calibrate
 
 pytestmark = pytest.mark.gpu
-
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-
 DEV = "cuda"
 
-
 BF16 = torch.bfloat16
-
 
 RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": CurrentScaling(),
            "rowwise": CurrentScaling(granularity="row")}
 
 
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _calibrated(cls, recipe, scale_fwd=32.0, scale_bwd=2.0**14):
-    st = cls.init(recipe, device=DEV)
-    if recipe.mode != "delayed":
-        return st
-    return st.replace(**{
-        n: getattr(st, n).replace(scale=torch.tensor(scale_fwd if r == "forward" else scale_bwd, device=DEV),
-                                  calibrated=True)
-        for n, r in cls.ROLES.items()
-    })
+def _calibrated(cls, recipe):
+    return calibrate(cls.init(recipe, device=DEV), recipe)
 
 
 def _leaf(t):
@@ -81,7 +67,7 @@ def test_fused_ln_mlp_real_size(rname, act):
                              h_amax=st2.fc1_output.pending_amax if recompute else None)
         names = ["dx", "dln_w", "dln_b", "dw1", "db1", "dw2", "db2"]
         for name, t in [("y", y)] + list(zip(names, grads)):
-            assert _rel(t, ref[name]) < TOL, f"recompute={recompute} {name}: {_rel(t, ref[name]):.3e}"
+            assert rel_error(t, ref[name]) < TOL, f"recompute={recompute} {name}: {rel_error(t, ref[name]):.3e}"
         torch.testing.assert_close(pg, torch.stack([ref["amax_dh"], ref["amax_dy"]]), rtol=2e-2, atol=0)
         torch.testing.assert_close(st2.fc2_input.pending_amax, ref["amax_a"], rtol=1e-2, atol=0)
         if recompute:
@@ -139,7 +125,7 @@ def test_no_fp8_path_matches_plain_pytorch():
                                 recipe=None, activation="gelu_tanh")
     y.backward(dy)
     assert st is None
-    assert _rel(y, y_ref) < 1e-2 and _rel(xb.grad, xa.grad) < 2e-2
+    assert rel_error(y, y_ref) < 1e-2 and rel_error(xb.grad, xa.grad) < 2e-2
 
 
 def test_compile_fullgraph_matches_eager():

@@ -13,29 +13,19 @@ from fp8ops import (
 )
 from fp8ops.reference import layernorm_linear as R
 from fp8ops.reference import norm as RN
+from fp8ops.testing import rel_error
+from fp8ops.testing.states import calibrate
 
 DELAYED = DelayedScaling(amax_history_len=4)
 
-
 RECIPES = {"none": None, "delayed": DELAYED, "current": CurrentScaling(), "rowwise": CurrentScaling(granularity="row")}
-
-
-def _calibrate(st, recipe, scales):
-    if recipe is None or recipe.mode != "delayed":
-        return st
-    return st.replace(**{n: getattr(st, n).replace(scale=torch.tensor(s), calibrated=True) for n, s in scales.items()})
 
 
 def _lnl_state(recipe, calibrated):
     if recipe is None:
         return None
     st = LayerNormLinearState.init(recipe)
-    return _calibrate(st, recipe, {"input": 64.0, "weight": 256.0, "grad_output": 2.0**12}) if calibrated else st
-
-
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return calibrate(st, recipe, scales={"input": 64.0, "weight": 256.0, "grad_output": 2.0**12}) if calibrated else st
 
 
 def _tol(dtype, recipe):
@@ -87,9 +77,9 @@ def test_layernorm_linear_matches_reference(rname, calibrated, dtype, norm, shap
     for name, got, want in [("y", y.reshape(ref["y"].shape), ref["y"]), ("dx", dx, ref["dx"]),
                             ("dln_w", dlnw, ref["dln_w"]), ("dw", dw, ref["dw"]), ("db", db, ref["db"])]:
         assert got.dtype == (dtype if name != "dln_w" else ln_w.dtype)
-        assert _rel(got, want) <= tol, f"{name}: rel err {_rel(got, want):.2e} > {tol:.0e}"
+        assert rel_error(got, want) <= tol, f"{name}: rel err {rel_error(got, want):.2e} > {tol:.0e}"
     if not rms:
-        assert _rel(dlnb, ref["dln_b"]) <= tol
+        assert rel_error(dlnb, ref["dln_b"]) <= tol
     if recipe is None:
         assert st2 is None and pg is None
         return
@@ -108,14 +98,14 @@ def test_layernorm_linear_returns_differentiable_layernorm_output():
     leaves = [_leaf(t) for t in (x, ln_w, ln_b, w, b)]
     (y, ln), _ = fp8ops.layernorm_linear(*leaves, st, recipe=DELAYED, return_layernorm_output=True)
     ref = R.layernorm_linear(x, ln_w, ln_b, w, b, st, dy, recipe=DELAYED, has_probe=False)
-    assert _rel(ln, ref["ln"]) < 1e-5
+    assert rel_error(ln, ref["ln"]) < 1e-5
     dln_extra = torch.randn_like(ln)
     torch.autograd.backward([y, ln], [dy, dln_extra])
     # the extra gradient flows through the norm's backward, added to the dgrad output
     x32 = x.clone().requires_grad_()
     lnr = RN.norm32(x32, ln_w, ln_b, rms=False, eps=1e-5, zero_centered_gamma=False)
     (dx_extra,) = torch.autograd.grad(lnr, x32, dln_extra)
-    assert _rel(leaves[0].grad, ref["dx"] + dx_extra) < 1e-4
+    assert rel_error(leaves[0].grad, ref["dx"] + dx_extra) < 1e-4
 
 
 def test_layernorm_output_alone_carries_the_gradient():
@@ -129,7 +119,7 @@ def test_layernorm_output_alone_carries_the_gradient():
     x32 = x.clone().requires_grad_()
     lnr = RN.norm32(x32, ln_w, ln_b, rms=False, eps=1e-5, zero_centered_gamma=False)
     (dx,) = torch.autograd.grad(lnr, x32, dln)
-    assert _rel(leaves[0].grad, dx) < 1e-5
+    assert rel_error(leaves[0].grad, dx) < 1e-5
     assert float(leaves[3].grad.abs().max()) == 0.0 and float(leaves[4].grad.abs().max()) == 0.0
 
 
@@ -147,7 +137,7 @@ def test_precision_escapes_match_reference():
     y, (dx, dlnw, _dlnb, dw, _db), _, _ = _run_lnl(x, ln_w, ln_b, w, b, dy, st, recipe)
     ref = R.layernorm_linear(x, ln_w, ln_b, w, b, st, dy, recipe=recipe)
     for got, want in [(y.reshape(ref["y"].shape), ref["y"]), (dx, ref["dx"]), (dw, ref["dw"]), (dlnw, ref["dln_w"])]:
-        assert _rel(got, want) < 2e-4
+        assert rel_error(got, want) < 2e-4
 
 
 def test_layernorm_linear_errors():

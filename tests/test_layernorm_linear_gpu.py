@@ -7,38 +7,24 @@ import torch
 import fp8ops
 from fp8ops import CurrentScaling, DelayedScaling, LayerNormLinearState
 from fp8ops.reference import layernorm_linear as R
+from fp8ops.testing import rel_error
+from fp8ops.testing.states import calibrate
 
 pytestmark = pytest.mark.gpu
-
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-
 DEV = "cuda"
 
-
 BF16 = torch.bfloat16
-
 
 RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": CurrentScaling(),
            "rowwise": CurrentScaling(granularity="row")}
 
 
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _calibrated(cls, recipe, scale_fwd=32.0, scale_bwd=2.0**14):
-    st = cls.init(recipe, device=DEV)
-    if recipe.mode != "delayed":
-        return st
-    return st.replace(**{
-        n: getattr(st, n).replace(scale=torch.tensor(scale_fwd if r == "forward" else scale_bwd, device=DEV),
-                                  calibrated=True)
-        for n, r in cls.ROLES.items()
-    })
+def _calibrated(cls, recipe):
+    return calibrate(cls.init(recipe, device=DEV), recipe)
 
 
 def _leaf(t):
@@ -70,6 +56,6 @@ def test_layernorm_linear_real_size(rname, norm):
     if ln_b is not None:
         got["dln_b"] = leaves[2].grad
     for name, t in got.items():
-        assert _rel(t, ref[name]) < TOL, f"{name}: {_rel(t, ref[name]):.3e}"
+        assert rel_error(t, ref[name]) < TOL, f"{name}: {rel_error(t, ref[name]):.3e}"
     torch.testing.assert_close(probe.grad, ref["amax_dy"], rtol=1e-2, atol=0)
     torch.testing.assert_close(st2.input.pending_amax, ref["amax_ln"], rtol=1e-2, atol=0)

@@ -5,6 +5,8 @@ Public, so that tests of code built on fp8ops can use the same rules as fp8ops' 
 - :mod:`fp8ops.testing.tolerances`: per-format quantization bounds, the comparison rule
   "error vs the FP32 reference <= k x (error of plain PyTorch at the same precision) + atol",
   bitwise equality and SQNR. Needs only torch; its names are re-exported here.
+- :mod:`fp8ops.testing.states`: :func:`~fp8ops.testing.states.calibrate`, an op's state with
+  chosen calibrated scales.
 - :mod:`fp8ops.testing.strategies`: hypothesis strategies for shapes, tensors, recipes, scales,
   amax observations and scaling states. Needs ``hypothesis`` (the ``test`` extra); import it
   explicitly: ``from fp8ops.testing import strategies``.
@@ -21,6 +23,7 @@ from .tolerances import (
     assert_close_rule,
     assert_same_bits,
     half_ulp_rel,
+    rel_error,
     smallest_normal,
     sqnr,
 )
@@ -36,6 +39,7 @@ __all__ = [
     "assert_close_rule",
     "assert_same_bits",
     "half_ulp_rel",
+    "rel_error",
     "smallest_normal",
     "sqnr",
 ]

@@ -41,6 +41,7 @@ __all__ = [
     "assert_close_rule",
     "assert_same_bits",
     "half_ulp_rel",
+    "rel_error",
     "smallest_normal",
     "sqnr",
 ]
@@ -292,3 +293,17 @@ def sqnr(actual: Tensor, reference: Tensor) -> float:
     if signal == 0.0:
         return -math.inf
     return 10.0 * math.log10(signal / noise)
+
+
+def rel_error(actual: Tensor, expected: Tensor) -> float:
+    """Relative error in the Frobenius norm, ``||actual - expected|| / ||expected||``, in float32
+    (the denominator held at 1e-30 or more, so an all-zero ``expected`` gives ``||actual|| * 1e30``).
+
+    Example:
+        >>> import torch
+        >>> from fp8ops.testing import rel_error
+        >>> round(rel_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 5.0])), 6)  # 1 / sqrt(34)
+        0.171499
+    """
+    a, b = actual.float(), expected.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
