@@ -113,8 +113,9 @@ def atomic_amax(
 @triton.jit
 def grouped_tile(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
     # (pid_m, pid_n) of tile tile_id; num_pid_in_group = GROUP_M * (number of tile columns).
-    # An empty matrix still launches one program (it writes the inverse scale): with no tile row,
-    # the group size is held at 1 so that no integer division by zero makes a wild tile index.
+    # An empty matrix still launches one program (it writes the inverse scale): with no tile row or
+    # column, the counts are held at 1 so that no integer division by zero makes a wild tile index.
+    num_pid_in_group = tl.maximum(num_pid_in_group, 1)
     group_id = tile_id // num_pid_in_group
     first_pid_m = group_id * GROUP_M
     group_size_m = tl.maximum(tl.minimum(num_pid_m - first_pid_m, GROUP_M), 1)

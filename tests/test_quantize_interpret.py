@@ -133,6 +133,7 @@ def test_cast_current(dtype, margin, pow2, transpose):
     _check_dequantized(x, q, inv, qr, inv_r, dtype)
 
 
+@pytest.mark.filterwarnings("error:divide by zero encountered in f:RuntimeWarning")  # fmod, floor_divide
 @pytest.mark.parametrize("shape", [(0, 16), (0, 1), (5, 0)])
 @pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
 def test_cast_transpose_empty(shape, current):
