@@ -34,12 +34,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .norm import layer_norm, rms_norm
 from .quantize import quantize_2d
 from .recipes import compute_scale
 
 __all__ = [
-    "TP", "check_divisible", "column_input", "copy_to_tp", "gather_seq", "gather_seq_fp8", "probe_sink",
-    "reduce_from_tp", "row_output", "scatter_seq", "scatter_seq_fp8", "tp_config", "transformer_shard_shapes",
+    "TP",
+    "check_divisible",
+    "column_input",
+    "copy_to_tp",
+    "gather_seq",
+    "gather_seq_fp8",
+    "probe_sink",
+    "reduce_from_tp",
+    "row_output",
+    "scatter_seq",
+    "scatter_seq_fp8",
+    "sequence_norm",
+    "tp_config",
+    "transformer_shard_shapes",
     "transformer_split",
 ]
 
@@ -103,14 +116,14 @@ def _fp8_all_gather(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Te
     """(x all-gathered along dim 0 as FP8 bytes and dequantized, amax of this rank's x)."""
     # Step 1: one scale for the whole group: the state's (identical on every rank after
     # update(group=)), or from the group's amax (current scaling, an uncalibrated state).
+    # A calibrated delayed scale needs no amax first: the cast observes it in the same pass.
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M/w, K)
-    amax = x2.abs().amax().to(torch.float32) if x2.numel() else x2.new_zeros((), dtype=torch.float32)
     if spec.mode != "delayed" or not spec.calibrated:
-        amax_g = _done(_fc().all_reduce(amax, "max", group))
+        amax_g = _done(_fc().all_reduce(torch.ops.fp8ops.amax(x2), "max", group))
         scale = compute_scale(amax_g, torch.ones_like(amax_g), torch.finfo(spec.dtype).max, margin=spec.margin,
                               power_2_scale=spec.power_2)
     # Step 2: quantize this rank's slice, gather the FP8 bytes, dequantize with the shared scale.
-    data, inv, _, _ = quantize_2d(x2, scale, spec._replace(mode="delayed", calibrated=True))
+    data, inv, _, amax = quantize_2d(x2, scale, spec._replace(mode="delayed", calibrated=True))
     full = _all_gather(data.view(torch.uint8), group).view(spec.dtype)  # (M, K)
     y = (full.to(torch.float32) * inv).to(x.dtype)
     return y.reshape(-1, *x.shape[1:]), amax
@@ -232,6 +245,8 @@ def tp_config(where: str, tp_group: Any, parallel_mode: Any, sequence_parallel: 
 
     ``modes`` lists the ``parallel_mode`` values the op accepts with a ``tp_group`` (None: the op
     splits itself, as fused_ln_mlp does); without a group only None is accepted."""
+    if tp_group is None and parallel_mode is None and sequence_parallel is False:
+        return None  # the common case, first: no parallelism
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"{where}: sequence_parallel must be a bool, got {sequence_parallel!r}")
     if parallel_mode not in (None, *PARALLEL_MODES):
@@ -255,6 +270,18 @@ def check_divisible(where: str, what: str, n: int, world: int) -> int:
         raise ValueError(f"{where}: {what} ({n}) must be divisible by the tensor-parallel size ({world}); "
                          f"uneven splits are not supported")
     return n // world
+
+
+def sequence_norm(x: Tensor, weight: Tensor, bias: Tensor | None, normalization: str, eps: float,
+                  zero_centered_gamma: bool, group: Any) -> Tensor:
+    """The norm in front of a column-parallel GEMM under sequence parallelism: on this rank's slice
+    of the sequence, with the replicated weight and bias, whose gradients are summed over the group."""
+    kw: dict[str, Any] = {"eps": eps, "zero_centered_gamma": zero_centered_gamma}
+    if normalization == "RMSNorm":
+        ln, _ = rms_norm(x, copy_to_tp(weight, group), None, **kw)
+    else:
+        ln, _ = layer_norm(x, copy_to_tp(weight, group), copy_to_tp(bias, group), None, **kw)
+    return ln
 
 
 def column_input(x: Tensor, tp: TP, where: str) -> Tensor:

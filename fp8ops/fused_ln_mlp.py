@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from . import activation as _activation
-from ._parallel import copy_to_tp, row_output, tp_config
+from ._parallel import copy_to_tp, row_output, sequence_norm, tp_config
 from ._glue import autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_float_tensor, check_norm_args, check_probe, check_state_recipe, check_weight
 from .formats import Role
@@ -58,7 +58,6 @@ from ._operands import (
 from .quantize import QuantSpec, quantize_2d
 from .recipes import GemmSpec, Recipe
 from .fp8_linear import LinearState, fp8_linear
-from .norm import layer_norm, rms_norm
 from .state import OpState, ScalingState
 
 __all__ = ["LayerNormMLPState", "fused_ln_mlp"]
@@ -345,12 +344,7 @@ def _sequence_parallel(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1
     check_probe(grad_probe, where, shape=(2,), name="grad_probe", device=x.device)
     _activation.check_activation(activation, where)
     # Step 1: the norm on this rank's slice; its parameters' gradients are partial sums over the group.
-    kw: dict[str, Any] = {"eps": eps, "zero_centered_gamma": zero_centered_gamma}
-    if normalization == "RMSNorm":
-        ln, _ = rms_norm(x, copy_to_tp(ln_weight, tp_group), None, **kw)  # type: ignore[arg-type]
-    else:
-        ln_b = copy_to_tp(ln_bias, tp_group)
-        ln, _ = layer_norm(x, copy_to_tp(ln_weight, tp_group), ln_b, None, **kw)  # type: ignore[arg-type]
+    ln = sequence_norm(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, tp_group)
     # Step 2: fc1 (all-gathers ln), the activation, fc2 (reduce-scatters y), each with its LinearState.
     st1 = st2 = None
     if fp8:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._parallel import copy_to_tp, tp_config
+from ._parallel import copy_to_tp, sequence_norm, tp_config
 from ._glue import autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
 from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
 from ._operands import (
@@ -43,7 +43,6 @@ from ._operands import (
     quantize_weight_operands,
 )
 from .fp8_linear import LinearState, fp8_linear
-from .norm import layer_norm, rms_norm
 from .quantize import QuantSpec
 from .recipes import GemmSpec, Recipe
 
@@ -264,12 +263,7 @@ def layernorm_linear(
         if tp.sp:
             # SP: the norm on this rank's slice (its parameters' gradients are partial sums), then the
             # column-parallel GEMM all-gathers its output (FP8 bytes with a per-tensor recipe).
-            kw: dict[str, Any] = {"eps": eps, "zero_centered_gamma": zero_centered_gamma}
-            if normalization == "RMSNorm":
-                ln, _ = rms_norm(x, copy_to_tp(ln_weight, g), None, **kw)  # type: ignore[arg-type]
-            else:
-                ln_b = copy_to_tp(ln_bias, g)
-                ln, _ = layer_norm(x, copy_to_tp(ln_weight, g), ln_b, None, **kw)  # type: ignore[arg-type]
+            ln = sequence_norm(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, g)
             return fp8_linear(ln, weight, bias, state, recipe=recipe, grad_probe=grad_probe, tp_group=g,
                               parallel_mode="column", sequence_parallel=True)
         return layernorm_linear(

@@ -7,6 +7,7 @@ import torch
 import fp8ops
 from fp8ops import CurrentScaling, DelayedScaling, GemmSpec, LinearState
 from fp8ops.reference import fp8_linear as R
+from fp8ops.testing import rel_error
 
 DELAYED = DelayedScaling(amax_history_len=4)
 RECIPES = [DELAYED, CurrentScaling(), CurrentScaling(granularity="row")]
@@ -43,10 +44,6 @@ def _run(x, w, b, dy, st, recipe, probe=True, **kw):
     return y.detach(), x.grad, w.grad, (b.grad if b is not None else None), (p.grad if probe else None), st2
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize("recipe", RECIPES, ids=["delayed", "current", "rowwise"])
 @pytest.mark.parametrize("calibrated", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,7 +57,7 @@ def test_forward_and_gradients_match_reference(recipe, calibrated, dtype, shape)
     dx_ref, dw_ref, db_ref, amax_ref = R.fp8_linear_grads(x, w, dy, st, recipe=recipe)
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # same FP8 operands; only the output rounding differs
     assert y.shape == (*lead, N) and y.dtype == dtype
-    assert _rel(y, y_ref) < tol and _rel(dx, dx_ref) < tol and _rel(dw, dw_ref) < tol
+    assert rel_error(y, y_ref) < tol and rel_error(dx, dx_ref) < tol and rel_error(dw, dw_ref) < tol
     torch.testing.assert_close(db.float(), db_ref, rtol=1e-2, atol=1e-6)
     assert pg.item() == amax_ref.item()
     assert torch.equal(st2.input.pending_amax, st_ref.input.pending_amax)
@@ -76,7 +73,7 @@ def test_close_to_unquantized_linear(recipe):
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
     yy = torch.nn.functional.linear(xx, ww, b)
     yy.backward(dy)
-    assert _rel(y, yy) < 0.05 and _rel(dx, xx.grad) < 0.15 and _rel(dw, ww.grad) < 0.15
+    assert rel_error(y, yy) < 0.05 and rel_error(dx, xx.grad) < 0.15 and rel_error(dw, ww.grad) < 0.15
     torch.testing.assert_close(db, dy.sum(0))
 
 
@@ -92,7 +89,7 @@ def test_state_semantics_and_no_probe():
     bad = st.replace(grad_output=st.grad_output.replace(scale=torch.tensor(1.0)))
     _, dx2, dw2, _, _, _ = _run(x, w, b, dy * 1e-4, bad, DELAYED, probe=False)
     dx_ref, dw_ref, _, _ = R.fp8_linear_grads(x, w, dy * 1e-4, bad, recipe=DELAYED, has_probe=False)
-    assert _rel(dx2, dx_ref) < 1e-6 and _rel(dw2, dw_ref) < 1e-6 and (dx2 != 0).any()
+    assert rel_error(dx2, dx_ref) < 1e-6 and rel_error(dw2, dw_ref) < 1e-6 and (dx2 != 0).any()
 
 
 def test_update_after_steps_calibrates_all_roles():
@@ -154,7 +151,7 @@ def test_fp32_master_weight_gets_fp32_wgrad():
     y, dx, dw, db, _, _ = _run(x, w32, b, dy, st, DELAYED, wgrad_dtype=torch.float32)
     assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
     _, dw_ref, _, _ = R.fp8_linear_grads(x, w32, dy, st, recipe=DELAYED)
-    assert _rel(dw, dw_ref) < 1e-6
+    assert rel_error(dw, dw_ref) < 1e-6
     with pytest.raises(ValueError, match="differentiate a torch.float32 weight"):
         fp8ops.fp8_linear(x, w, b, st, recipe=DELAYED, wgrad_dtype=torch.float32)
 
@@ -167,7 +164,7 @@ def test_precision_escape(which):
     y, dx, dw, db, pg, st2 = _run(x, w, b, dy, st, recipe)
     y_ref, _ = R.fp8_linear(x, w, b, st, recipe=recipe)
     dx_ref, dw_ref, _, amax_ref = R.fp8_linear_grads(x, w, dy, st, recipe=recipe)
-    assert _rel(y, y_ref) < 1e-6 and _rel(dx, dx_ref) < 1e-6 and _rel(dw, dw_ref) < 1e-6
+    assert rel_error(y, y_ref) < 1e-6 and rel_error(dx, dx_ref) < 1e-6 and rel_error(dw, dw_ref) < 1e-6
     exact = {"fprop": (y, torch.nn.functional.linear(x, w, b)),
              "dgrad": (dx, dy @ w), "wgrad": (dw, dy.reshape(-1, 24).t() @ x.reshape(-1, 40))}[which]
     torch.testing.assert_close(*exact, rtol=1e-5, atol=1e-5)

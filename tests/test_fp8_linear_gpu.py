@@ -6,6 +6,7 @@ import torch
 import fp8ops
 from fp8ops import CurrentScaling, DelayedScaling, GemmSpec, LinearState
 from fp8ops.reference import fp8_linear as R
+from fp8ops.testing import rel_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,10 +29,6 @@ def _state(recipe):
     )
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 @pytest.mark.parametrize("base", [DelayedScaling(), CurrentScaling(), CurrentScaling(granularity="row")],
                          ids=["delayed", "current", "rowwise"])
 @pytest.mark.parametrize("backend", ["cublas", "triton"])
@@ -51,7 +48,7 @@ def test_matches_reference(base, backend, shape):
     y_ref, st_ref = R.fp8_linear(x, w, b, st, recipe=recipe)
     dx_ref, dw_ref, db_ref, amax_ref = R.fp8_linear_grads(x, w, dy, st, recipe=recipe)
     # the GEMM operands are the same FP8 values; errors are accumulation order and bf16 outputs
-    assert _rel(y, y_ref) < 1e-2 and _rel(x.grad, dx_ref) < 1e-2 and _rel(w.grad, dw_ref) < 1e-2
+    assert rel_error(y, y_ref) < 1e-2 and rel_error(x.grad, dx_ref) < 1e-2 and rel_error(w.grad, dw_ref) < 1e-2
     torch.testing.assert_close(b.grad.float(), db_ref, rtol=2e-2, atol=1e-3)
     assert probe.grad.item() == amax_ref.item()
     assert torch.equal(st2.input.pending_amax, st_ref.input.pending_amax)
@@ -70,7 +67,7 @@ def test_backends_agree_and_weight_cache():
         y2, _ = fp8ops.fp8_linear(x, w, None, st, recipe=recipe, weight_cache=qw)
         assert torch.equal(y, y2)
         outs.append(y)
-    assert _rel(outs[0], outs[1]) < 5e-3
+    assert rel_error(outs[0], outs[1]) < 5e-3
 
 
 def test_compile_backward_equals_eager_and_compile_func_grad_raises():
