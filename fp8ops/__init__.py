@@ -46,6 +46,7 @@ from .transformer_layer import (
     transformer_layer,
 )
 from .parallel import gather_transformer_params, shard_transformer_params
+from .graph_step import GraphStep, graph_step
 
 __version__ = "0.1.0"
 
@@ -61,6 +62,7 @@ __all__ = [
     "Float8Value",
     "Format",
     "GemmSpec",
+    "GraphStep",
     "LayerNormLinearState",
     "LayerNormMLPState",
     "LinearState",
@@ -84,6 +86,7 @@ __all__ = [
     "fp8_linear",
     "fused_ln_mlp",
     "gather_transformer_params",
+    "graph_step",
     "init_transformer_params",
     "init_transformer_state",
     "layer_norm",

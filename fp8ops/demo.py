@@ -16,6 +16,10 @@ The same model (same initialization, same batches, same schedule) is trained twi
   state is a value: each step makes fresh probes (:func:`fp8ops.make_probes`), the forward returns
   the new state, and :func:`fp8ops.update` folds in the probe gradients once per optimizer step.
 
+On a GPU each training step (fresh probes, forward, backward, clipping, AdamW, update) runs as one
+CUDA graph replay once warmed up (:func:`fp8ops.graph_step`), in both runs; ``--no-cuda-graph``
+runs it eagerly.
+
 Outputs: a live progress line, a final table (train loss, held-out loss, tokens/s, peak memory),
 ``demo.json`` (both curves and the final numbers) and ``demo_loss.png`` (both runs, train and
 validation) in ``--out``.
@@ -236,6 +240,7 @@ class RunResult:
     seconds: float
     compiled: bool
     states: Any = field(default=None, repr=False)
+    cuda_graph: bool = False
 
     @property
     def final_train_loss(self) -> float:
@@ -249,7 +254,7 @@ class RunResult:
             "val_steps": self.val_steps, "val_loss": self.val_loss, "final_train_loss": self.final_train_loss,
             "final_val_loss": self.val_loss[-1] if self.val_loss else None, "tokens_per_s": self.tokens_per_s,
             "peak_memory_bytes": self.peak_memory_bytes, "peak_memory_what": self.peak_memory_what,
-            "seconds": self.seconds, "compiled": self.compiled,
+            "seconds": self.seconds, "compiled": self.compiled, "cuda_graph": self.cuda_graph,
         }
 
 
@@ -289,9 +294,13 @@ def train(
     eval_batches: int = 4,
     seed: int = 0,
     compile: bool = False,
+    cuda_graph: bool = True,
     on_progress: Callable[[str], None] | None = None,
 ) -> RunResult:
-    """Train the GPT for ``steps`` steps (BF16 or FP8) and return the curves and the final numbers."""
+    """Train the GPT for ``steps`` steps (BF16 or FP8) and return the curves and the final numbers.
+
+    With ``cuda_graph`` (the default) on a GPU, each step runs through :func:`fp8ops.graph_step`.
+    """
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     recipe = fp8ops.DelayedScaling() if fp8 else None
     label = "FP8" if fp8 else "BF16"
@@ -308,8 +317,13 @@ def train(
     leaves = pytree.tree_leaves(params)
     decay = [p for p in leaves if p.dim() >= 2]
     no_decay = [p for p in leaves if p.dim() < 2]
+    graphed = cuda_graph and device.type == "cuda"
+    # a captured step reads the learning rate from a tensor (set before each step) and needs a
+    # capturable optimizer
+    lr_t = torch.tensor(lr, device=device) if graphed else None
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+                            lr=lr_t if lr_t is not None else lr, betas=(0.9, 0.95), fused=device.type == "cuda",
+                            capturable=graphed)
     states = None
     if fp8:
         from fp8ops.transformer_layer import init_transformer_state
@@ -322,6 +336,19 @@ def train(
         torch._dynamo.reset()  # each run compiles afresh (the runs share gpt_loss's code object)
         loss_fn = torch.compile(loss_fn)
         compiled = True
+    def train_step(st: Any, x: Tensor, y: Tensor) -> tuple[Any, Tensor]:
+        """One optimizer step: fresh probes, forward, backward, clipping, AdamW, fp8ops.update."""
+        opt.zero_grad(set_to_none=True)
+        probes = fp8ops.make_probes(st) if fp8 else None  # fresh probes for every forward
+        loss, new_states = loss_fn(params, st, probes, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(leaves, 1.0)
+        opt.step()
+        if fp8:  # once per optimizer step: forward observations + probe gradients in, new scales out
+            st = fp8ops.update(new_states, recipe=recipe, grad_amax=pytree.tree_map(lambda p: p.grad, probes))
+        return st, loss.detach()
+
+    stepper: Callable[..., tuple[Any, Tensor]] = fp8ops.graph_step(train_step) if graphed else train_step
     starts = train_starts(corpus.train, batch=batch, seq=seq, steps=steps, seed=seed)
     vbatches = [(x.to(device), y.to(device)) for x, y in val_batches(corpus.val, batch=batch, seq=seq,
                                                                      count=eval_batches)]
@@ -340,7 +367,7 @@ def train(
     tokens_per_step = batch * seq
     # steps kept out of tokens/s: kernel compilation, warm-up (compiled: the graphs of the first
     # step, where the delayed-scaling state is not calibrated yet, and of the second)
-    warm = min(steps, max(3 if compiled else 1, min(10, steps // 10)))
+    warm = min(steps, max(3 if compiled or graphed else 1, min(10, steps // 10)))
     log_every = max(1, min(eval_every, steps // 20 or 1))
     losses: list[Tensor] = []
     val_steps: list[int] = [0]
@@ -357,27 +384,19 @@ def train(
     t_mark, last = time.perf_counter(), 0
     for step in range(steps):
         x, y = _windows(corpus.train, starts[step], seq, device)
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, steps, lr)
-        probes = fp8ops.make_probes(states) if fp8 else None  # fresh probes for every forward
+        if lr_t is not None:
+            lr_t.fill_(_lr_at(step, steps, lr))
+        else:
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, steps, lr)
         try:
-            loss, new_states = loss_fn(params, states, probes, x, y)
-            loss.backward()
+            states, loss = stepper(states, x, y)
         except Exception:
             if not compiled or step > 0:
                 raise
-            opt.zero_grad(set_to_none=True)
-            loss_fn, compiled = _fall_back(loss_fn, on_progress)
-            probes = fp8ops.make_probes(states) if fp8 else None
-            loss, new_states = loss_fn(params, states, probes, x, y)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(leaves, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if fp8:  # once per optimizer step: forward observations + probe gradients in, new scales out
-            grads = pytree.tree_map(lambda p: p.grad, probes)
-            states = fp8ops.update(new_states, recipe=recipe, grad_amax=grads)
-        losses.append(loss.detach())
+            loss_fn, compiled = _fall_back(loss_fn, on_progress)  # train_step reads loss_fn when called
+            states, loss = stepper(states, x, y)
+        losses.append(loss)
         done = step + 1
         evaluating = done % eval_every == 0 or done == steps
         if done == warm or done % log_every == 0 or evaluating:
@@ -408,7 +427,7 @@ def train(
         peak = _max_rss_bytes()
         peak_what = "max resident set size of the process so far (CPU: getrusage, includes earlier runs)"
     return RunResult(label, precision, [float(v) for v in torch.stack(losses).tolist()] if losses else [],
-                     val_steps, val_loss, tokens_per_s, peak, peak_what, seconds, compiled, states)
+                     val_steps, val_loss, tokens_per_s, peak, peak_what, seconds, compiled, states, graphed)
 
 
 def _fall_back(loss_fn: Any, on_progress: Callable[[str], None] | None) -> tuple[Any, bool]:
@@ -516,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of initialization and batch order")
     p.add_argument("--out", default="demo_out", help="folder for demo.json and demo_loss.png")
     p.add_argument("--compile", action="store_true", help="torch.compile the loss (falls back to eager on failure)")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="on a GPU, run each training step eagerly instead of replaying it as a CUDA graph")
     p.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of source files")
     return p
 
@@ -560,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = train(fp8=fp8, corpus=corpus, device=device, steps=cfg["steps"], layers=cfg["layers"],
                   hidden=cfg["hidden"], heads=cfg["heads"], seq=cfg["seq"], batch=cfg["batch"], lr=cfg["lr"],
                   eval_every=cfg["eval_every"], eval_batches=cfg["eval_batches"], seed=args.seed,
-                  compile=args.compile, on_progress=progress)
+                  compile=args.compile, cuda_graph=not args.no_cuda_graph, on_progress=progress)
         progress.end()
         print(f"{r.label} run: {r.seconds:.1f} s\n")
         results.append(r)
@@ -577,7 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     title = (f"byte-level GPT on the Python standard library: {cfg['layers']} layers, hidden {cfg['hidden']}, "
              f"seq {cfg['seq']}, batch {cfg['batch']} ({device.type})")
     record = {
-        "config": {**cfg, "seed": args.seed, "device": str(device), "compile": args.compile, "vocab": VOCAB,
+        "config": {**cfg, "seed": args.seed, "device": str(device), "compile": args.compile,
+                   "cuda_graph": device.type == "cuda" and not args.no_cuda_graph, "vocab": VOCAB,
                    "ffn": 4 * cfg["hidden"]},
         "environment": {"fp8ops": fp8ops.__version__, "torch": torch.__version__,
                         "python": platform.python_version(),

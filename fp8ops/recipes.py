@@ -59,7 +59,10 @@ def compute_scale(
     amax = amax.to(torch.float32)
     # tensor / tensor is one correctly rounded division (a Python number over a tensor would be
     # reciprocal-then-multiply: two roundings); the kernels compute the same quotient.
-    fmax = torch.as_tensor(fp8_max, dtype=torch.float32, device=amax.device)
+    if isinstance(fp8_max, Tensor) or torch.compiler.is_compiling():
+        fmax = torch.as_tensor(fp8_max, dtype=torch.float32, device=amax.device)
+    else:  # eager: a fill, not a copy from host memory (that would synchronize the host with a GPU)
+        fmax = torch.full((), float(fp8_max), dtype=torch.float32, device=amax.device)
     sf = (fmax / amax) / (2.0**margin)
     # keep the scale a normal float32: a tiny amax overflows the quotient, a huge margin underflows it
     sf = torch.clamp(sf, min=_FLT_TINY, max=_FLT_MAX)
@@ -240,7 +243,7 @@ class Recipe:
         S = len(states)
         hist = torch.stack([s.amax_history for s in states])  # (S, L)
         scale = torch.stack([s.scale for s in states])  # (S,)
-        fmax = torch.tensor([self.fp8_max(s.role) for s in states], dtype=torch.float32, device=hist.device)
+        fmax = _constants(tuple(self.fp8_max(s.role) for s in states), hist.device)
         o = obs.to(device=hist.device, dtype=torch.float32).reshape(S)
         seen = torch.isfinite(o) & (o > 0)  # (S,) the step observed something
         # A non-finite observation is recorded as 0 ("no information"): it never enters the history.
@@ -278,6 +281,22 @@ class Recipe:
 
     def _scale_algo_name(self) -> str:
         return "scale_from_amax"
+
+
+_CONSTANTS: dict[tuple[torch.device, tuple[float, ...]], Tensor] = {}
+
+
+def _constants(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """``torch.tensor(values)`` on ``device``, made once per device and values in eager mode: a
+    tensor built from host memory on a GPU is a synchronizing copy, which must not happen in every
+    step (nor inside a CUDA graph capture). Under torch.compile it is a traced constant."""
+    if device.type == "cpu" or torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    key = (device, values)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return t
 
 
 def _check_result(t: Any, want: tuple[int, ...], *, where: str, what: str, of: str, hint: str) -> None:

@@ -34,9 +34,11 @@ def _eager(recipe: str, dtype: str) -> C.StepResult:
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("recipe", C.RECIPES)
-@pytest.mark.parametrize("mode", ["func.grad", "func.grad_and_value", "func.vjp", "compile", "fullgraph"])
+@pytest.mark.parametrize("mode", ["func.grad", "func.grad_and_value", "func.vjp", "compile", "fullgraph", "graph_step",
+                                  "graph_step.fullgraph"])
 def test_mode_is_bitwise_eager(mode: str, recipe: str, dtype: str) -> None:
-    """torch.func transforms and torch.compile(backend="aot_eager") run eager's kernels: equal bits."""
+    """torch.func transforms, torch.compile(backend="aot_eager") and graph_step (eager on a CPU)
+    run eager's kernels: equal bits."""
     want = _eager(recipe, dtype)
     got = C.train(mode, recipe=C.make_recipe(recipe), dtype=DTYPES[dtype], device="cpu", backend="aot_eager")
     assert got.losses == want.losses, (mode, recipe, dtype, got.losses, want.losses)

@@ -158,11 +158,11 @@ OPS = {
 # activations (fused_ln_mlp).
 COMPONENTS = {"activation", "gemm"}
 # Modules that are not ops: formats, recipes and state; the module API; the demo.
-INFRASTRUCTURE = {"formats", "recipes", "state", "state_dict", "update", "parallel", "nn", "demo", "bench",
+INFRASTRUCTURE = {"formats", "recipes", "state", "state_dict", "update", "parallel", "graph_step", "nn", "demo", "bench",
                   "testing", "reference", "kernels"}
 # Test files about a concern that crosses ops (named after it, not after a stem).
 CROSS_CUTTING_TESTS = {"autocast", "composition", "docs", "layout", "numerics", "op_checks", "state_checks",
-                       "distributed", "recipes", "state", "nn", "demo"}
+                       "distributed", "recipes", "state", "nn", "demo", "graph_step"}
 STEMS = set(OPS.values()) | COMPONENTS
 
 

@@ -25,5 +25,7 @@ SUITES: dict[str, str] = {
     "norm": "fp8ops.bench.norm",
     "mlp": "fp8ops.bench.mlp",
     "layer": "fp8ops.bench.layer",
+    "host": "fp8ops.bench.host",
+    "step": "fp8ops.bench.step",
 }
 """Suite name -> module implementing it (``add_arguments(parser)`` and ``run(args)``)."""

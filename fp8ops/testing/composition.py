@@ -13,7 +13,15 @@ Modes (:data:`MODES`):
 - ``"compile"``, ``"fullgraph"``, ``"reduce-overhead"``: the loss function under
   ``torch.compile`` (default, ``fullgraph=True``, ``mode="reduce-overhead"``) + ``.backward()``;
 - ``"func.grad"``, ``"func.grad_and_value"``, ``"func.vjp"``: the loss differentiated by the
-  ``torch.func`` transform with respect to the parameters and the probes, eagerly.
+  ``torch.func`` transform with respect to the parameters and the probes, eagerly;
+- ``"graph_step"``, ``"graph_step.fullgraph"``: the whole step (probes, forward, backward,
+  optimizer, update) wrapped by :func:`fp8ops.graph_step`, so that on CUDA it is captured once the
+  states are calibrated and replayed; ``.fullgraph`` compiles the loss (``fullgraph=True``) inside
+  it. On a CPU the wrapper runs the step eagerly.
+
+The graph modes need a capturable optimizer (``capturable=True`` AdamW, whose bias correction is
+computed in tensors and rounds differently from the default's): compare them with an eager run
+that uses it too (``train(..., capturable=True)``, ``eager_result(..., capturable=True)``).
 
 Example:
     >>> import torch
@@ -37,7 +45,8 @@ from torch.utils import _pytree as pytree
 __all__ = ["MODES", "RECIPES", "Model", "StepResult", "check_compiled", "compare", "eager_result", "gpt_loss",
            "make_model", "make_recipe", "max_rel_error", "probe_leaves", "train"]
 
-MODES = ("eager", "compile", "fullgraph", "reduce-overhead", "func.grad", "func.grad_and_value", "func.vjp")
+MODES = ("eager", "compile", "fullgraph", "reduce-overhead", "func.grad", "func.grad_and_value", "func.vjp",
+         "graph_step", "graph_step.fullgraph")
 """The execution modes :func:`train` knows."""
 
 RECIPES = ("none", "delayed", "current", "rowwise")
@@ -119,18 +128,21 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
 @dataclass
 class StepResult:
     """What :func:`train` recorded: the loss of every step, the gradients and probe gradients of
-    the first step, and the final states."""
+    the first step, the final states, the gradients of the last step and, for the graph modes,
+    the wrapper's ``stats``."""
 
     losses: list[float]
     grads: dict[str, Any]
     probe_grads: Any
     states: Any
+    last_grads: dict[str, Any] | None = None
+    stats: dict[str, int] | None = None
 
 
 def _compiled(fn: Any, mode: str, backend: str) -> Any:
     if mode == "compile":
         return torch.compile(fn, backend=backend)
-    if mode == "fullgraph":
+    if mode in ("fullgraph", "graph_step.fullgraph"):
         return torch.compile(fn, backend=backend, fullgraph=True)
     if mode == "reduce-overhead":
         if backend != "inductor":  # CUDA graphs are an inductor mode
@@ -141,7 +153,7 @@ def _compiled(fn: Any, mode: str, backend: str) -> Any:
 
 def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | str, steps: int = 8,
           lr: float = 1e-2, backend: str = "inductor", model: Model | None = None,
-          params: dict[str, Any] | None = None) -> StepResult:
+          params: dict[str, Any] | None = None, capturable: bool | None = None) -> StepResult:
     """Train the model for ``steps`` AdamW steps in ``mode``; see the module docstring.
 
     Args:
@@ -153,6 +165,8 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
         lr: AdamW learning rate.
         backend: torch.compile backend of the compiled modes ("inductor", "aot_eager", ...).
         model, params: from :func:`make_model` (default: ``make_model(device, steps=steps)``).
+        capturable: AdamW's ``capturable`` flag; default True for the graph modes on CUDA, else
+            False.
 
     Returns:
         A :class:`StepResult`.
@@ -167,7 +181,9 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
         raise ValueError(f"train: the model's data holds {model.tokens.shape[0]} steps, asked for {steps}")
     leaves, spec = pytree.tree_flatten(params)
     master = [t.detach().clone().requires_grad_() for t in leaves]
-    opt = torch.optim.AdamW(master, lr=lr, weight_decay=0.0)
+    if capturable is None:
+        capturable = mode.startswith("graph_step") and torch.device(device).type == "cuda"
+    opt = torch.optim.AdamW(master, lr=lr, weight_decay=0.0, capturable=capturable)
     states = None
     if recipe is not None:
         states = [fp8ops.init_transformer_state(model.config, recipe, device=device) for _ in range(model.layers)]
@@ -180,9 +196,34 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
     losses: list[float] = []
     first_grads: dict[str, Any] = {}
     first_probe_grads: Any = None
+    last_grads: dict[str, Any] = {}
+    stepper = None
+    if mode.startswith("graph_step"):
+
+        def whole_step(st: Any, tokens: Tensor, targets: Tensor) -> tuple[Any, Any]:
+            opt.zero_grad(set_to_none=True)
+            probes = None if st is None else fp8ops.make_probes(st)
+            loss, ns = compiled(pytree.tree_unflatten(master, spec), st, probes, tokens, targets)
+            loss.backward()
+            pg = None if probes is None else pytree.tree_map(lambda p: p.grad, probes)
+            opt.step()
+            new = None if recipe is None else fp8ops.update(ns, recipe=recipe, grad_amax=pg)
+            return new, (loss.detach(), pg)
+
+        stepper = fp8ops.graph_step(whole_step)
     for step in range(steps):
         tokens, targets = model.tokens[step], model.targets[step]
         p_tree = pytree.tree_unflatten(master, spec)
+        if stepper is not None:
+            states, (loss, probe_grads) = stepper(states, tokens, targets)
+            if step == 0:
+                first_grads = {str(i): m.grad.detach().clone() for i, m in enumerate(master)}
+                first_probe_grads = pytree.tree_map(
+                    lambda t: t.detach().clone() if isinstance(t, Tensor) else t, probe_grads)
+            losses.append(float(loss))
+            if step == steps - 1:
+                last_grads = {str(i): m.grad.detach().clone() for i, m in enumerate(master)}
+            continue
         if mode.startswith("func."):
             probes = None if states is None else fp8ops.make_probes(states, requires_grad=False)
             plain = pytree.tree_map(lambda t: t.detach(), p_tree)
@@ -218,11 +259,14 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
             first_probe_grads = pytree.tree_map(
                 lambda t: t.detach().clone() if isinstance(t, Tensor) else t, probe_grads)
         losses.append(float(loss.detach()))
+        if step == steps - 1:
+            last_grads = {str(i): m.grad.detach().clone() for i, m in enumerate(master)}
         opt.step()
         opt.zero_grad(set_to_none=True)
         if recipe is not None:
             states = fp8ops.update(new_states, recipe=recipe, grad_amax=probe_grads)
-    return StepResult(losses, first_grads, first_probe_grads, states)
+    return StepResult(losses, first_grads, first_probe_grads, states, last_grads,
+                      None if stepper is None else dict(stepper.stats))
 
 
 def max_rel_error(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> tuple[float, str]:
@@ -255,12 +299,12 @@ def compare(want: StepResult, got: StepResult) -> dict[str, Any]:
 _EAGER: dict[tuple[str, str, str], StepResult] = {}
 
 
-def eager_result(recipe: str, dtype: torch.dtype, device: str) -> StepResult:
+def eager_result(recipe: str, dtype: torch.dtype, device: str, *, capturable: bool = False) -> StepResult:
     """:func:`train` in eager mode for a recipe name (see :func:`make_recipe`), computed once per
-    (recipe, dtype, device) in a process."""
-    key = (recipe, str(dtype), device)
+    (recipe, dtype, device, capturable) in a process."""
+    key = (recipe, str(dtype), device, capturable)
     if key not in _EAGER:
-        _EAGER[key] = train("eager", recipe=make_recipe(recipe), dtype=dtype, device=device)
+        _EAGER[key] = train("eager", recipe=make_recipe(recipe), dtype=dtype, device=device, capturable=capturable)
     return _EAGER[key]
 
 
@@ -268,7 +312,8 @@ FP32_GRAD_TOL, FP32_LOSS_TOL = 1e-4, 1e-5
 """Bounds of a compiled float32 run against eager: reassociation only."""
 
 
-def check_compiled(got: StepResult, recipe: str, dtype: torch.dtype, device: str, *, what: str) -> dict[str, Any]:
+def check_compiled(got: StepResult, recipe: str, dtype: torch.dtype, device: str, *, what: str,
+                   capturable: bool = False) -> dict[str, Any]:
     """Assert that a compiled run ``got`` stays on eager's numbers; return the errors.
 
     Float32: :data:`FP32_GRAD_TOL` / :data:`FP32_LOSS_TOL`. Bfloat16: the fused casts of a compiler
@@ -277,12 +322,12 @@ def check_compiled(got: StepResult, recipe: str, dtype: torch.dtype, device: str
     for the same recipe; and the compiled run must be no farther from eager float32 than 1.5 times
     eager bfloat16 is (no bias).
     """
-    want = eager_result(recipe, dtype, device)
+    want = eager_result(recipe, dtype, device, capturable=capturable)
     e = compare(want, got)
     if dtype == torch.float32:
         grad_tol, loss_tol = FP32_GRAD_TOL, FP32_LOSS_TOL
     else:
-        ref = eager_result(recipe, torch.float32, device)
+        ref = eager_result(recipe, torch.float32, device, capturable=capturable)
         noise = compare(ref, want)
         grad_tol, loss_tol = 2 * noise["grad"], 2 * noise["loss"]
         own = compare(ref, got)["grad"]

@@ -1,0 +1,301 @@
+"""Full training steps of real models: plain PyTorch bf16 vs fp8ops (bf16 and FP8), eager, compiled
+and as one CUDA graph per step (:func:`fp8ops.graph_step`).
+
+A step is what a training loop runs: fresh probes, forward, backward, fused AdamW (capturable,
+tensor learning rate) and, with FP8, :func:`fp8ops.update`. Models (bf16 parameters):
+
+- ``gpt2``: GPT-2-small size, 12 layers, hidden 768, 12 heads, ffn 3072, seq 1024, batch 8 (8192
+  tokens), vocabulary 50304, causal, head tied to the embedding; the torch model is a nanoGPT-style
+  ``nn.Module`` (``nn.Linear``, ``F.scaled_dot_product_attention``); the fp8ops model is written
+  with :func:`fp8ops.transformer_layer` as the docs show;
+- ``seed``: the seed layer, one ``transformer_layer`` (hidden 4096, ffn 16384, 32 heads, seq 2048,
+  batch 4, dropout 0.1), loss ``(y * dy).sum()`` with a fixed random ``dy``; torch: the basic layer
+  with SDPA.
+
+``--quick``: the same models at 2 layers, hidden 256 / seq 256.
+
+Per variant: ``ms/step`` (wall time of a loop of steps, synchronized at its ends), ``host ms`` (the
+time a step call takes to return when the GPU is idle at its start: for a replayed graph, the graph
+launch), ``kernels`` (device operations per step, torch.profiler, eager variants) and ``device ms``
+(their summed durations). For the graph variants, ``replay / kernels``: ms/step over the summed
+kernel time of the eager step (the launch gaps a graph leaves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+from .common import Progress, environment, format_table, write_bar_chart, write_json
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the step suite."""
+    parser.add_argument("--models", nargs="+", default=["gpt2", "seed"], choices=["gpt2", "seed"])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the top CUDA kernels of each eager variant and of torch compile")
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+
+
+class TorchGPT(torch.nn.Module):
+    """nanoGPT-style GPT in plain torch (pre-norm, SDPA causal, gelu tanh, tied head)."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, seq: int, vocab: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wte = torch.nn.Embedding(vocab, hidden)
+        self.wpe = torch.nn.Embedding(seq, hidden)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(layers):
+            b = torch.nn.Module()
+            b.ln1, b.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+            b.qkv, b.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+            b.fc1, b.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+            self.blocks.append(b)
+        self.lnf = torch.nn.LayerNorm(hidden)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        B, S = tokens.shape
+        x = self.wte(tokens) + self.wpe.weight[:S]
+        for b in self.blocks:
+            h = b.qkv(b.ln1(x)).view(B, S, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # (3, B, h, S, d)
+            a = F.scaled_dot_product_attention(h[0], h[1], h[2], is_causal=True)
+            x = x + b.proj(a.transpose(1, 2).reshape(B, S, -1))
+            x = x + b.fc2(F.gelu(b.fc1(b.ln2(x)), approximate="tanh"))
+        logits = self.lnf(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _fp8ops_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> tuple[Any, dict[str, Any]]:
+    import fp8ops
+
+    cfg = fp8ops.TransformerConfig(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=heads,
+                                   hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal")
+    g = torch.Generator().manual_seed(0)
+    params = {"tok": torch.randn(vocab, hidden, generator=g) * 0.02, "pos": torch.randn(seq, hidden, generator=g) * 0.01,
+              "layers": [fp8ops.init_transformer_params(cfg, generator=g) for _ in range(layers)],
+              "lnf.weight": torch.ones(hidden), "lnf.bias": torch.zeros(hidden)}
+    return cfg, pytree.tree_map(lambda t: t.cuda().bfloat16().requires_grad_(), params)
+
+
+def _fp8ops_gpt_loss(params: Any, states: Any, probes: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
+                     cfg: Any, recipe: Any) -> tuple[torch.Tensor, Any]:
+    import fp8ops
+
+    S = tokens.shape[1]
+    x = (F.embedding(tokens, params["tok"]) + params["pos"][:S]).transpose(0, 1)  # (S, B, H)
+    new = []
+    for i, lp in enumerate(params["layers"]):
+        x, ns = fp8ops.transformer_layer(lp, x, None if states is None else states[i], config=cfg, recipe=recipe,
+                                         probes=None if probes is None else probes[i])
+        new.append(ns)
+    x, _ = fp8ops.layer_norm(x, params["lnf.weight"], params["lnf.bias"], None)
+    logits = x.transpose(0, 1) @ params["tok"].t()
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss, (new if states is not None else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Variants: each returns (step, carry, batch) with step(carry, *batch) -> (carry, loss)
+
+
+def _optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"), fused=True, capturable=True)
+
+
+def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
+    import fp8ops
+
+    recipe = fp8ops.DelayedScaling() if impl == "fp8ops FP8" else None
+    g = torch.Generator(device="cuda").manual_seed(1)
+    if model == "gpt2":
+        L, H, heads, S, B, V = (size[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab"))
+        tokens = torch.randint(0, V, (B, S), device="cuda", generator=g)
+        targets = torch.randint(0, V, (B, S), device="cuda", generator=g)
+        batch: tuple[Any, ...] = (tokens, targets)
+        if impl == "torch":
+            net = TorchGPT(L, H, heads, S, V).cuda().bfloat16()
+            loss_fn: Callable[..., Any] = torch.compile(net) if mode.startswith("compile") else net
+            opt = _optimizer(list(net.parameters()))
+
+            def torch_step(carry: Any, tok: torch.Tensor, tgt: torch.Tensor) -> tuple[Any, torch.Tensor]:
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(tok, tgt)
+                loss.backward()
+                opt.step()
+                return carry, loss.detach()
+
+            return torch_step, None, batch
+        cfg, params = _fp8ops_gpt(L, H, heads, S, V)
+        states = None if recipe is None else [fp8ops.init_transformer_state(cfg, recipe, device="cuda")
+                                              for _ in range(L)]
+
+        def loss_of(st: Any, pr: Any, tok: torch.Tensor, tgt: torch.Tensor) -> Any:
+            return _fp8ops_gpt_loss(params, st, pr, tok, tgt, cfg=cfg, recipe=recipe)
+    else:
+        H, F_, heads, S, B = (size[k] for k in ("hidden", "ffn", "heads", "seq", "batch"))
+        x = torch.randn(S, B, H, device="cuda", generator=g).bfloat16().requires_grad_()
+        dy = (torch.randn(S, B, H, device="cuda", generator=g) * 1e-2).bfloat16()
+        batch = (x, dy)
+        if impl == "torch":
+            from fp8ops.reference.transformer_layer import BasicTransformerLayer
+
+            net = BasicTransformerLayer(H, F_, heads, attention_dropout=0.1, hidden_dropout=0.1,
+                                        attention_impl="sdpa").cuda().bfloat16()
+            fwd: Callable[..., Any] = torch.compile(net) if mode.startswith("compile") else net
+            opt = _optimizer(list(net.parameters()))
+
+            def torch_layer_step(carry: Any, xx: torch.Tensor, d: torch.Tensor) -> tuple[Any, torch.Tensor]:
+                opt.zero_grad(set_to_none=True)
+                y = fwd(xx)
+                y.backward(d)
+                opt.step()
+                return carry, y.detach().float().square().mean()
+
+            return torch_layer_step, None, batch
+        cfg = fp8ops.TransformerConfig(hidden_size=H, ffn_hidden_size=F_, num_attention_heads=heads,
+                                       hidden_dropout=0.1, attention_dropout=0.1)
+        params = {k: v.cuda().bfloat16().requires_grad_() for k, v in fp8ops.init_transformer_params(cfg).items()}
+        states = None if recipe is None else fp8ops.init_transformer_state(cfg, recipe, device="cuda")
+
+        def loss_of(st: Any, pr: Any, xx: torch.Tensor, d: torch.Tensor) -> Any:
+            y, ns = fp8ops.transformer_layer(params, xx, st, config=cfg, recipe=recipe, probes=pr)
+            return (y.float() * d.float()).sum(), ns
+
+    opt = _optimizer(pytree.tree_leaves(params))
+    compiled = torch.compile(loss_of, fullgraph=True) if mode.startswith("compile") else loss_of
+
+    def fp8ops_step(st: Any, *b: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        opt.zero_grad(set_to_none=True)
+        probes = None if st is None else fp8ops.make_probes(st)
+        loss, ns = compiled(st, probes, *b)
+        loss.backward()
+        opt.step()
+        if st is not None:
+            ns = fp8ops.update(ns, recipe=recipe, grad_amax=pytree.tree_map(lambda p: p.grad, probes))
+        return ns, loss.detach()
+
+    return fp8ops_step, states, batch
+
+
+VARIANTS = [
+    ("torch", "eager"), ("torch", "compile"), ("torch", "compile + graph"),
+    ("fp8ops bf16", "eager"), ("fp8ops bf16", "graph"),
+    ("fp8ops FP8", "eager"), ("fp8ops FP8", "graph"), ("fp8ops FP8", "compile + graph"),
+]
+
+SIZES = {
+    "gpt2": {"layers": 12, "hidden": 768, "heads": 12, "seq": 1024, "batch": 8, "vocab": 50304},
+    "seed": {"hidden": 4096, "ffn": 16384, "heads": 32, "seq": 2048, "batch": 4},
+}
+QUICK = {
+    "gpt2": {"layers": 2, "hidden": 256, "heads": 4, "seq": 256, "batch": 4, "vocab": 8192},
+    "seed": {"hidden": 1024, "ffn": 4096, "heads": 8, "seq": 512, "batch": 2},
+}
+
+
+def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps: int,
+             profile: str | None = None) -> dict[str, Any]:
+    for _ in range(4):  # warm-up: compilation, calibration, the capture
+        carry, loss = step(carry, *batch)
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        carry, loss = step(carry, *batch)
+        host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        carry, loss = step(carry, *batch)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            carry, loss = step(carry, *batch)
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if profile:
+        print(f"\n==== top CUDA kernels, 2 steps: {profile} ====")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
+    return {"ms": ms, "host_ms": sorted(host)[len(host) // 2] * 1e3, "kernels": len(evs) / 2,
+            "device_ms": sum(e.device_time for e in evs) / 2 / 1e3, "loss": float(loss)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time every variant of every model; print the tables; write step.json and step.png."""
+    import fp8ops
+
+    sizes = QUICK if args.quick else SIZES
+    variants = [v for v in VARIANTS if not (args.no_compile and "compile" in v[1])]
+    progress = Progress(len(args.models) * len(variants), prefix="step")
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for model in args.models:
+        for impl, mode in variants:
+            progress.step(f"{model}: {impl} {mode}")
+            torch._dynamo.reset()
+            try:
+                step, carry, batch = _variant(model, impl, mode, sizes[model])
+                fn = fp8ops.graph_step(step) if "graph" in mode else step
+                show = args.profile and (mode == "eager" or (impl == "torch" and mode == "compile"))
+                r = _measure(fn, carry, batch, args.steps, f"{model} {impl} {mode}" if show else None)
+                if "graph" in mode:
+                    r["graph_stats"] = dict(fn.stats)  # type: ignore[union-attr]
+                    if not fn.stats["replays"]:  # type: ignore[union-attr]
+                        failed.append(f"{model} {impl} {mode}: never captured ({fn.stats})")  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001  (one failing variant must not hide the others)
+                failed.append(f"{model} {impl} {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                progress.note(failed[-1])
+                continue
+            finally:
+                torch.cuda.synchronize()
+            if not math.isfinite(r["loss"]):
+                failed.append(f"{model} {impl} {mode}: non-finite loss")
+            rows.append({"model": model, "impl": impl, "mode": mode, **r})
+            del step, carry, batch
+            torch.cuda.empty_cache()
+    for model in args.models:
+        mine = [r for r in rows if r["model"] == model]
+        base = next((r for r in mine if r["impl"] == "torch" and r["mode"] == "eager"), None)
+        best_torch = min((r["ms"] for r in mine if r["impl"] == "torch"), default=None)
+        for r in mine:
+            if base is not None:
+                r["vs_torch_eager"] = base["ms"] / r["ms"]
+            if best_torch is not None:
+                r["vs_best_torch"] = best_torch / r["ms"]
+            if "graph" in r["mode"]:
+                eager = next((e for e in mine if e["impl"] == r["impl"] and e["mode"] == "eager"), None)
+                if eager is not None and eager["device_ms"] > 0:
+                    r["replay_over_kernels"] = r["ms"] / eager["device_ms"]
+    cols = [("model", "model", ""), ("impl", "impl", ""), ("mode", "mode", ""), ("ms", "ms/step", ".2f"),
+            ("host_ms", "host ms", ".2f"), ("kernels", "kernels", ".0f"), ("device_ms", "device ms", ".2f"),
+            ("vs_best_torch", "x best torch", ".2f"), ("vs_torch_eager", "x torch eager", ".2f"),
+            ("replay_over_kernels", "replay/kernels", ".3f")]
+    print(format_table(rows, cols))
+    record = {"suite": "step", "environment": environment(), "sizes": sizes, "rows": rows, "failed_checks": failed}
+    out = Path(args.out)
+    write_json(out / "step.json", record)
+    panels = []
+    for model in args.models:
+        mine = [r for r in rows if r["model"] == model]
+        panels.append({"title": f"{model}: ms per training step", "groups": [f"{r['impl']}\n{r['mode']}" for r in mine],
+                       "series": {"ms/step": [r["ms"] for r in mine]}})
+    write_bar_chart(out / "step.png", panels, title=f"full training steps ({torch.cuda.get_device_name()})",
+                    ylabel="ms per step")
+    return record

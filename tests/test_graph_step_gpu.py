@@ -1,0 +1,174 @@
+"""Whole training steps as CUDA graphs (marker ``gpu``): :func:`fp8ops.graph_step` against eager
+at model level (a 2-layer GPT of ``transformer_layer``, 8 capturable-AdamW steps, every recipe and
+no FP8, float32 and bfloat16), the calibrated flip of the first steps, weight caching across
+micro-batches, a compiled loss inside the captured step, no host sync in a calibrated step, and
+what a step with a host sync gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fp8ops
+from fp8ops.testing import composition as C
+from fp8ops.testing import rel_error
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STEPS = 8
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("recipe", C.RECIPES)
+def test_graph_step_matches_eager(recipe: str, dtype: str) -> None:
+    """The replays run eager's kernels on eager's inputs: the loss curve and the last step's
+    gradients equal eager's (bounds far below what a stale buffer or a missed update gives)."""
+    want = C.eager_result(recipe, DTYPES[dtype], "cuda", capturable=True)
+    got = C.train("graph_step", recipe=C.make_recipe(recipe), dtype=DTYPES[dtype], device="cuda", steps=STEPS)
+    stats = got.stats
+    assert stats is not None
+    # one warm-up call; delayed scaling: the first step synchronizes (the calibration read), then
+    # one warm-up call
+    assert stats["captures"] == 1 and stats["eager"] + stats["replays"] == STEPS, stats
+    assert stats["eager"] == (2 if recipe == "delayed" else 1), stats
+    loss_err = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got.losses, want.losses))
+    grad_err = max(rel_error(got.last_grads[k], g) for k, g in want.last_grads.items())
+    print(f"\ngraph_step {recipe:8s} {dtype:9s} loss {loss_err:.2e} last-step grads {grad_err:.2e}")
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    assert loss_err <= tol, (got.losses, want.losses)
+    assert grad_err <= 10 * tol, grad_err
+    if recipe != "none":
+        for a, b in zip(pytree.tree_leaves(want.states), pytree.tree_leaves(got.states)):
+            assert rel_error(b, a) <= 10 * tol, "the scaling states after 8 updates differ"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("recipe", ["none", "delayed"])
+def test_graph_step_with_compiled_loss(recipe: str, dtype: str) -> None:
+    """A loss compiled with fullgraph=True inside the captured step: within the compiled bounds."""
+    got = C.train("graph_step.fullgraph", recipe=C.make_recipe(recipe), dtype=DTYPES[dtype], device="cuda",
+                  steps=STEPS)
+    assert got.stats is not None and got.stats["captures"] == 1, got.stats
+    e = C.check_compiled(got, recipe, DTYPES[dtype], "cuda", what=f"graph_step.fullgraph {recipe} {dtype}",
+                         capturable=True)
+    print(f"\ngraph_step.fullgraph {recipe:8s} {dtype:9s} grad {e['grad']:.2e} loss {e['loss']:.2e}")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
+def test_calibrated_step_has_no_host_sync(recipe: str) -> None:
+    """Fresh probes, forward, backward, gradient clipping, capturable AdamW and fp8ops.update,
+    under torch.cuda.set_sync_debug_mode("error"): any host sync raises."""
+    r = C.make_recipe(recipe)
+    model, params = C.make_model("cuda")
+    leaves, spec = pytree.tree_flatten(params)
+    master = [t.detach().clone().requires_grad_() for t in leaves]
+    opt = torch.optim.AdamW(master, lr=1e-3, capturable=True)
+    states = [fp8ops.init_transformer_state(model.config, r, device="cuda") for _ in range(model.layers)]
+
+    def step(i: int) -> None:
+        nonlocal states
+        probes = fp8ops.make_probes(states)
+        loss, ns = C.gpt_loss(pytree.tree_unflatten(master, spec), states, probes, model.tokens[i],
+                              model.targets[i], model=model, recipe=r, dtype=torch.bfloat16)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(master, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        states = fp8ops.update(ns, recipe=r, grad_amax=pytree.tree_map(lambda p: p.grad, probes))
+
+    for i in range(2):  # the first update reads the observations on the host (calibration)
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the check is live: a read of a device value raises
+            torch.ones((), device="cuda").item()
+        step(2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_weight_cache_across_micro_batches() -> None:
+    """quantize_weight once per step, four micro-batches through fp8_linear with the cache, the
+    probes' amaxes max-merged, SGD: the replayed steps equal eager."""
+    r = fp8ops.DelayedScaling()
+
+    def run(graphed: bool) -> tuple[list[float], torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(64, 32, device="cuda", generator=g) * 0.2).requires_grad_()
+        xs = torch.randn(6, 4, 16, 32, device="cuda", generator=g)  # steps, micro-batches, rows, K
+        opt = torch.optim.SGD([w], lr=0.1)
+
+        def step(st: fp8ops.LinearState, x: torch.Tensor) -> tuple[fp8ops.LinearState, torch.Tensor]:
+            opt.zero_grad(set_to_none=True)
+            wb = w.to(torch.bfloat16)
+            cache, st = fp8ops.quantize_weight(wb, st, recipe=r)
+            probes, total = [], torch.zeros((), device="cuda")
+            for m in range(x.shape[0]):
+                p = fp8ops.make_probes(st)
+                y, st = fp8ops.fp8_linear(x[m].to(torch.bfloat16), wb, None, st, recipe=r, grad_probe=p,
+                                          weight_cache=cache)
+                loss = y.float().square().mean() / x.shape[0]
+                loss.backward()
+                probes.append(p)
+                total = total + loss.detach()
+            opt.step()
+            g_amax = torch.stack([p.grad for p in probes]).amax()
+            return fp8ops.update(st, recipe=r, grad_amax=g_amax), total
+
+        fn = fp8ops.graph_step(step) if graphed else step
+        st, losses = fp8ops.LinearState.init(r, device="cuda"), []
+        for i in range(xs.shape[0]):
+            st, loss = fn(st, xs[i])
+            losses.append(float(loss))
+        if graphed:
+            assert fn.stats["captures"] == 1 and fn.stats["replays"] == 4, fn.stats
+        return losses, w.detach().clone()
+
+    eager_losses, eager_w = run(False)
+    graph_losses, graph_w = run(True)
+    assert graph_losses == pytest.approx(eager_losses, rel=1e-6)
+    assert rel_error(graph_w, eager_w) <= 1e-6
+
+
+def test_carry_round_trip_and_argument_copies() -> None:
+    """The returned carry is the graph's own buffers (passing it back copies nothing); new
+    argument tensors are copied in; a parameter passed as an argument must stay the same tensor."""
+    w = torch.randn(8, 8, device="cuda", requires_grad=True)
+
+    def step(c: torch.Tensor, x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return c + x.sum(), (p * x).sum().detach()
+
+    fn = fp8ops.graph_step(step)
+    c = torch.zeros((), device="cuda")
+    outs = []
+    for i in range(5):
+        c, out = fn(c, torch.full((8, 8), float(i), device="cuda"), w)
+        outs.append(out)
+    assert float(c) == 64 * (0 + 1 + 2 + 3 + 4)
+    assert [float(o) for o in outs] == pytest.approx([float((w * i).sum()) for i in range(5)], rel=1e-5)
+    assert fn.stats == {"eager": 1, "captures": 1, "replays": 4}
+    with pytest.raises(ValueError, match="same tensor"):
+        fn(c, torch.ones(8, 8, device="cuda"), w.detach().clone().requires_grad_())
+
+
+def test_a_step_that_syncs_stays_eager_and_says_so() -> None:
+    """A step that reads a device value on the host every call is never captured (the capture
+    would fail): it keeps running eagerly, correctly, and a warning after 3 calls says why."""
+
+    def step(c: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, tuple[()]]:
+        if float(x.sum()) > 1e30:  # a host read
+            x = x * 2
+        return c + x.sum(), ()
+
+    fn = fp8ops.graph_step(step)
+    c = torch.zeros((), device="cuda")
+    with pytest.warns(UserWarning, match="synchronized with the host on 3 calls"):
+        for _ in range(4):
+            c, _ = fn(c, torch.ones(4, device="cuda"))
+    assert fn.stats == {"eager": 4, "captures": 0, "replays": 0}
+    assert float(c) == 16.0
