@@ -45,7 +45,7 @@ from .transformer_layer import (
     params_from_basic_layer,
     transformer_layer,
 )
-from .parallel import gather_transformer_params, shard_transformer_params
+from .parallel import all_gather_weight, gather_transformer_params, shard_transformer_params
 from .graph_step import GraphStep, graph_step
 
 __version__ = "0.1.0"
@@ -75,6 +75,7 @@ __all__ = [
     "TransformerConfig",
     "WeightCache",
     "alibi",
+    "all_gather_weight",
     "and_masks",
     "attention",
     "causal_mask",

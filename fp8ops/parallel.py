@@ -1,4 +1,5 @@
-"""Tensor-parallel shards of :func:`fp8ops.transformer_layer`'s parameters, and their inverse.
+"""Tensor-parallel shards of :func:`fp8ops.transformer_layer`'s parameters and their inverse, and
+the FP8 all-gather of a weight sharded along its rows (FSDP-style): :func:`all_gather_weight`.
 
 Rank r of w holds (d = head dim, h_q query heads, h_kv key/value heads, F the MLP width)::
 
@@ -15,15 +16,22 @@ Call ``transformer_layer(shard, x, state, ..., tp_group=group)`` with ``rank`` t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ._parallel import transformer_shard_shapes, transformer_split
+from ._checks import check_float_tensor, check_recipe
+from ._parallel import _all_gather, _done, _fc, _reduce_scatter, transformer_shard_shapes, transformer_split
 from .activation import GATED
+from .fp8_linear import LinearState, WeightCache
+from .quantize import Float8Value, QuantSpec, quantize_2d
+from .recipes import Recipe, compute_scale
+from .state import ScalingState, validate_state
 from .transformer_layer import TransformerConfig
 
-__all__ = ["gather_transformer_params", "shard_transformer_params"]
+__all__ = ["all_gather_weight", "gather_transformer_params", "shard_transformer_params"]
 
 
 def _layout(cfg: TransformerConfig) -> dict[str, tuple[int, tuple[int, ...]] | None]:
@@ -178,3 +186,127 @@ def gather_transformer_params(
             segments += [s[key].narrow(dim, start, part) for s in shards]
         out[key] = torch.cat(segments, dim)
     return out
+
+
+class _GatherWeightFP8(torch.autograd.Function):
+    """Forward: quantize the row shard with the group's scale, all-gather the FP8 bytes, write the
+    transposed copy; return a zero-stride stand-in for the full weight (its gradient, dW, is what
+    fp8_linear's wgrad GEMM writes) and the FP8 operands. Backward: reduce-scatter dW."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        shard: Tensor, scale: Tensor, spec: QuantSpec, group: Any, average: bool
+    ) -> tuple[Tensor, ...]:
+        if spec.mode != "delayed" or not spec.calibrated:
+            # current scaling, or an uncalibrated state: the scale of the group's amax (one small
+            # all-reduce), so that every rank quantizes its rows as the full weight would be
+            amax_g = _done(_fc().all_reduce(torch.ops.fp8ops.amax(shard), "max", group))
+            scale = compute_scale(amax_g, torch.ones_like(amax_g), torch.finfo(spec.dtype).max, margin=spec.margin,
+                                  power_2_scale=spec.power_2)
+        data, inv, _, amax = quantize_2d(shard, scale, spec._replace(mode="delayed", calibrated=True))
+        full = _all_gather(data.view(torch.uint8), group)  # (N, K) FP8 bytes
+        full_t = full.t().contiguous()  # (K, N): the dgrad GEMM's K-major operand
+        N, K = full.shape
+        stand_in = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(N, K)
+        return stand_in, full.view(spec.dtype), full_t.view(spec.dtype), inv, amax
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group, ctx.average = inputs[3], inputs[4]
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, dw: Tensor | None, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        if dw is None:
+            return None, None, None, None, None
+        with torch.no_grad():
+            g = _reduce_scatter(dw, ctx.group)  # (N/w, K): this rank's rows of the summed dW
+            if ctx.average:
+                g = g / dist.get_world_size(ctx.group)
+        return g, None, None, None, None
+
+
+def all_gather_weight(
+    shard: Tensor,
+    state: ScalingState | LinearState,
+    *,
+    recipe: Recipe,
+    group: Any,
+    average: bool = True,
+) -> tuple[WeightCache, ScalingState | LinearState]:
+    """All-gather a row-sharded weight in FP8, as a :class:`fp8ops.WeightCache` for
+    :func:`fp8ops.fp8_linear` (FSDP-style sharding with FP8 communication).
+
+    Each rank holds rows ``r·N/w .. (r+1)·N/w`` of the (N, K) weight (``W.chunk(w, dim=0)[r]``, the
+    way FSDP2 shards dim 0). The shard is quantized with one scale for the whole group, the FP8
+    bytes are all-gathered (half of bfloat16's bytes, a quarter of float32's) and the transposed
+    FP8 copy for the dgrad GEMM is written from them: no high-precision copy of the full weight is
+    made. The cache's ``weight`` is a zero-stride stand-in of shape (N, K): pass it as
+    ``fp8_linear``'s ``weight`` with ``weight_cache=cache``; the (N, K) weight gradient that
+    ``fp8_linear`` computes is reduce-scattered back to the shard (averaged over the group by
+    default, as DDP and FSDP2 average).
+
+    The scale: a calibrated delayed state's scale, which ``fp8ops.update(..., group=group)`` keeps
+    identical on every rank (it max-reduces the ranks' observations, here the amax of each shard,
+    so the update sees the full weight's amax); with current scaling or an uncalibrated state, the
+    scale of the group's amax (one all-reduce of a scalar). Either way the gathered FP8 weight is
+    the one ``quantize_weight`` makes from the full weight.
+
+    Args:
+        shard: (N/w, K) float32, bfloat16 or float16; this rank's rows. Usually a parameter.
+        state: the weight's :class:`ScalingState` (``linear_state.weight``), or the whole
+            :class:`LinearState`.
+        recipe: a per-tensor recipe (delayed or current scaling) with FP8 fprop and dgrad GEMMs
+            (the cache replaces the high-precision weight in both).
+        group: the ``torch.distributed`` process group the weight is sharded over.
+        average: divide the reduce-scattered gradient by the group size (default True).
+
+    Returns:
+        ``(cache, new_state)``: the :class:`WeightCache` of the full weight, and the state (same
+        type as given) with the amax of this rank's shard observed.
+
+    Raises:
+        TypeError, ValueError: a bad shard, state, recipe or group (the message names it).
+
+    Example:
+        >>> import os, tempfile, torch, torch.distributed as dist, fp8ops
+        >>> f = os.path.join(tempfile.mkdtemp(), "init")
+        >>> dist.init_process_group("gloo", init_method=f"file://{f}", rank=0, world_size=1)
+        >>> r = fp8ops.DelayedScaling()
+        >>> st = fp8ops.LinearState.init(r)
+        >>> shard = torch.randn(32, 16, requires_grad=True)       # world size 1: the whole weight
+        >>> cache, st = fp8ops.all_gather_weight(shard, st, recipe=r, group=dist.group.WORLD)
+        >>> x = torch.randn(4, 16)
+        >>> y, st = fp8ops.fp8_linear(x, cache.weight, None, st, recipe=r, weight_cache=cache)
+        >>> y.sum().backward()
+        >>> shard.grad.shape, cache.value.data.dtype
+        (torch.Size([32, 16]), torch.float8_e4m3fn)
+        >>> dist.destroy_process_group()
+    """
+    where = "all_gather_weight"
+    check_float_tensor(shard, "shard", where)
+    check_recipe(recipe, where)
+    if shard.dim() != 2:
+        raise ValueError(f"{where}: shard must be 2-D (N/w, K), this rank's rows of the weight, got shape "
+                         f"{tuple(shard.shape)}")
+    if recipe.mode == "rowwise":
+        raise ValueError(f"{where}: row-wise scaling has one scale per row and its dgrad operand needs per-column "
+                         f"scales; an FP8 all-gather needs a per-tensor recipe (DelayedScaling or "
+                         f"CurrentScaling(granularity='tensor'))")
+    if recipe.fprop.precision != "fp8" or recipe.dgrad.precision != "fp8":
+        raise ValueError(f"{where}: the gathered FP8 weight replaces the high-precision weight in the fprop and "
+                         f"dgrad GEMMs, which must then run in FP8; got fprop={recipe.fprop.precision!r}, "
+                         f"dgrad={recipe.dgrad.precision!r}")
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{where}: group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD), "
+                        f"got {type(group).__name__}")
+    if not isinstance(average, bool):
+        raise TypeError(f"{where}: average must be a bool, got {average!r}")
+    ws = state.weight if isinstance(state, LinearState) else state
+    validate_state(ws, where=f"{where}: state", device=shard.device, recipe=recipe)
+    spec = QuantSpec.of(recipe, "forward", ws.calibrated)
+    stand_in, data, data_t, inv, amax = _GatherWeightFP8.apply(shard, ws.scale, spec, group, average)
+    cache = WeightCache(Float8Value(data, inv, data_t), None, ws.scale, recipe, stand_in)
+    new_ws = ws.observe(amax)
+    return cache, (state.replace(weight=new_ws) if isinstance(state, LinearState) else new_ws)

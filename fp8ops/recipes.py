@@ -68,7 +68,7 @@ def compute_scale(
     sf = torch.clamp(sf, min=_FLT_TINY, max=_FLT_MAX)
     if power_2_scale:
         sf = _pow2_floor(sf)
-    valid = torch.isfinite(amax) & (amax > 0)
+    valid = (amax > 0) & (amax < _INF)  # finite and positive (NaN compares False)
     return torch.where(valid, sf, old_scale.to(torch.float32))
 
 
@@ -245,9 +245,11 @@ class Recipe:
         scale = torch.stack([s.scale for s in states])  # (S,)
         fmax = _constants(tuple(self.fp8_max(s.role) for s in states), hist.device)
         o = obs.to(device=hist.device, dtype=torch.float32).reshape(S)
-        seen = torch.isfinite(o) & (o > 0)  # (S,) the step observed something
+        # (x.abs() < inf is isfinite in two kernels instead of four; NaN compares False)
+        finite = o.abs() < _INF
+        seen = finite & (o > 0)  # (S,) the step observed something
         # A non-finite observation is recorded as 0 ("no information"): it never enters the history.
-        o = torch.where(torch.isfinite(o), o, torch.zeros_like(o))
+        o = torch.where(finite, o, 0.0)
         hist = torch.cat([o[:, None], hist[:, :-1]], dim=1)
         amax = self.amax_from_history(hist)
         _check_result(amax, (S,), where=where, what=self._amax_algo_name(), of=f"a history of shape {tuple(hist.shape)}",
@@ -263,13 +265,17 @@ class Recipe:
         if uncal:
             flags = seen[uncal].tolist()
             skip |= {j for j, f in zip(uncal, flags) if not f}
+        # every cleared pending amax is a view of one zero vector: one kernel, not one per state
+        zeros = torch.zeros(S, dtype=torch.float32, device=hist.device)
+        cleared = [zeros[j] if s.pending_amax.dim() == 0 and s.pending_amax.device == hist.device
+                   else torch.zeros_like(s.pending_amax) for j, s in enumerate(states)]
         return [
-            s.replace(pending_amax=torch.zeros_like(s.pending_amax), observed=False)
+            s.replace(pending_amax=cleared[j], observed=False)
             if j in skip
             else s.replace(
                 amax_history=hist[j],
                 scale=new_scale[j],
-                pending_amax=torch.zeros_like(s.pending_amax),
+                pending_amax=cleared[j],
                 calibrated=True,
                 observed=False,
             )
@@ -283,6 +289,7 @@ class Recipe:
         return "scale_from_amax"
 
 
+_INF = float("inf")
 _CONSTANTS: dict[tuple[torch.device, tuple[float, ...]], Tensor] = {}
 
 

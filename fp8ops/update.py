@@ -138,14 +138,19 @@ def update(
     flat = [p for row in pairs for p in row]
     if not flat:
         return states
-    obs = []
-    to_update = []
+    # One merged observation per state, max(pending amax, gradient amax), in three kernels for the
+    # whole tree (two stacks and a maximum) rather than one per state.
+    pending, grads = [], []
     for s, g, key in flat:
         _check_built_for(s, recipe, where=f"update: {key}")
-        o = s.pending_amax if g is None else torch.maximum(s.pending_amax, g.detach().to(torch.float32))
-        obs.append(o.reshape(()))
-        to_update.append(s if g is None else s.replace(observed=True))
-    obs_t = torch.stack(obs)
+        p = s.pending_amax.reshape(())
+        if g is not None and g.device != p.device:  # e.g. a CPU scalar: merged on its own
+            p = torch.maximum(p, g.detach().to(torch.float32)).reshape(())
+            g = None
+        pending.append(p)
+        grads.append(p if g is None else g.detach().to(torch.float32).reshape(()))
+    to_update = [s if g is None else s.replace(observed=True) for s, g, _ in flat]
+    obs_t = torch.maximum(torch.stack(pending), torch.stack(grads))
     if group is not None:
         import torch.distributed as dist
 
