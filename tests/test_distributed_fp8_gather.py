@@ -5,7 +5,8 @@ scaling, float32 and bfloat16, each rank on its own batch: the output equals the
 fp8_linear on the full weight bit for bit (the gathered FP8 weight is the one quantize_weight
 makes from the full weight), the shard's gradient equals its rows of the single-process gradient
 averaged over the ranks, and the states are identical on both ranks and equal the single-process
-ones. No high-precision copy of the full weight exists (the stand-in has no storage).
+ones. No high-precision copy of the full weight exists (the stand-in has no storage). The same
+checks run on GPUs with NCCL (marker ``gpu``: one rank per GPU, at most 2).
 
 Each configuration is one ``mp.spawn``; ranks record mismatches instead of raising, so that no
 rank is left waiting in a collective, and the test asserts on the records."""
@@ -27,30 +28,30 @@ pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
 ]
 
-N, K, M, WORLD = 16, 32, 8, 2
+N, K, M = 16, 32, 8
 RECIPES = {"delayed": fp8ops.DelayedScaling, "current": fp8ops.CurrentScaling}
 
 
-def _data(dtype):
+def _data(dtype, world, device):
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(N, K, generator=g) * 0.3).to(dtype)
-    xs = [[torch.randn(M, K, generator=g).to(dtype) for _ in range(WORLD)] for _ in range(2)]  # step, rank
-    gys = [[torch.randn(M, N, generator=g).to(dtype) for _ in range(WORLD)] for _ in range(2)]
+    w = (torch.randn(N, K, generator=g) * 0.3).to(device, dtype)
+    xs = [[torch.randn(M, K, generator=g).to(device, dtype) for _ in range(world)] for _ in range(2)]  # step, rank
+    gys = [[torch.randn(M, N, generator=g).to(device, dtype) for _ in range(world)] for _ in range(2)]
     return w, xs, gys
 
 
-def _reference(recipe, dtype):
+def _reference(recipe, dtype, world, device):
     """Single process, full weight: per step, quantize_weight once, each rank's batch through
     fp8_linear with the cache, the observations merged by max, one update."""
-    w, xs, gys = _data(dtype)
+    w, xs, gys = _data(dtype, world, device)
     wf = w.clone().requires_grad_()
-    st = fp8ops.LinearState.init(recipe)
+    st = fp8ops.LinearState.init(recipe, device=device)
     out = []
     for step in range(2):
         wf.grad = None
         cache, st_w = fp8ops.quantize_weight(wf, st, recipe=recipe)
         ys, states, probes = [], [], []
-        for r in range(WORLD):
+        for r in range(world):
             p = fp8ops.make_probes(st_w)
             y, s = fp8ops.fp8_linear(xs[step][r], wf, None, st_w, recipe=recipe, grad_probe=p, weight_cache=cache)
             (y.float() * gys[step][r].float()).sum().backward()
@@ -60,17 +61,17 @@ def _reference(recipe, dtype):
         merged = fp8ops.merge(*states)
         g_amax = torch.stack([p.grad for p in probes]).amax()
         st = fp8ops.update(merged, recipe=recipe, grad_amax=g_amax)
-        out.append({"y": ys, "grad": wf.grad.detach() / WORLD, "state": fp8ops.state_dict(st)})
+        out.append({"y": ys, "grad": wf.grad.detach() / world, "state": fp8ops.state_dict(st)})
     return out
 
 
-def _case(name, dtype, rank, group, bad):
+def _case(name, dtype, rank, world, device, group, bad):
     recipe = RECIPES[name]()
     tag = f"{name}/{dtype}"
-    ref = _reference(recipe, dtype)
-    w, xs, gys = _data(dtype)
-    shard = w.chunk(WORLD, dim=0)[rank].clone().requires_grad_()
-    st = fp8ops.LinearState.init(recipe)
+    ref = _reference(recipe, dtype, world, device)
+    w, xs, gys = _data(dtype, world, device)
+    shard = w.chunk(world, dim=0)[rank].clone().requires_grad_()
+    st = fp8ops.LinearState.init(recipe, device=device)
     for step in range(2):
         shard.grad = None
         p = fp8ops.make_probes(st)
@@ -86,13 +87,13 @@ def _case(name, dtype, rank, group, bad):
         if not torch.equal(y.detach(), want["y"][rank]):
             bad.append(f"{tag} step {step}: y differs from the single-process one by "
                        f"{float((y.detach().float() - want['y'][rank].float()).abs().max()):.3g}")
-        rows = want["grad"].chunk(WORLD, dim=0)[rank]
+        rows = want["grad"].chunk(world, dim=0)[rank]
         if shard.grad is None or shard.grad.dtype != dtype or not torch.allclose(
                 shard.grad.float(), rows.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0):
             bad.append(f"{tag} step {step}: the shard's gradient differs from its rows of the averaged "
                        f"single-process gradient")
         sd = fp8ops.state_dict(st)
-        sds: list = [None] * WORLD
+        sds: list = [None] * world
         dist.all_gather_object(sds, sd, group=group)
         for k, v in sd.items():
             if any(not torch.equal(o[k], v) for o in sds):
@@ -102,14 +103,18 @@ def _case(name, dtype, rank, group, bad):
                            f"{want['state'][k].tolist()}")
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _worker(rank: int, world: int, backend: str, init_file: str, out_dir: str) -> None:
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     bad: list[str] = []
     try:
         for name in RECIPES:
             for dtype in (torch.float32, torch.bfloat16):
                 try:
-                    _case(name, dtype, rank, dist.group.WORLD, bad)
+                    _case(name, dtype, rank, world, device, dist.group.WORLD, bad)
                 except Exception as e:  # recorded; the test fails on it
                     bad.append(f"{name}/{dtype}: {type(e).__name__}: {e}")
                     raise
@@ -118,12 +123,22 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_fp8_all_gather_equals_single_process():
+def _spawn(world: int, backend: str) -> None:
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(os.path.join(d, "init"), d), nprocs=WORLD, join=True)
-        res = [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(WORLD)]
+        mp.spawn(_worker, args=(world, backend, os.path.join(d, "init"), d), nprocs=world, join=True)
+        res = [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(world)]
     for r in res:
         assert not r["bad"], "\n".join(r["bad"])
+
+
+def test_fp8_all_gather_equals_single_process():
+    _spawn(2, "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+def test_fp8_all_gather_nccl_equals_single_process():
+    _spawn(min(2, torch.cuda.device_count()), "nccl")
 
 
 def test_bad_arguments_are_named():
