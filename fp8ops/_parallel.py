@@ -43,6 +43,7 @@ __all__ = [
     "check_divisible",
     "column_input",
     "copy_to_tp",
+    "fp8_all_gather_bytes",
     "gather_seq",
     "gather_seq_fp8",
     "probe_sink",
@@ -112,19 +113,26 @@ _GatherSeq = _conjugate("_GatherSeq", _all_gather, _reduce_scatter)
 _ScatterSeq = _conjugate("_ScatterSeq", _reduce_scatter, _all_gather)
 
 
-def _fp8_all_gather(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor]:
-    """(x all-gathered along dim 0 as FP8 bytes and dequantized, amax of this rank's x)."""
+def fp8_all_gather_bytes(x2: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """(the ranks' (M/w, K) slices ``x2`` quantized with one scale for the group and all-gathered
+    along dim 0 as (M, K) bytes (uint8), the inverse scale, amax of this rank's slice)."""
     # Step 1: one scale for the whole group: the state's (identical on every rank after
     # update(group=)), or from the group's amax (current scaling, an uncalibrated state).
     # A calibrated delayed scale needs no amax first: the cast observes it in the same pass.
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M/w, K)
     if spec.mode != "delayed" or not spec.calibrated:
         amax_g = _done(_fc().all_reduce(torch.ops.fp8ops.amax(x2), "max", group))
         scale = compute_scale(amax_g, torch.ones_like(amax_g), torch.finfo(spec.dtype).max, margin=spec.margin,
                               power_2_scale=spec.power_2)
-    # Step 2: quantize this rank's slice, gather the FP8 bytes, dequantize with the shared scale.
+    # Step 2: quantize this rank's slice with it and gather the FP8 bytes.
     data, inv, _, amax = quantize_2d(x2, scale, spec._replace(mode="delayed", calibrated=True))
-    full = _all_gather(data.view(torch.uint8), group).view(spec.dtype)  # (M, K)
+    return _all_gather(data.view(torch.uint8), group), inv, amax
+
+
+def _fp8_all_gather(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor]:
+    """(x all-gathered along dim 0 as FP8 bytes and dequantized, amax of this rank's x)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M/w, K)
+    full, inv, amax = fp8_all_gather_bytes(x2, scale, spec, group)
+    full = full.view(spec.dtype)  # (M, K)
     y = (full.to(torch.float32) * inv).to(x.dtype)
     return y.reshape(-1, *x.shape[1:]), amax
 

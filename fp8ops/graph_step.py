@@ -89,7 +89,6 @@ class _Entry:
         self.warned = False
         self.by_reference: list[bool] = []  # per arg leaf: used as it is (requires grad, mutated)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.carry_spec: Any = None
         self.args_spec: Any = None
         self.static_carry: list[Any] = []
         self.static_args: list[Any] = []
@@ -138,7 +137,7 @@ class GraphStep:
         if entry.graph is not None:
             return self._replay(entry, carry_leaves, arg_leaves)
         if entry.eager_reason is not None or entry.calls < self._warmup:
-            return self._eager(entry, carry, args, arg_leaves)
+            return self._eager(entry, carry, carry_spec, args, arg_leaves)
         return self._capture(entry, carry_leaves, carry_spec, arg_leaves, args_spec)
 
     @staticmethod
@@ -159,13 +158,13 @@ class GraphStep:
                             + (f" of length {len(result)}" if isinstance(result, tuple) else ""))
         return result
 
-    def _eager(self, entry: _Entry, carry: Any, args: tuple[Any, ...], arg_leaves: list[Any]) -> tuple[Any, Any]:
-        versions = [a._version if isinstance(a, Tensor) else None for a in arg_leaves]
-        if entry.eager_reason is not None:
-            self.stats["eager"] += 1
-            return self._call_fn(carry, args)
-        (new_carry, out), synced = _watching_syncs(lambda: self._call_fn(carry, args))
+    def _eager(self, entry: _Entry, carry: Any, carry_spec: Any, args: tuple[Any, ...],
+               arg_leaves: list[Any]) -> tuple[Any, Any]:
         self.stats["eager"] += 1
+        if entry.eager_reason is not None:
+            return self._call_fn(carry, args)
+        versions = [a._version if isinstance(a, Tensor) else None for a in arg_leaves]
+        (new_carry, out), synced = _watching_syncs(lambda: self._call_fn(carry, args))
         if synced:  # a call that synchronized would fail under capture: warm up again
             entry.synced += 1
             if entry.synced >= 3 and not entry.warned:
@@ -181,7 +180,7 @@ class GraphStep:
             # they are in the graph, not copied: the caller sees the changes.
             entry.by_reference = [isinstance(a, Tensor) and (a.requires_grad or a._version != v)
                                   for a, v in zip(arg_leaves, versions)]
-            if repr(pytree.tree_flatten(new_carry)[1]) != repr(pytree.tree_flatten(carry)[1]):
+            if repr(pytree.tree_flatten(new_carry)[1]) != repr(carry_spec):
                 entry.eager_reason = "the step returns a carry of another structure than it takes"
         return new_carry, out
 
@@ -190,7 +189,7 @@ class GraphStep:
         def own(t: Any) -> Any:
             return t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, Tensor) else t
 
-        entry.carry_spec, entry.args_spec = carry_spec, args_spec
+        entry.args_spec = args_spec
         entry.static_carry = [own(t) for t in carry_leaves]
         entry.static_args = [a if ref else own(a) for a, ref in zip(arg_leaves, entry.by_reference)]
         graph = torch.cuda.CUDAGraph()
@@ -198,9 +197,8 @@ class GraphStep:
             with torch.cuda.graph(graph):
                 new_carry, out = self._call_fn(pytree.tree_unflatten(entry.static_carry, carry_spec),
                                                pytree.tree_unflatten(entry.static_args, args_spec))
-                new_leaves, new_spec = pytree.tree_flatten(new_carry)
-                if repr(new_spec) != repr(carry_spec):
-                    raise ValueError("graph_step: the step returns a carry of another structure than it takes")
+                # the same structure as the carry: the warm-up call of this signature checked it
+                new_leaves = pytree.tree_leaves(new_carry)
                 pairs = [(d, s) for d, s in zip(entry.static_carry, new_leaves) if isinstance(d, Tensor) and d is not s]
                 with torch.no_grad():
                     if pairs:

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._checks import check_float_tensor, check_recipe
-from ._parallel import _all_gather, _done, _fc, _reduce_scatter, transformer_shard_shapes, transformer_split
+from ._parallel import _reduce_scatter, fp8_all_gather_bytes, transformer_shard_shapes, transformer_split
 from .activation import GATED
 from .fp8_linear import LinearState, WeightCache
-from .quantize import Float8Value, QuantSpec, quantize_2d
-from .recipes import Recipe, compute_scale
+from .quantize import Float8Value, QuantSpec
+from .recipes import Recipe
 from .state import ScalingState, validate_state
 from .transformer_layer import TransformerConfig
 
@@ -197,14 +197,8 @@ class _GatherWeightFP8(torch.autograd.Function):
     def forward(  # type: ignore[override]
         shard: Tensor, scale: Tensor, spec: QuantSpec, group: Any, average: bool
     ) -> tuple[Tensor, ...]:
-        if spec.mode != "delayed" or not spec.calibrated:
-            # current scaling, or an uncalibrated state: the scale of the group's amax (one small
-            # all-reduce), so that every rank quantizes its rows as the full weight would be
-            amax_g = _done(_fc().all_reduce(torch.ops.fp8ops.amax(shard), "max", group))
-            scale = compute_scale(amax_g, torch.ones_like(amax_g), torch.finfo(spec.dtype).max, margin=spec.margin,
-                                  power_2_scale=spec.power_2)
-        data, inv, _, amax = quantize_2d(shard, scale, spec._replace(mode="delayed", calibrated=True))
-        full = _all_gather(data.view(torch.uint8), group)  # (N, K) FP8 bytes
+        # every rank quantizes its rows with the group's scale, as the full weight would be
+        full, inv, amax = fp8_all_gather_bytes(shard.contiguous(), scale, spec, group)  # (N, K) FP8 bytes
         full_t = full.t().contiguous()  # (K, N): the dgrad GEMM's K-major operand
         N, K = full.shape
         stand_in = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(N, K)

@@ -31,6 +31,7 @@ __all__ = ["CurrentScaling", "DelayedScaling", "GemmSpec", "Recipe", "compute_sc
 
 _FLT_MAX = torch.finfo(torch.float32).max
 _FLT_TINY = torch.finfo(torch.float32).tiny
+_INF = float("inf")
 
 QuantMode = Literal["delayed", "current", "rowwise"]
 
@@ -289,7 +290,6 @@ class Recipe:
         return "scale_from_amax"
 
 
-_INF = float("inf")
 _CONSTANTS: dict[tuple[torch.device, tuple[float, ...]], Tensor] = {}
 
 

@@ -16,10 +16,10 @@ from fp8ops import (
 from fp8ops.reference import fused_ln_mlp as R
 from fp8ops.testing import rel_error
 from fp8ops.testing.states import calibrate
+from fp8ops.testing.composition import RECIPES as RECIPE_NAMES, make_recipe
 
-DELAYED = DelayedScaling(amax_history_len=4)
-
-RECIPES = {"none": None, "delayed": DELAYED, "current": CurrentScaling(), "rowwise": CurrentScaling(granularity="row")}
+RECIPES = {name: make_recipe(name) for name in RECIPE_NAMES}  # none, delayed (history 4), current, rowwise
+DELAYED = RECIPES["delayed"]
 
 ACTS = ["gelu", "gelu_tanh", "relu", "squared_relu", "silu", "qgelu", "swiglu", "geglu", "reglu"]
 

@@ -6,7 +6,6 @@ import torch
 
 import fp8ops
 from fp8ops import (
-    CurrentScaling,
     DelayedScaling,
     GemmSpec,
     LayerNormLinearState,
@@ -15,10 +14,10 @@ from fp8ops.reference import layernorm_linear as R
 from fp8ops.reference import norm as RN
 from fp8ops.testing import rel_error
 from fp8ops.testing.states import calibrate
+from fp8ops.testing.composition import RECIPES as RECIPE_NAMES, make_recipe
 
-DELAYED = DelayedScaling(amax_history_len=4)
-
-RECIPES = {"none": None, "delayed": DELAYED, "current": CurrentScaling(), "rowwise": CurrentScaling(granularity="row")}
+RECIPES = {name: make_recipe(name) for name in RECIPE_NAMES}  # none, delayed (history 4), current, rowwise
+DELAYED = RECIPES["delayed"]
 
 
 def _lnl_state(recipe, calibrated):

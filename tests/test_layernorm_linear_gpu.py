@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import fp8ops
-from fp8ops import CurrentScaling, DelayedScaling, LayerNormLinearState
+from fp8ops import LayerNormLinearState
 from fp8ops.reference import layernorm_linear as R
 from fp8ops.testing import rel_error
 from fp8ops.testing.states import calibrate
+from fp8ops.testing.composition import RECIPES as RECIPE_NAMES, make_recipe
 
 pytestmark = pytest.mark.gpu
 
@@ -19,8 +20,7 @@ DEV = "cuda"
 
 BF16 = torch.bfloat16
 
-RECIPES = {"delayed": DelayedScaling(amax_history_len=4), "current": CurrentScaling(),
-           "rowwise": CurrentScaling(granularity="row")}
+RECIPES = {name: make_recipe(name) for name in RECIPE_NAMES if name != "none"}  # delayed (history 4), current, rowwise
 
 
 def _calibrated(cls, recipe):

@@ -13,16 +13,15 @@ from torch.utils import _pytree as pytree
 import fp8ops
 import fp8ops.nn as fnn
 from fp8ops import (
-    CurrentScaling,
-    DelayedScaling,
     FakeQuantState,
     LayerNormLinearState,
     LayerNormMLPState,
     LinearState,
 )
+from fp8ops.testing.composition import RECIPES as RECIPE_NAMES, make_recipe
 
-DELAYED = DelayedScaling(amax_history_len=4)
-RECIPES = {"delayed": DELAYED, "current": CurrentScaling(), "rowwise": CurrentScaling(granularity="row")}
+RECIPES = {name: make_recipe(name) for name in RECIPE_NAMES if name != "none"}  # delayed (history 4), current, rowwise
+DELAYED = RECIPES["delayed"]
 META = torch.device("meta")
 
 

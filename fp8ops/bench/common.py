@@ -40,8 +40,10 @@ __all__ = [
     "Timing",
     "copy_bandwidth",
     "cuda_unavailable_reason",
+    "device_ops",
     "environment",
     "format_table",
+    "host_us",
     "input_sets",
     "num_buffers",
     "time_cuda",
@@ -201,6 +203,43 @@ def _graph_times(
         return [s.elapsed_time(e) * 1e3 / count for s, e in zip(starts, ends)]
     finally:
         del graph
+
+
+def host_us(fn: Callable[[], Any], calls: int = 200, *, repeats: int = 1, warmup: int = 10) -> tuple[float, float]:
+    """(host µs, wall µs) per call of a loop of ``calls`` calls of ``fn``.
+
+    Host: the loop launched without synchronization (the CPU time of a call while the GPU keeps
+    up); wall: until the GPU has finished too. With ``repeats``, the best of that many loops (the
+    machine's other work only ever adds time).
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = (math.inf, math.inf)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        best = min(best, (host, (time.perf_counter() - t0) / calls * 1e6))
+    return best
+
+
+def device_ops(fn: Callable[[], Any], calls: int = 2, *, table: str | None = None) -> tuple[float, float]:
+    """(device operations per call, their summed duration in µs per call) of ``fn``, from
+    torch.profiler: kernels, memsets and copies. ``table``: also print the top kernels under
+    that title."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    if table is not None:
+        print(f"\n==== top CUDA kernels, {calls} calls: {table} ====")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(evs) / calls, sum(e.device_time for e in evs) / calls
 
 
 def time_cuda(

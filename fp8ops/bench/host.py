@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .common import Progress, environment, format_table, write_bar_chart, write_json
+from .common import Progress, device_ops, environment, format_table, host_us, write_bar_chart, write_json
 
 __all__ = ["TARGETS_US", "add_arguments", "cases", "run"]
 
@@ -54,13 +53,14 @@ def _leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device="cuda") * scale).bfloat16().requires_grad_()
 
 
-def _calibrated(state: Any) -> Any:
-    """``state`` with every ScalingState marked calibrated (a model after its first update)."""
+def _calibrated(state: Any, recipe: Any) -> Any:
+    """``state`` (an op state or a pytree of them) calibrated, as after the first update."""
     import fp8ops
+    from fp8ops.testing.states import calibrate
     from torch.utils import _pytree as pytree
 
-    return pytree.tree_map(lambda s: s.replace(calibrated=True) if isinstance(s, fp8ops.ScalingState) else s,
-                           state, is_leaf=lambda s: isinstance(s, fp8ops.ScalingState))
+    return pytree.tree_map(lambda s: calibrate(s, recipe) if isinstance(s, fp8ops.OpState) else s,
+                           state, is_leaf=lambda s: isinstance(s, fp8ops.OpState))
 
 
 def cases() -> dict[str, Callable[[], None]]:
@@ -72,14 +72,14 @@ def cases() -> dict[str, Callable[[], None]]:
     x, w, b = _leaf(T, H), _leaf(H, H, scale=0.06), _leaf(H, scale=0.1)
     g, beta = _leaf(H), _leaf(H)
     w1, b1, w2, b2 = _leaf(FFN, H, scale=0.06), _leaf(FFN), _leaf(H, FFN, scale=0.03), _leaf(H)
-    lin_d = _calibrated(fp8ops.LinearState.init(delayed, device="cuda"))
+    lin_d = _calibrated(fp8ops.LinearState.init(delayed, device="cuda"), delayed)
     lin_c = fp8ops.LinearState.init(current, device="cuda")
-    lnl = _calibrated(fp8ops.LayerNormLinearState.init(delayed, device="cuda"))
-    mlp = _calibrated(fp8ops.LayerNormMLPState.init(delayed, device="cuda"))
+    lnl = _calibrated(fp8ops.LayerNormLinearState.init(delayed, device="cuda"), delayed)
+    mlp = _calibrated(fp8ops.LayerNormMLPState.init(delayed, device="cuda"), delayed)
     cfg = fp8ops.TransformerConfig(hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=HEADS,
                                    hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal")
     params = {k: v.cuda().bfloat16().requires_grad_() for k, v in fp8ops.init_transformer_params(cfg).items()}
-    tst = _calibrated(fp8ops.init_transformer_state(cfg, delayed, device="cuda"))
+    tst = _calibrated(fp8ops.init_transformer_state(cfg, delayed, device="cuda"), delayed)
     xl = _leaf(S, T // S, H)
     basic = BasicTransformerLayer(H, FFN, HEADS, attention_dropout=0.0, hidden_dropout=0.0,
                                   attention_impl="sdpa").cuda().bfloat16()
@@ -131,32 +131,6 @@ def cases() -> dict[str, Callable[[], None]]:
     }
 
 
-def host_us(fn: Callable[[], None], calls: int) -> float:
-    """Wall µs per call of a launch loop without synchronization (after warm-up)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):  # best of three loops: the machine's other work only ever adds time
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
-
-
-def device_ops(fn: Callable[[], None], calls: int = 5) -> tuple[float, float]:
-    """(device operations per call, their summed duration in µs per call), from torch.profiler."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(evs) / calls, sum(e.device_time for e in evs) / calls
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time every case, print the table and the targets, write host.json and host.png."""
     torch.manual_seed(0)
@@ -166,8 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, fn in todo.items():
         progress.step(name)
-        h = host_us(fn, calls)
-        n, d = device_ops(fn)
+        h, _ = host_us(fn, calls, repeats=3, warmup=5)
+        n, d = device_ops(fn, 5)
         rows.append({"case": name, "host_us": h, "kernels": n, "device_us": d})
     failed = []
     lines = []

@@ -17,23 +17,11 @@ from typing import Any
 
 import torch
 
+from .common import host_us
+
 __all__ = ["DEFAULT_SHAPE", "run"]
 
 DEFAULT_SHAPE = (8192, 4096, 4096)
-
-
-def host_us(fn, n=200):  # type: ignore[no-untyped-def]
-    """(host µs per call of a launch loop without synchronization, wall µs per call with it)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / n * 1e6
-    return host, wall
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

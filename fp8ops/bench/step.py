@@ -6,8 +6,9 @@ tensor learning rate) and, with FP8, :func:`fp8ops.update`. Models (bf16 paramet
 
 - ``gpt2``: GPT-2-small size, 12 layers, hidden 768, 12 heads, ffn 3072, seq 1024, batch 8 (8192
   tokens), vocabulary 50304, causal, head tied to the embedding; the torch model is a nanoGPT-style
-  ``nn.Module`` (``nn.Linear``, ``F.scaled_dot_product_attention``); the fp8ops model is written
-  with :func:`fp8ops.transformer_layer` as the docs show;
+  ``nn.Module`` (``nn.Linear``, ``F.scaled_dot_product_attention``); the fp8ops model is the GPT of
+  :mod:`fp8ops.testing.composition` (embeddings, :func:`fp8ops.transformer_layer` layers, a final
+  :func:`fp8ops.layer_norm`, the tied head) at that size;
 - ``seed``: the seed layer, one ``transformer_layer`` (hidden 4096, ffn 16384, 32 heads, seq 2048,
   batch 4, dropout 0.1), loss ``(y * dy).sum()`` with a fixed random ``dy``; torch: the basic layer
   with SDPA.
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from .common import Progress, environment, format_table, write_bar_chart, write_json
+from .common import Progress, device_ops, environment, format_table, write_bar_chart, write_json
 
 __all__ = ["add_arguments", "run"]
 
@@ -81,35 +82,6 @@ class TorchGPT(torch.nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _fp8ops_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> tuple[Any, dict[str, Any]]:
-    import fp8ops
-
-    cfg = fp8ops.TransformerConfig(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=heads,
-                                   hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal")
-    g = torch.Generator().manual_seed(0)
-    params = {"tok": torch.randn(vocab, hidden, generator=g) * 0.02, "pos": torch.randn(seq, hidden, generator=g) * 0.01,
-              "layers": [fp8ops.init_transformer_params(cfg, generator=g) for _ in range(layers)],
-              "lnf.weight": torch.ones(hidden), "lnf.bias": torch.zeros(hidden)}
-    return cfg, pytree.tree_map(lambda t: t.cuda().bfloat16().requires_grad_(), params)
-
-
-def _fp8ops_gpt_loss(params: Any, states: Any, probes: Any, tokens: torch.Tensor, targets: torch.Tensor, *,
-                     cfg: Any, recipe: Any) -> tuple[torch.Tensor, Any]:
-    import fp8ops
-
-    S = tokens.shape[1]
-    x = (F.embedding(tokens, params["tok"]) + params["pos"][:S]).transpose(0, 1)  # (S, B, H)
-    new = []
-    for i, lp in enumerate(params["layers"]):
-        x, ns = fp8ops.transformer_layer(lp, x, None if states is None else states[i], config=cfg, recipe=recipe,
-                                         probes=None if probes is None else probes[i])
-        new.append(ns)
-    x, _ = fp8ops.layer_norm(x, params["lnf.weight"], params["lnf.bias"], None)
-    logits = x.transpose(0, 1) @ params["tok"].t()
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return loss, (new if states is not None else None)
-
-
 # ------------------------------------------------------------------------------------------------
 # Variants: each returns (step, carry, batch) with step(carry, *batch) -> (carry, loss)
 
@@ -141,12 +113,16 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Ca
                 return carry, loss.detach()
 
             return torch_step, None, batch
-        cfg, params = _fp8ops_gpt(L, H, heads, S, V)
-        states = None if recipe is None else [fp8ops.init_transformer_state(cfg, recipe, device="cuda")
+        from fp8ops.testing import composition
+
+        gpt, params = composition.make_model("cuda", layers=L, hidden=H, heads=heads, seq=S, batch=B, vocab=V,
+                                             steps=1)
+        params = pytree.tree_map(lambda t: t.bfloat16().requires_grad_(), params)
+        states = None if recipe is None else [fp8ops.init_transformer_state(gpt.config, recipe, device="cuda")
                                               for _ in range(L)]
 
         def loss_of(st: Any, pr: Any, tok: torch.Tensor, tgt: torch.Tensor) -> Any:
-            return _fp8ops_gpt_loss(params, st, pr, tok, tgt, cfg=cfg, recipe=recipe)
+            return composition.gpt_loss(params, st, pr, tok, tgt, model=gpt, recipe=recipe, dtype=torch.bfloat16)
     else:
         H, F_, heads, S, B = (size[k] for k in ("hidden", "ffn", "heads", "seq", "batch"))
         x = torch.randn(S, B, H, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -225,16 +201,14 @@ def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps
         carry, loss = step(carry, *batch)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) / steps * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            carry, loss = step(carry, *batch)
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if profile:
-        print(f"\n==== top CUDA kernels, 2 steps: {profile} ====")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
-    return {"ms": ms, "host_ms": sorted(host)[len(host) // 2] * 1e3, "kernels": len(evs) / 2,
-            "device_ms": sum(e.device_time for e in evs) / 2 / 1e3, "loss": float(loss)}
+    state = {"carry": carry}
+
+    def one() -> None:
+        state["carry"], _ = step(state["carry"], *batch)
+
+    kernels, device_us = device_ops(one, 2, table=profile)
+    return {"ms": ms, "host_ms": sorted(host)[len(host) // 2] * 1e3, "kernels": kernels,
+            "device_ms": device_us / 1e3, "loss": float(loss)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

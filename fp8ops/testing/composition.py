@@ -151,6 +151,11 @@ def _compiled(fn: Any, mode: str, backend: str) -> Any:
     return fn
 
 
+def _grads(params: list[Tensor]) -> dict[str, Tensor]:
+    """Copies of the parameters' gradients, keyed by position."""
+    return {str(i): p.grad.detach().clone() for i, p in enumerate(params)}
+
+
 def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | str, steps: int = 8,
           lr: float = 1e-2, backend: str = "inductor", model: Model | None = None,
           params: dict[str, Any] | None = None, capturable: bool | None = None) -> StepResult:
@@ -197,6 +202,18 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
     first_grads: dict[str, Any] = {}
     first_probe_grads: Any = None
     last_grads: dict[str, Any] = {}
+
+    def record(step: int, loss: Tensor, probe_grads: Any) -> None:
+        """The loss of every step, the (probe) gradients of the first step and of the last."""
+        nonlocal first_grads, first_probe_grads, last_grads
+        if step == 0:
+            first_grads = _grads(master)
+            first_probe_grads = pytree.tree_map(
+                lambda t: t.detach().clone() if isinstance(t, Tensor) else t, probe_grads)
+        losses.append(float(loss.detach()))
+        if step == steps - 1:
+            last_grads = _grads(master)
+
     stepper = None
     if mode.startswith("graph_step"):
 
@@ -213,17 +230,11 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
         stepper = fp8ops.graph_step(whole_step)
     for step in range(steps):
         tokens, targets = model.tokens[step], model.targets[step]
-        p_tree = pytree.tree_unflatten(master, spec)
         if stepper is not None:
             states, (loss, probe_grads) = stepper(states, tokens, targets)
-            if step == 0:
-                first_grads = {str(i): m.grad.detach().clone() for i, m in enumerate(master)}
-                first_probe_grads = pytree.tree_map(
-                    lambda t: t.detach().clone() if isinstance(t, Tensor) else t, probe_grads)
-            losses.append(float(loss))
-            if step == steps - 1:
-                last_grads = {str(i): m.grad.detach().clone() for i, m in enumerate(master)}
+            record(step, loss, probe_grads)  # the replay left this step's gradients in .grad
             continue
+        p_tree = pytree.tree_unflatten(master, spec)
         if mode.startswith("func."):
             probes = None if states is None else fp8ops.make_probes(states, requires_grad=False)
             plain = pytree.tree_map(lambda t: t.detach(), p_tree)
@@ -254,13 +265,7 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
             loss, new_states = compiled(p_tree, states, probes, tokens, targets)
             loss.backward()
             probe_grads = None if probes is None else pytree.tree_map(lambda p: p.grad, probes)
-        if step == 0:
-            first_grads = {str(i): m.grad.detach().clone() for i, m in enumerate(master)}
-            first_probe_grads = pytree.tree_map(
-                lambda t: t.detach().clone() if isinstance(t, Tensor) else t, probe_grads)
-        losses.append(float(loss.detach()))
-        if step == steps - 1:
-            last_grads = {str(i): m.grad.detach().clone() for i, m in enumerate(master)}
+        record(step, loss, probe_grads)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if recipe is not None:
