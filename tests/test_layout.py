@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -233,3 +234,16 @@ def test_nothing_imports_the_bare_name_kernels() -> None:
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "kernels":
                 bad.append(str(path.relative_to(ROOT)))
     assert not bad, f"import fp8ops.kernels, never the bare name kernels: {bad}"
+
+
+def test_gpu_check_runs_every_gpu_test_file() -> None:
+    """scripts/gpu_check.sh's default test groups name every file that holds GPU tests."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    groups = re.search(r'TEST_GROUPS=\$\{TEST_GROUPS:-"([^"]*)"\}', script)
+    assert groups, "scripts/gpu_check.sh: no default TEST_GROUPS"
+    named = {p for g in groups.group(1).split(";") for p in g.split(":", 1)[1].split()}
+    files = sorted(ROOT.glob("tests/test_*.py")) + sorted(ROOT.glob("property_tests/test_*.py"))
+    gpu = [p for p in files if p.stem.endswith("_gpu") or (p != Path(__file__).resolve() and "mark.gpu" in p.read_text())]
+    missing = [str(p.relative_to(ROOT)) for p in gpu
+               if str(p.relative_to(ROOT)) not in named and str(p.parent.relative_to(ROOT)) not in named]
+    assert not missing, f"GPU test files that scripts/gpu_check.sh does not run by default: {missing}"
