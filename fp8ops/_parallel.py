@@ -18,8 +18,8 @@ partial outputs. With sequence parallelism the activations between the parallel 
 rank's contiguous slice of dim 0 (S/w rows of (S, B, H)), so the all-reduce splits into an
 all-gather before the column GEMM and a reduce-scatter after the row GEMM.
 
-The collectives are ``torch.distributed._functional_collectives`` (all_reduce, all_gather_single,
-reduce_scatter_single: traceable by torch.compile, and run by gloo on the CPU).
+The collectives are ``torch.distributed._functional_collectives`` (all_reduce, all_gather_tensor,
+reduce_scatter_tensor: traceable by torch.compile, and run by gloo on the CPU).
 
 References:
     Shoeybi et al., "Megatron-LM" (2019); Korthikanti et al., "Reducing Activation Recomputation
@@ -44,6 +44,7 @@ __all__ = [
     "column_input",
     "copy_to_tp",
     "fp8_all_gather_bytes",
+    "fp8_group_quantize",
     "gather_seq",
     "gather_seq_fp8",
     "probe_sink",
@@ -79,11 +80,11 @@ def _all_reduce(t: Tensor, group: Any) -> Tensor:
 
 
 def _all_gather(t: Tensor, group: Any) -> Tensor:
-    return _done(_fc().all_gather_single(t.contiguous(), 0, group))
+    return _done(_fc().all_gather_tensor(t.contiguous(), 0, group))
 
 
 def _reduce_scatter(t: Tensor, group: Any) -> Tensor:
-    return _done(_fc().reduce_scatter_single(t.contiguous(), "sum", 0, group))
+    return _done(_fc().reduce_scatter_tensor(t.contiguous(), "sum", 0, group))
 
 
 def _conjugate(name: str, fwd: Any, bwd: Any) -> Any:
@@ -113,9 +114,9 @@ _GatherSeq = _conjugate("_GatherSeq", _all_gather, _reduce_scatter)
 _ScatterSeq = _conjugate("_ScatterSeq", _reduce_scatter, _all_gather)
 
 
-def fp8_all_gather_bytes(x2: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """(the ranks' (M/w, K) slices ``x2`` quantized with one scale for the group and all-gathered
-    along dim 0 as (M, K) bytes (uint8), the inverse scale, amax of this rank's slice)."""
+def fp8_group_quantize(x2: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """(this rank's (M/w, K) slice ``x2`` quantized with one scale for the group, as bytes (uint8),
+    the inverse scale, amax of this rank's slice)."""
     # Step 1: one scale for the whole group: the state's (identical on every rank after
     # update(group=)), or from the group's amax (current scaling, an uncalibrated state).
     # A calibrated delayed scale needs no amax first: the cast observes it in the same pass.
@@ -123,9 +124,16 @@ def fp8_all_gather_bytes(x2: Tensor, scale: Tensor, spec: Any, group: Any) -> tu
         amax_g = _done(_fc().all_reduce(torch.ops.fp8ops.amax(x2), "max", group))
         scale = compute_scale(amax_g, torch.ones_like(amax_g), torch.finfo(spec.dtype).max, margin=spec.margin,
                               power_2_scale=spec.power_2)
-    # Step 2: quantize this rank's slice with it and gather the FP8 bytes.
+    # Step 2: quantize this rank's slice with it.
     data, inv, _, amax = quantize_2d(x2, scale, spec._replace(mode="delayed", calibrated=True))
-    return _all_gather(data.view(torch.uint8), group), inv, amax
+    return data.view(torch.uint8), inv, amax
+
+
+def fp8_all_gather_bytes(x2: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """(the ranks' (M/w, K) slices ``x2`` quantized with one scale for the group and all-gathered
+    along dim 0 as (M, K) bytes (uint8), the inverse scale, amax of this rank's slice)."""
+    data, inv, amax = fp8_group_quantize(x2, scale, spec, group)
+    return _all_gather(data, group), inv, amax
 
 
 def _fp8_all_gather(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor]:

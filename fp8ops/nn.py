@@ -20,6 +20,8 @@ amaxes into the state with :func:`fp8ops.update`::
 ``recipe=None`` disables FP8 (the ops run in the inputs' precision; there is no state).
 ``module.state_dict()`` holds the parameters; the scaling state has its own flat dict
 (:meth:`scaling_state_dict` / :meth:`load_scaling_state_dict`, via :func:`fp8ops.state_dict`).
+Under FSDP2, :func:`enable_fp8_all_gather` (before ``fully_shard``) makes the all-gathers move the
+:class:`Linear` weights as FP8 bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ._checks import check_eps, check_normalization, check_recipe, check_zero_centered_gamma
+from ._fsdp import GatheredFP8Weight, gathered_linear, sharded_fp8_weight, wrap_weights
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .fp8_linear import LinearState, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
@@ -56,6 +59,7 @@ __all__ = [
     "TransformerLayer",
     "convert",
     "default_convert_filter",
+    "enable_fp8_all_gather",
     "update_scaling",
 ]
 
@@ -165,6 +169,11 @@ def update_scaling(modules: torch.nn.Module | Iterable[torch.nn.Module], *, grou
         modules: a module (searched recursively) or an iterable of modules.
         group: a ``torch.distributed`` process group to max-reduce the observations over, or None.
 
+    Raises:
+        ValueError: ``group`` is None but a module's weight is sharded over several ranks and
+            all-gathered in FP8 (:func:`enable_fp8_all_gather`): its ranks would drift apart in
+            scale.
+
     Example:
         >>> import torch, fp8ops
         >>> r = fp8ops.DelayedScaling()
@@ -180,6 +189,14 @@ def update_scaling(modules: torch.nn.Module | Iterable[torch.nn.Module], *, grou
         for m in root.modules():
             if isinstance(m, FP8Module) and m.recipe is not None:
                 found.setdefault(id(m), m)
+    if group is None:
+        gathered = [type(m).__name__ for m in found.values()
+                    if isinstance(getattr(m, "weight", None), Tensor) and sharded_fp8_weight(m.weight)]
+        if gathered:
+            raise ValueError(f"update_scaling: group is None, but {len(gathered)} module(s) have weights that "
+                             f"fully_shard all-gathers in FP8 (enable_fp8_all_gather); pass group= (the process "
+                             f"group the weights are sharded over) so that every rank quantizes its shard with the "
+                             f"same scale")
     by_recipe: dict[Any, list[FP8Module]] = {}
     for m in found.values():
         by_recipe.setdefault(m.recipe, []).append(m)
@@ -269,8 +286,12 @@ class Linear(FP8Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.recipe is None:
             return F.linear(x, self.weight, self.bias)
-        y, new_state = fp8_linear(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe,
-                                  grad_probe=self._next_probes())
+        if isinstance(self.weight, GatheredFP8Weight):  # all-gathered in FP8 by fully_shard
+            y, new_state = gathered_linear(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe,
+                                           grad_probe=self._next_probes())
+        else:
+            y, new_state = fp8_linear(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe,
+                                      grad_probe=self._next_probes())
         self._keep_state(new_state)
         return y
 
@@ -570,3 +591,95 @@ def convert(model: torch.nn.Module, recipe: Any, *,
             if child is not None and id(child) in new:
                 setattr(parent, name, new[id(child)])
     return model
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 all-gather of the weights under FSDP2
+
+
+def enable_fp8_all_gather(model: torch.nn.Module, *,
+                          filter: Callable[[str, Linear], bool] | None = None) -> list[str]:  # noqa: A002
+    """Make FSDP2's ``fully_shard`` all-gather the weights of the model's :class:`Linear` layers in FP8.
+
+    Call it before ``fully_shard``. Each selected layer's ``weight`` is replaced by a parameter of
+    the same values, dtype and ``requires_grad`` (a tensor subclass that wraps the same memory) with
+    FSDP2's all-gather hooks. Under ``fully_shard`` each rank then quantizes its row shard of the
+    (N, K) weight with one scale for the group, the all-gather moves the FP8 bytes (one byte per
+    element: half of bfloat16's traffic, a quarter of float32's) and the transposed FP8 copy for
+    the dgrad GEMM is written from them; no high-precision copy of the full weight is made. The
+    layer's forward feeds those bytes to :func:`fp8ops.fp8_linear` as its weight cache, and the
+    (N, K) weight gradient it computes is the unsharded parameter's gradient, which FSDP2
+    reduce-scatters (in the param dtype, or ``reduce_dtype``) as usual.
+
+    The scale is the weight state's (``layer.fp8_state.weight``) when it is a calibrated delayed
+    scale, or, with current scaling and before the first update, that of the group's amax (one
+    ``all_reduce(MAX)`` of a scalar per layer and all-gather). Each rank's weight role observes the
+    amax of its shard; :func:`update_scaling` with ``group=`` (required: it raises without one)
+    max-reduces it with the other observations in its one ``all_reduce`` per step, so the state
+    sees the full weight's amax and the scales stay identical on every rank. The gathered FP8
+    weight is the one the layer would quantize from the full weight.
+
+    Outside ``fully_shard`` (before it, or without it) the weight behaves as a plain tensor and the
+    layer runs as before. A weight tied between selected layers stays tied; one tied to any other
+    module (an embedding, which would read it as its FP8 value) is refused. The sharded parameters are ``DTensor`` shards as usual
+    (``.full_tensor()`` gathers one in high precision). The parameters are new ``Parameter``
+    objects: build the optimizer after ``fully_shard``, as FSDP2 requires anyway.
+
+    Covered: :class:`Linear` only (including those made by :func:`convert`). The other modules
+    (:class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`TransformerLayer`) all-gather their
+    weights in their own dtype: their ops do not take a pre-quantized weight.
+
+    Args:
+        model: the module tree (``model`` itself may be a :class:`Linear`).
+        filter: ``filter(fqn, layer) -> bool`` selects among the :class:`Linear` layers with a recipe
+            (``fqn`` as in ``model.named_modules()``); None selects them all. Layers without a
+            recipe are never selected (nothing of theirs is FP8).
+
+    Returns:
+        The qualified names of the selected layers, in ``named_modules()`` order (``""`` for
+        ``model`` itself).
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``, or ``filter`` is not callable.
+        ValueError: no :class:`Linear` layer with a recipe is selected; a selected layer's recipe
+            scales per row (the gathered weight needs one scale per tensor) or runs its fprop or
+            dgrad GEMM in high precision (the FP8 weight replaces the high-precision one in both);
+            a selected weight is tied to a module that is not a selected layer (an embedding would
+            read it as its FP8 value); or ``fully_shard`` has already sharded a selected weight.
+
+    Example:
+        >>> import os, tempfile, torch, torch.distributed as dist, fp8ops
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> f = os.path.join(tempfile.mkdtemp(), "init")
+        >>> dist.init_process_group("gloo", init_method=f"file://{f}", rank=0, world_size=1)
+        >>> r = fp8ops.DelayedScaling()
+        >>> model = torch.nn.Sequential(fp8ops.nn.Linear(16, 32, recipe=r), fp8ops.nn.Linear(32, 8, recipe=r))
+        >>> fp8ops.nn.enable_fp8_all_gather(model)
+        ['0', '1']
+        >>> mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        >>> for layer in model:
+        ...     _ = fully_shard(layer, mesh=mesh)
+        >>> _ = fully_shard(model, mesh=mesh)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model(torch.randn(4, 16)).square().mean().backward()     # the weights move as FP8 bytes
+        >>> opt.step(); opt.zero_grad()
+        >>> fp8ops.nn.update_scaling(model, group=dist.group.WORLD)
+        >>> model[0].weight.full_tensor().shape, bool(model[0].fp8_state.weight.calibrated)
+        (torch.Size([32, 16]), True)
+        >>> dist.destroy_process_group()
+    """
+    where = "fp8ops.nn.enable_fp8_all_gather"
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if filter is not None and not callable(filter):
+        raise TypeError(f"{where}: filter must be a callable (fqn, module) -> bool, got {type(filter).__name__}")
+    selected = [(fqn, m) for fqn, m in model.named_modules()
+                if isinstance(m, Linear) and m.recipe is not None and (filter is None or filter(fqn, m))]
+    if not selected:
+        raise ValueError(f"{where}: found no fp8ops.nn.Linear with a recipe to all-gather in FP8 in the "
+                         f"{type(model).__name__} given (or the filter selected none); only fp8ops.nn.Linear is "
+                         f"covered (LayerNormLinear, LayerNormMLP and TransformerLayer all-gather their weights in "
+                         f"their own dtype)")
+    wrap_weights(model, selected, where)
+    return [fqn for fqn, _ in selected]

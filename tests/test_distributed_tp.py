@@ -1,5 +1,5 @@
-"""Tensor and sequence parallelism on CPU with gloo: a TP / TP+SP transformer layer on 2 and 4
-ranks equals the single-process layer (output, dx, every gathered parameter gradient), for
+"""Tensor and sequence parallelism on CPU with gloo (and over NCCL on 2 GPUs, marker ``gpu``): a
+TP / TP+SP transformer layer on 2 and 4 ranks equals the single-process layer (output, dx, every gathered parameter gradient), for
 recipe=None (tightly) and FP8 delayed / current scaling (within the FP8 error budget); the scaling
 states are identical on every rank after ``update(group=)``; with sequence parallelism the FP8
 all-gathers move FP8 bytes; a 2 x 2 DP x TP mesh training a TP+SP layer under DDP (over "dp")
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils import _pytree as pytree
 
 import fp8ops
 
@@ -55,19 +56,24 @@ def _run(params, x, gy, cfg, recipe, state, **tp):
     return y.detach(), x.grad, {k: p.grad for k, p in params.items()}, pgrads, new_state
 
 
-def _case(name, cfg_kw, recipe_name, sp, rank, world, group, bad):
+def _cpu(tree):
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), tree)
+
+
+def _case(name, cfg_kw, recipe_name, sp, rank, world, group, bad, device="cpu"):
     cfg = fp8ops.TransformerConfig(**cfg_kw)
     recipe = RECIPES[recipe_name]
     g = torch.Generator().manual_seed(0)
     params = fp8ops.init_transformer_params(cfg, generator=g)
     x = torch.randn(S, B, cfg.hidden_size, generator=g)
     gy = torch.randn(S, B, cfg.hidden_size, generator=g)
+    params, x, gy = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (params, x, gy))
     shard = fp8ops.shard_transformer_params(params, cfg, rank=rank, world_size=world)
     sl = slice(rank * S // world, (rank + 1) * S // world) if sp else slice(None)
     tp = {"tp_group": group, "sequence_parallel": sp}
     tag = f"{name}/{recipe_name}/sp={sp}/w={world}"
 
-    st1 = st_tp = fp8ops.init_transformer_state(cfg, recipe) if recipe is not None else None
+    st1 = st_tp = fp8ops.init_transformer_state(cfg, recipe, device=device) if recipe is not None else None
     steps = 2 if recipe_name == "delayed" else 1  # delayed: compare the second, scaled step
     for step in range(steps):
         ref = _run(params, x, gy, cfg, recipe, st1)
@@ -75,8 +81,9 @@ def _case(name, cfg_kw, recipe_name, sp, rank, world, group, bad):
         if recipe is not None:
             st1 = fp8ops.update(ref[4], recipe=recipe, grad_amax=ref[3])
             st_tp = fp8ops.update(out[4], recipe=recipe, grad_amax=out[3], group=group)
-    y, dx, grads = out[0], out[1], out[2]
-    ry, rdx, rgrads = ref[0][sl], ref[1][sl], ref[2]
+    # compared on the CPU (the NCCL variant runs each rank on its own GPU)
+    y, dx, grads = _cpu(out[:3])
+    ry, rdx, rgrads = _cpu((ref[0][sl], ref[1][sl], ref[2]))
     # every rank's gradient shards, gathered to full gradients
     shards: list = [None] * world
     dist.all_gather_object(shards, grads, group=group)
@@ -89,7 +96,7 @@ def _case(name, cfg_kw, recipe_name, sp, rank, world, group, bad):
     else:
         # the FP8 error budget: this comparison's error against the FP32 layer is at most twice
         # (plus 1e-3) the error of the single-process FP8 layer against it
-        hp = _run(params, x, gy, cfg, None, None)
+        hp = _cpu(_run(params, x, gy, cfg, None, None)[:3])
         hp_pairs = [hp[0][sl], hp[1][sl]] + [hp[2][k] for k in rgrads]
         for (what, a, b), h in zip(pairs, hp_pairs):
             budget = 2 * _relerr(b, h) + 1e-3
@@ -97,10 +104,10 @@ def _case(name, cfg_kw, recipe_name, sp, rank, world, group, bad):
                 bad.append(f"{tag}: {what} error {_relerr(a, h):.3g} vs FP32 is over the budget {budget:.3g}")
         # the states after update(group=) are identical on every rank, and (max over the shards'
         # amaxes = the amax of the whole tensor) equal to the single-process state
-        sd = fp8ops.state_dict(st_tp)
+        sd = _cpu(fp8ops.state_dict(st_tp))
         sds: list = [None] * world
         dist.all_gather_object(sds, sd, group=group)
-        ref_sd = fp8ops.state_dict(st1)
+        ref_sd = _cpu(fp8ops.state_dict(st1))
         for k, v in sd.items():
             if any(not torch.equal(o[k], v) for o in sds):
                 bad.append(f"{tag}: state {k} differs across ranks")
@@ -128,7 +135,7 @@ def _fp8_comm(rank, world, group, bad):
     gy = torch.randn(M, B, N, generator=g)
     sl = slice(rank * M // world, (rank + 1) * M // world)  # this rank's sequence rows
     gathered = []
-    orig = fc.all_gather_single
+    orig = fc.all_gather_tensor
 
     def spy(t, *args, **kwargs):
         gathered.append(t.dtype)
@@ -154,7 +161,7 @@ def _fp8_comm(rank, world, group, bad):
         n, k = slice(rank * N // world, (rank + 1) * N // world), slice(rank * K // world, (rank + 1) * K // world)
         for mode in ("column", "row"):
             tp = {"tp_group": group, "parallel_mode": mode, "sequence_parallel": True}
-            fc.all_gather_single = spy
+            fc.all_gather_tensor = spy
             try:
                 if mode == "column":  # x: rows of the sequence; y: every row, the rank's columns
                     out = run(x[sl], w[n], b[n], gy[..., n], **tp)
@@ -163,7 +170,7 @@ def _fp8_comm(rank, world, group, bad):
                     out = run(x[..., k], w[:, k], b, gy[sl], **tp)
                     want = [ref[0][sl], ref[1][..., k], ref[2][:, k], ref[3]]
             finally:
-                fc.all_gather_single = orig
+                fc.all_gather_tensor = orig
             tag = f"fp8 comm/{name}/{mode}"
             if name == "delayed":
                 for what, a, r in zip(("y", "dx", "dw", "db"), out[:4], want):
@@ -363,6 +370,33 @@ def test_tp_layer_four_ranks_equals_single_process():
     cases = [("pre", r, True) for r in RECIPES] + [("pre", "none", False), ("post", "current", True)]
     bad = _spawn(4, cases)
     assert all(b == [] for b in bad), "\n".join(sum(bad, []))
+
+
+def _nccl_worker(rank, world, init_file, out_dir, cases):
+    torch.manual_seed(0)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
+    bad: list[str] = []
+    try:
+        for name, recipe_name, sp in cases:
+            _case(name, CONFIGS[name], recipe_name, sp, rank, world, dist.group.WORLD, bad, device=f"cuda:{rank}")
+    finally:
+        torch.save(bad, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 CUDA GPUs and NCCL")
+def test_tp_layer_nccl_two_gpus_equals_single_process():
+    """The 2-rank cases over NCCL, one rank per GPU, float32 on the GPU (Triton kernels, FP8 all-gathers
+    of the sequence-parallel inputs and output gradients as bytes)."""
+    cases = [(n, r, sp) for n in CONFIGS for r in RECIPES for sp in (False, True)]
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_nccl_worker, args=(2, os.path.join(d, "init"), d, cases), nprocs=2, join=True)
+        bad = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
+    assert bad == [[], []], "\n".join(sum(bad, []))
 
 
 def _compile_worker(rank, world, init_file, out_dir):

@@ -1,0 +1,288 @@
+"""FP8 weight all-gather inside FSDP2 ``fully_shard``: the parameter subclasses behind
+:func:`fp8ops.nn.enable_fp8_all_gather`, and the forward of a linear layer over the gathered bytes.
+
+FSDP2 all-gathers a parameter whose local shard defines ``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather`` through those hooks (torch/distributed/fsdp/_fully_shard/_fsdp_param.py)::
+
+    sharded parameter    DTensor, local tensor an FP8AllGatherWeight (N/w, K), high precision
+    fsdp_pre_all_gather  q = sat(shard * scale) as bytes (N/w, K) uint8, padded to FSDP2's shard rows;
+                         scale: the weight state's (calibrated delayed), or that of the group's amax
+                         (one all_reduce(MAX) of a scalar: current scaling, an uncalibrated state)
+    all-gather           (w * N/w, K) uint8: one byte per element, half of bfloat16's
+    fsdp_post_all_gather the unsharded parameter, a GatheredFP8Weight (N, K) of the param dtype that
+                         holds the gathered bytes, their transposed copy (K, N), 1/scale and the
+                         amax of this rank's shard; no high-precision copy of the full weight
+    forward              fp8_linear with a WeightCache of those bytes and a zero-stride stand-in
+                         weight whose gradient, the (N, K) dW, becomes the unsharded parameter's
+                         gradient, which FSDP2 reduce-scatters as usual
+
+FSDP2 frees the all-gather output and the inner tensors returned by ``fsdp_post_all_gather``
+after the forward (storage resized to 0) and gathers again for the backward into the same tensor
+objects, so the backward reads the tensors the forward saved: the transposed copy is rewritten
+in place without a version bump, as FSDP2 does with its own outputs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from ._parallel import fp8_group_quantize
+from .fp8_linear import LinearState, WeightCache, fp8_linear
+from .quantize import Float8Value, QuantSpec
+
+__all__ = ["FP8AllGatherWeight", "GatheredFP8Weight", "gathered_linear", "is_fp8_all_gather", "sharded_fp8_weight",
+           "wrap_weights"]
+
+_aten = torch.ops.aten
+
+# Ops whose outputs stay FP8AllGatherWeight: those FSDP2 runs on the parameter to shard, pad and
+# move it (a new shard, views of it, copies into it), so that its local shard keeps the hooks.
+_KEEP_SUBCLASS = {
+    _aten.empty_like.default,
+    _aten.new_zeros.default,
+    _aten.slice.Tensor,
+    _aten.copy_.default,
+    _aten.view.default,
+    _aten.as_strided.default,
+    _aten._to_copy.default,
+    _aten._pin_memory.default,
+    _aten.split.Tensor,
+    _aten.clone.default,
+}
+
+
+class FP8AllGatherWeight(torch.Tensor):
+    """A high-precision weight (N, K) of an ``fp8ops.nn.Linear`` that FSDP2 all-gathers in FP8.
+
+    Every op runs on the wrapped tensor (the results are plain tensors, except for the ops FSDP2
+    uses to shard the parameter, which keep the subclass); FSDP2 calls :meth:`fsdp_pre_all_gather`
+    and :meth:`fsdp_post_all_gather` on the local shard. ``owner`` is a weak reference to the
+    ``fp8ops.nn.Linear`` whose recipe and weight state quantize it, carried by every shard and view
+    FSDP2 makes: a weight shared by several layers is quantized with its first layer's state,
+    whichever of them FSDP2 registers it under.
+    """
+
+    _tensor: Tensor
+    _owner: weakref.ref[Any]
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor, owner: weakref.ref[Any]) -> FP8AllGatherWeight:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: Tensor, owner: weakref.ref[Any]) -> None:
+        self._tensor, self._owner = tensor, owner
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"FP8AllGatherWeight({self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _aten.detach.default:
+            return cls(args[0]._tensor, args[0]._owner)
+        owner = next(t._owner for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP_SUBCLASS:
+            return out
+        return pytree.tree_map_only(Tensor, lambda t: cls(t, owner), out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], weakref.ref[Any]]:
+        return ["_tensor"], self._owner
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], owner: weakref.ref[Any], outer_size: Any, outer_stride: Any
+                             ) -> FP8AllGatherWeight:
+        return FP8AllGatherWeight(inner["_tensor"], owner)
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                            module: torch.nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
+        """FSDP2 hook: this rank's shard quantized with one scale for the shard group, as bytes."""
+        linear = self._owner()
+        if linear is None:
+            raise RuntimeError("FP8AllGatherWeight: the fp8ops.nn.Linear this weight was enabled on "
+                               "(fp8ops.nn.enable_fp8_all_gather) no longer exists")
+        if tuple(self.shape[1:]) != tuple(outer_size[1:]):
+            raise ValueError(f"FP8AllGatherWeight.fsdp_pre_all_gather: the FP8 all-gather needs row shards (FSDP2's "
+                             f"default Shard(0) placement) of the {tuple(outer_size)} weight, got a "
+                             f"{tuple(self.shape)} shard; do not pass a shard_placement_fn for this weight")
+        recipe, ws = linear.recipe, linear.fp8_state.weight
+        spec = QuantSpec.of(recipe, "forward", ws.calibrated)
+        group = mesh.get_group()
+        shard = self._tensor
+        data, inv, amax = fp8_group_quantize(shard.contiguous(), ws.scale, spec, group)  # (rows, K) uint8
+        # FSDP2 gathers equal pieces: a shorter last shard (N not divisible by w) is padded with
+        # zero bytes (FP8 zeros) to the rows of the first one, which the unsharded weight drops.
+        rows = -(-outer_size[0] // mesh.size())
+        if data.shape[0] != rows:
+            data = torch.cat([data, data.new_zeros(rows - data.shape[0], data.shape[1])])
+        return (data,), (outer_size[0], inv, amax, spec.dtype)
+
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple[Tensor, ...], metadata: Any, param_dtype: torch.dtype,
+                             *, out: Tensor | None = None) -> tuple[GatheredFP8Weight, tuple[Tensor, ...]] | None:
+        """FSDP2 hook: the unsharded parameter over the gathered bytes (a new one, or ``out`` refilled)."""
+        (gathered,) = all_gather_outputs  # (w * rows, K) uint8
+        N, inv, amax, fp8_dtype = metadata
+        data = gathered[:N]  # (N, K): the padding rows dropped (a view, no copy)
+        if out is not None:
+            if not isinstance(out, GatheredFP8Weight):
+                raise TypeError(f"FP8AllGatherWeight.fsdp_post_all_gather: out must be the GatheredFP8Weight "
+                                f"this hook made, got {type(out).__name__}")
+            # the same (K, N) tensor the forward may have saved for the backward: refilled in place
+            with torch.autograd._unsafe_preserve_version_counter(out._data_t):
+                out._data_t.copy_(data.t())
+            out._data, out._inv, out._amax = data, inv, amax
+            return None
+        data_t = data.t().contiguous()  # (K, N): the dgrad GEMM's K-major operand
+        w = GatheredFP8Weight(data, data_t, inv, amax, fp8_dtype, param_dtype)
+        return w, (data_t,)
+
+
+class GatheredFP8Weight(torch.Tensor):
+    """The unsharded parameter of an :class:`FP8AllGatherWeight` inside FSDP2: (N, K) of the param
+    dtype outside, the all-gathered FP8 weight inside.
+
+    ``fp8ops.nn.Linear`` reads the FP8 operands (:func:`gathered_linear`); any other op sees the
+    dequantized weight ``fp8 * inv_scale`` in the param dtype (a plain tensor). In-place ops raise:
+    the unsharded weight is FSDP2's, rebuilt from the shards at every all-gather.
+    """
+
+    _data: Tensor
+    _data_t: Tensor
+    _inv: Tensor
+    _amax: Tensor
+    _fp8_dtype: torch.dtype
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data: Tensor, data_t: Tensor, inv: Tensor, amax: Tensor, fp8_dtype: torch.dtype,
+                dtype: torch.dtype) -> GatheredFP8Weight:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, data.size(), dtype=dtype, device=data.device)
+
+    def __init__(self, data: Tensor, data_t: Tensor, inv: Tensor, amax: Tensor, fp8_dtype: torch.dtype,
+                 dtype: torch.dtype) -> None:
+        self._data, self._data_t, self._inv, self._amax, self._fp8_dtype = data, data_t, inv, amax, fp8_dtype
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, fp8_dtype={self._fp8_dtype})"
+
+    def _same(self) -> GatheredFP8Weight:
+        return GatheredFP8Weight(self._data, self._data_t, self._inv, self._amax, self._fp8_dtype, self.dtype)
+
+    def dequantize(self) -> Tensor:
+        """The gathered weight as a plain (N, K) tensor of the param dtype: ``fp8 * inv_scale``."""
+        return (self._data.view(self._fp8_dtype).to(torch.float32) * self._inv).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _aten.detach.default:
+            return args[0]._same()
+        if func is _aten.as_strided.default:
+            # FSDP2 views the unsharded tensor with the parameter's (contiguous) size once
+            w, size, stride = args[0], tuple(args[1]), tuple(args[2])
+            offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+            if size == tuple(w.shape) and stride == tuple(w.stride()) and not offset:
+                return w._same()
+        if func._schema.is_mutable:
+            raise RuntimeError(f"GatheredFP8Weight: {func} would modify the unsharded weight that FSDP2 all-gathered "
+                               f"in FP8 (fp8ops.nn.enable_fp8_all_gather); modify the sharded parameter instead")
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+class _StandIn(torch.autograd.Function):
+    """A zero-stride (N, K) stand-in for the unsharded weight: fp8_linear's ``weight`` next to the
+    cache; its gradient (dW) passes to the unsharded parameter unchanged."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(w: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, dw: Tensor) -> Tensor:  # type: ignore[override]
+        return dw
+
+
+def gathered_linear(x: Tensor, weight: GatheredFP8Weight, bias: Tensor | None, state: LinearState, *, recipe: Any,
+                    grad_probe: Tensor | None) -> tuple[Tensor, LinearState]:
+    """:func:`fp8_linear` over an unsharded FP8-gathered weight: ``(y, new_state)``, the weight role
+    observing the amax of this rank's shard (``update(..., group=)`` makes it the full weight's)."""
+    stand_in = _StandIn.apply(weight)
+    dt = weight._fp8_dtype
+    value = Float8Value(weight._data.view(dt), weight._inv, weight._data_t.view(dt))
+    cache = WeightCache(value, None, state.weight.scale, recipe, stand_in)
+    y, new_state = fp8_linear(x, stand_in, bias, state, recipe=recipe, grad_probe=grad_probe, weight_cache=cache)
+    assert new_state is not None
+    return y, new_state.replace(weight=new_state.weight.observe(weight._amax))
+
+
+def sharded_fp8_weight(weight: Tensor) -> bool:
+    """Whether ``weight`` is an FSDP2 shard (a DTensor) of an :class:`FP8AllGatherWeight` over more
+    than one rank, or its unsharded :class:`GatheredFP8Weight`."""
+    if isinstance(weight, GatheredFP8Weight):
+        return True
+    local = getattr(weight, "_local_tensor", None)
+    return isinstance(local, FP8AllGatherWeight) and weight.device_mesh.size() > 1  # type: ignore[attr-defined]
+
+
+def is_fp8_all_gather(weight: Tensor) -> bool:
+    """Whether ``weight`` is all-gathered in FP8 under FSDP2 (sharded or not yet sharded)."""
+    local = getattr(weight, "_local_tensor", weight)
+    return isinstance(local, (FP8AllGatherWeight, GatheredFP8Weight))
+
+
+def wrap_weights(model: torch.nn.Module, selected: list[tuple[str, Any]], where: str) -> None:
+    """Check the selected ``(fqn, fp8ops.nn.Linear)`` layers of ``model`` and give each weight an
+    :class:`FP8AllGatherWeight` parameter, in place (``fp8ops.nn.enable_fp8_all_gather``)."""
+    for fqn, m in selected:
+        recipe = m.recipe
+        name = f"layer {fqn!r}" if fqn else "model"
+        if recipe.mode == "rowwise":
+            raise ValueError(f"{where}: {name} has a row-wise recipe ({recipe!r}); an FP8 all-gather needs one scale "
+                             f"per tensor: DelayedScaling or CurrentScaling(granularity='tensor'), or leave this "
+                             f"layer out with filter=")
+        if recipe.fprop.precision != "fp8" or recipe.dgrad.precision != "fp8":
+            raise ValueError(f"{where}: {name} has a recipe with fprop={recipe.fprop.precision!r}, "
+                             f"dgrad={recipe.dgrad.precision!r}; the gathered FP8 weight replaces the high-precision "
+                             f"weight in both GEMMs, which must be 'fp8' (or leave this layer out with filter=)")
+        if type(m.weight).__name__ == "DTensor":
+            raise ValueError(f"{where}: the weight of {name} is already sharded (a DTensor): call "
+                             f"enable_fp8_all_gather before fully_shard")
+    # A weight tied to another module (an embedding) would be read there as its FP8 value.
+    owners = {id(m.weight): fqn for fqn, m in selected}
+    chosen = {id(m) for _, m in selected}
+    for mfqn, mod in model.named_modules(remove_duplicate=False):
+        for p in mod._parameters.values():
+            if p is not None and id(p) in owners and id(mod) not in chosen:
+                fqn = owners[id(p)]
+                name = f"layer {fqn!r}" if fqn else "model"
+                raise ValueError(f"{where}: the weight of {name} is also a parameter of {mfqn!r} "
+                                 f"({type(mod).__name__}), which would read it as its FP8 value under fully_shard; "
+                                 f"leave the layer out with filter= (e.g. filter=lambda fqn, m: fqn != {fqn!r})")
+    new: dict[int, torch.nn.Parameter] = {}
+    for _, m in selected:
+        w = m.weight
+        if id(w) not in new and not is_fp8_all_gather(w):
+            # a weight shared by several layers is quantized with the first one's state
+            new[id(w)] = torch.nn.Parameter(FP8AllGatherWeight(w.detach(), weakref.ref(m)),
+                                            requires_grad=w.requires_grad)
+    # Swap every reference (a weight tied between selected layers stays tied).
+    for mod in model.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None and id(p) in new:
+                mod._parameters[pname] = new[id(p)]
