@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .recipes import Recipe
-from .state import validate_state
+from .state import _state_ok, validate_state
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -55,8 +55,11 @@ def check_state_recipe(state: Any, recipe: Any, cls: type, x: Tensor, where: str
                          f"(or state=None and recipe=None for no FP8)")
     if not isinstance(state, cls):
         raise TypeError(f"{where}: state must be a {cls.__name__} ({cls.__name__}.init(recipe)), got {type(state).__name__}")
+    device = x.device
     for role in cls.ROLES:  # type: ignore[attr-defined]
-        validate_state(getattr(state, role), where=f"{where}: state.{role}", device=x.device, recipe=recipe)
+        s = getattr(state, role)
+        if not _state_ok(s, device, recipe):  # validate_state names what is wrong
+            validate_state(s, where=f"{where}: state.{role}", device=device, recipe=recipe)
     return True
 
 

@@ -5,6 +5,11 @@
   drops its backward and returns wrong gradients, zeros among them (pytorch#193279). Every op calls
   this before applying its Function, so that such a trace raises instead, whatever is
   differentiated. It costs nothing outside ``torch.compile``.
+- :func:`apply`: ``Function.apply`` without its per-call argument binding. ``Function.apply``
+  binds the arguments to ``inspect.signature(forward)`` on every call (tens of µs on the host);
+  the ops pass every argument positionally, so in plain eager mode the binding is the identity
+  and :func:`apply` goes straight to the C++ ``apply``. Under ``torch.compile`` and inside
+  ``torch.func`` transforms it is ``Function.apply`` itself.
 - :func:`cast`: a dtype conversion recorded only when it converts. ``t.to(dtype)`` of a tensor
   already of that dtype returns ``t`` itself, which torch.compile records as a second graph value
   for one tensor; when a ``Function.forward`` returns it, torch 2.11's compiled forward routes the
@@ -24,8 +29,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._functorch.utils import unwrap_dead_wrappers
 
-__all__ = ["GUARD_MESSAGE", "autocast_dtype", "autocast_inputs", "cast", "refuse_compiled_transform", "values_readable"]
+__all__ = [
+    "GUARD_MESSAGE",
+    "apply",
+    "autocast_dtype",
+    "autocast_inputs",
+    "cast",
+    "refuse_compiled_transform",
+    "values_readable",
+]
 
 GUARD_MESSAGE = (
     "torch.compile cannot trace a torch.func transform (grad, vjp, grad_and_value, jacrev, ...) through "
@@ -73,6 +87,20 @@ def refuse_compiled_transform(where: str, x: Tensor) -> None:
     """
     if torch.compiler.is_compiling() and _gradient_transform_active():
         torch.ops.fp8ops.refuse_compiled_transform(x, where)
+
+
+def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` for a Function whose ``forward`` takes exactly ``args`` positionally.
+
+    In plain eager mode this is what ``Function.apply`` does after binding the arguments (which is
+    the identity for positional arguments without defaults): torch.func wrappers left over from a
+    finished transform are unwrapped, then the C++ ``apply`` runs ``forward`` and records the
+    graph node. Under ``torch.compile`` or an active ``torch.func`` transform it calls
+    ``fn.apply`` (Dynamo's and torch.func's handling of autograd.Function).
+    """
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return super(torch.autograd.Function, fn).apply(*unwrap_dead_wrappers(args))  # type: ignore[misc]
 
 
 def cast(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -21,6 +21,7 @@ from torch import Tensor
 from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
 from ._glue import cast
 from .gemm import scaled_mm
+from .kernels._library import ops as _ops
 from .quantize import QuantSpec, quantize_2d
 from .recipes import GemmSpec
 
@@ -39,7 +40,6 @@ __all__ = [
     "quantize_weight_operands",
 ]
 
-_ops = torch.ops.fp8ops
 
 def hp_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x . weight^T + bias`` in ``x``'s dtype with torch's own linear (no FP8, no kernel of ours);
@@ -74,7 +74,7 @@ def quantize_grad(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool,
     observation) is computed.
     """
     if not (need_q or need_t):
-        return None, None, None, None, torch.ops.fp8ops.amax(dy)
+        return None, None, None, None, _ops.amax(dy)
     if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
         spec = spec._replace(calibrated=False)
     return quantize_pair(dy, g_scale if has_probe else None, spec, need_t)
@@ -119,7 +119,7 @@ def quantize_weight_operands(w: Tensor, w_scale: Tensor | None, spec: QuantSpec 
         return None, None, None, None, w.new_empty(0, dtype=torch.float32)
     if fp8_fprop or need_t:
         return quantize_pair(w, w_scale, spec, need_t)
-    return None, None, None, None, torch.ops.fp8ops.amax(w)
+    return None, None, None, None, _ops.amax(w)
 
 
 def or_empty(t: Tensor | None, x: Tensor) -> Tensor:

@@ -21,10 +21,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._glue import refuse_compiled_transform
+from ._glue import apply, refuse_compiled_transform
 from ._checks import check_float_tensor
 from .kernels import activation as _K
 from .kernels._library import define as _define
+from .kernels._library import ops as _ops
 from .quantize import QuantSpec, _loop_vmap
 from .reference import activation as _ref
 
@@ -44,8 +45,6 @@ ACTIVATIONS: tuple[str, ...] = _ref.ACTIVATIONS
 
 GATED: tuple[str, ...] = _ref.GATED
 """The gated activations: ``h = [a | b]`` (..., 2F), output ``act(a) * b`` (..., F)."""
-
-_ops = torch.ops.fp8ops
 
 
 def check_activation(name: Any, where: str) -> str:
@@ -275,7 +274,8 @@ class _Activation(torch.autograd.Function):
         return dh, None
 
 
-# autograd.Function.apply binds arguments with inspect.signature(forward) on every call.
+# Under torch.compile and torch.func, autograd.Function.apply binds the arguments with
+# inspect.signature(forward) on every call (eager calls skip the binding: _glue.apply).
 _Activation.forward.__signature__ = inspect.signature(_Activation.forward)  # type: ignore[attr-defined]
 
 
@@ -326,7 +326,7 @@ def activation(h: Tensor, act: str) -> Tensor:
     lead = h.shape[:-1]
     h2 = h.reshape(math.prod(lead), h.shape[-1])
     refuse_compiled_transform(where, h)
-    y = _Activation.apply(h2, act)
+    y = apply(_Activation, h2, act)
     return y.reshape(*lead, F)
 
 
@@ -340,4 +340,4 @@ _define(_K.act_bwd, cpu=_ref.act_bwd)
 _define(_K.act_bwd_amax, cpu=_ref.act_bwd_amax)
 
 for _name in ("act_fwd", "act_amax", "act_bwd", "act_bwd_amax"):
-    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))
+    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(torch.ops.fp8ops, _name)))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .formats import Role
-from ._glue import cast, refuse_compiled_transform
+from ._glue import apply, cast, refuse_compiled_transform
 from ._checks import check_float_tensor, check_probe, check_recipe
 from .quantize import QuantSpec, quantize_2d
 from .recipes import Recipe
@@ -85,8 +85,9 @@ class _FakeQuantize(torch.autograd.Function):
         return dx, None, None, (amax if ctx.has_probe else None), None, None
 
 
-# autograd.Function.apply binds arguments with inspect.signature(forward) on every call; a stored
-# signature makes that lookup immediate.
+# Under torch.compile and torch.func, autograd.Function.apply binds the arguments with
+# inspect.signature(forward) on every call; a stored signature makes that lookup immediate (eager
+# calls skip the binding: _glue.apply).
 _FakeQuantize.forward.__signature__ = inspect.signature(_FakeQuantize.forward)  # type: ignore[attr-defined]
 
 
@@ -160,5 +161,5 @@ def fake_quantize(
     in_spec = QuantSpec.of(recipe, "forward", state.input.calibrated)
     grad_spec = QuantSpec.of(recipe, "backward", state.grad_output.calibrated)
     refuse_compiled_transform(where, x)
-    y, amax = _FakeQuantize.apply(x, in_scale, grad_scale, grad_probe, in_spec, grad_spec)
-    return y, state.replace(input=state.input.observe(amax))
+    y, amax = apply(_FakeQuantize, x, in_scale, grad_scale, grad_probe, in_spec, grad_spec)
+    return y, state.replace(input=state.input._observe_amax(amax))

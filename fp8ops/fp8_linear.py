@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ._parallel import PARALLEL_MODES, column_input, gather_seq_fp8, probe_sink, row_output, tp_config
-from ._glue import autocast_dtype, autocast_inputs, refuse_compiled_transform
+from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
 from ._operands import (
     gemm_dgrad,
@@ -35,6 +35,7 @@ from ._operands import (
     quantize_weight_operands,
 )
 from .formats import Role
+from .kernels._library import ops as _ops
 from .quantize import Float8Value, QuantSpec
 from .recipes import GemmSpec, Recipe
 from .state import OpState, ScalingState, validate_state
@@ -178,7 +179,7 @@ class _FP8Linear(torch.autograd.Function):
             xq, x_inv, xq_t, x_inv_t, x_amax = quantize_pair(x, x_scale, cfg.x_spec, need_xt)
         else:
             xq = x_inv = xq_t = x_inv_t = None
-            x_amax = torch.ops.fp8ops.amax(x)
+            x_amax = _ops.amax(x)
         # Step 2: the weight, from the cache or quantized now (with its transpose for dgrad).
         if cfg.use_cache:
             # the cached operands are saved from the inputs in setup_context
@@ -236,8 +237,9 @@ class _FP8Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None, probe_grad, None, None, None, None, None
 
 
-# autograd.Function.apply binds arguments with inspect.signature(forward) on every call; a stored
-# signature makes that lookup immediate (tens of µs per call on the host).
+# Under torch.compile and torch.func, autograd.Function.apply binds the arguments with
+# inspect.signature(forward) on every call; a stored signature makes that lookup immediate (eager
+# calls skip the binding: _glue.apply).
 _FP8Linear.forward.__signature__ = inspect.signature(_FP8Linear.forward)  # type: ignore[attr-defined]
 
 
@@ -282,7 +284,7 @@ def quantize_weight(
     spec = QuantSpec.of(recipe, "forward", ws.calibrated)
     q, inv, q_t, inv_t, amax = quantize_pair(weight.detach(), ws.scale, spec, True)
     cache = WeightCache(Float8Value(q, inv, q_t), inv_t if spec.mode == "rowwise" else None, ws.scale, recipe, weight)
-    new_ws = ws.observe(amax)
+    new_ws = ws._observe_amax(amax)
     return cache, (state.replace(weight=new_ws) if isinstance(state, LinearState) else new_ws)
 
 
@@ -394,7 +396,7 @@ def fp8_linear(
                 spec = QuantSpec.of(recipe, "forward", state.input.calibrated)
                 xg, amax = gather_seq_fp8(x, state.input.scale, spec, tp.group)
                 y, new_state = fp8_linear(xg, weight, bias, state, **kw)
-                return y, new_state.replace(input=state.input.observe(amax))  # type: ignore[union-attr]
+                return y, new_state.replace(input=state.input._observe_amax(amax))  # type: ignore[union-attr]
             return fp8_linear(column_input(x, tp, where), weight, bias, state, **kw)
         fp8_grad = None
         if fp8_comm:
@@ -502,8 +504,8 @@ def fp8_linear(
         g_scale = g_scale.clone()
     c = weight_cache.value if use_cache else None
     refuse_compiled_transform(where, x)
-    y, x_amax, w_amax, *_ = _FP8Linear.apply(
-        x2, weight, bias, x_scale, w_scale, g_scale, grad_probe,
+    y, x_amax, w_amax, *_ = apply(
+        _FP8Linear, x2, weight, bias, x_scale, w_scale, g_scale, grad_probe,
         c.data if c is not None else None,
         c.data_t if c is not None else None,
         c.inv_scale if c is not None else None,
@@ -511,7 +513,7 @@ def fp8_linear(
         cfg,
     )
     new_state = state.replace(
-        input=state.input.observe(x_amax),
-        weight=state.weight if use_cache else state.weight.observe(w_amax),
+        input=state.input._observe_amax(x_amax),
+        weight=state.weight if use_cache else state.weight._observe_amax(w_amax),
     )
     return y.reshape(*lead, N), new_state

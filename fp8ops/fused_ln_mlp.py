@@ -39,9 +39,10 @@ from torch import Tensor
 
 from . import activation as _activation
 from ._parallel import copy_to_tp, row_output, sequence_norm, tp_config
-from ._glue import autocast_dtype, autocast_inputs, refuse_compiled_transform
+from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_float_tensor, check_norm_args, check_probe, check_state_recipe, check_weight
 from .formats import Role
+from .kernels._library import ops as _ops
 from ._operands import (
     HIGH,
     NormCfg,
@@ -61,8 +62,6 @@ from .fp8_linear import LinearState, fp8_linear
 from .state import OpState, ScalingState
 
 __all__ = ["LayerNormMLPState", "fused_ln_mlp"]
-
-_ops = torch.ops.fp8ops
 
 
 class LayerNormMLPState(OpState):
@@ -538,8 +537,8 @@ def fused_ln_mlp(
     )
     lead = x.shape[:-1]
     refuse_compiled_transform(where, x)
-    y, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = _FusedLNMLP.apply(
-        x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, grad_probe, cfg
+    y, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = apply(
+        _FusedLNMLP, x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, grad_probe, cfg
     )
     new_state = None
     if fp8:
@@ -547,5 +546,5 @@ def fused_ln_mlp(
         seen = {"fc1_input": ln_amax, "fc1_weight": w1_amax, "fc2_input": a_amax, "fc2_weight": w2_amax}
         if cfg.recompute:  # fc1's output was quantized (stored in FP8) only then
             seen["fc1_output"] = h_amax
-        new_state = state.replace(**{n: getattr(state, n).observe(a) for n, a in seen.items()})
+        new_state = state.replace(**{n: getattr(state, n)._observe_amax(a) for n, a in seen.items()})
     return y.reshape(*lead, K2), new_state

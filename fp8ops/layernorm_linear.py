@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ._parallel import copy_to_tp, sequence_norm, tp_config
-from ._glue import autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
+from ._glue import apply, autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
 from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
 from ._operands import (
     HIGH,
@@ -47,8 +47,6 @@ from .quantize import QuantSpec
 from .recipes import GemmSpec, Recipe
 
 __all__ = ["LayerNormLinearState", "layernorm_linear"]
-
-_ops = torch.ops.fp8ops
 
 
 class LayerNormLinearState(LinearState):
@@ -322,14 +320,14 @@ def layernorm_linear(
             g_scale = g_scale.clone()
     lead = x.shape[:-1]
     refuse_compiled_transform(where, x)
-    y, ln, ln_amax, w_amax, *_ = _LayerNormLinear.apply(
-        x.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe, cfg
+    y, ln, ln_amax, w_amax, *_ = apply(
+        _LayerNormLinear, x.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe, cfg
     )
     y = y.reshape(*lead, N)
     new_state = None
     if fp8:
         assert state is not None
-        new_state = state.replace(input=state.input.observe(ln_amax), weight=state.weight.observe(w_amax))
+        new_state = state.replace(input=state.input._observe_amax(ln_amax), weight=state.weight._observe_amax(w_amax))
     if return_layernorm_output:
         return (y, ln.reshape(*lead, K)), new_state
     return y, new_state

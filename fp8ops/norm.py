@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from ._checks import check_device, check_eps, check_float_tensor, check_zero_centered_gamma
-from ._glue import autocast_dtype, refuse_compiled_transform
+from ._glue import apply, autocast_dtype, refuse_compiled_transform
 from .kernels import norm as _K
 from .kernels._library import define as _define
+from .kernels._library import ops as _ops
 from .quantize import _loop_vmap
 from .reference import norm as _ref
 
@@ -28,8 +29,6 @@ __all__ = ["layer_norm", "rms_norm"]
 # no state) with a DeprecationWarning; ``state=None`` gets the calling convention's
 # ``(outputs, None)``.
 _OLD_RETURN: Any = type("_OldReturn", (), {"__repr__": lambda self: "<not given>"})()
-
-_ops = torch.ops.fp8ops
 
 
 class _Norm(torch.autograd.Function):
@@ -83,8 +82,9 @@ class _Norm(torch.autograd.Function):
         )
 
 
-# autograd.Function.apply binds arguments with inspect.signature(forward) on every call; a stored
-# signature makes that lookup immediate.
+# Under torch.compile and torch.func, autograd.Function.apply binds the arguments with
+# inspect.signature(forward) on every call; a stored signature makes that lookup immediate (eager
+# calls skip the binding: _glue.apply).
 _Norm.forward.__signature__ = inspect.signature(_Norm.forward)  # type: ignore[attr-defined]
 
 
@@ -149,7 +149,7 @@ def _apply(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | No
     x2 = x.reshape(-1, K)  # (M, K)
     r2 = None if residual is None else residual.reshape(-1, K)
     refuse_compiled_transform("rms_norm" if rms else "layer_norm", x)
-    y, s, _, _ = _Norm.apply(x2, r2, weight, bias, float(eps), rms, zero_centered_gamma)
+    y, s, _, _ = apply(_Norm, x2, r2, weight, bias, float(eps), rms, zero_centered_gamma)
     if residual is None:
         return y.reshape(x.shape)
     return y.reshape(x.shape), s.reshape(x.shape)
@@ -280,4 +280,4 @@ _define(_K.norm_amax, cpu=_ref.norm_amax)
 _define(_K.norm_bwd, cpu=_ref.norm_bwd)
 
 for _name in ("norm_fwd", "norm_amax", "norm_bwd"):
-    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))
+    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(torch.ops.fp8ops, _name)))

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from .kernels import quantize as _K
 from .kernels._library import define as _define
+from .kernels._library import ops as _ops
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_recipe
 from .formats import Role, check_role
 from .recipes import Recipe
@@ -24,8 +25,6 @@ from .reference import quantize as _ref
 from .state import ScalingState, validate_state
 
 __all__ = ["Float8Value", "dequantize", "quantize"]
-
-_ops = torch.ops.fp8ops
 
 
 @attrs.frozen(init=False, eq=False, repr=False)
@@ -204,7 +203,7 @@ def quantize(
     data = data.reshape(x.shape)
     if inv.dim():
         inv = inv.reshape(*x.shape[:-1], 1)
-    new_state = state.observe(amax) if state is not None else None
+    new_state = state._observe_amax(amax) if state is not None else None
     return Float8Value(data, inv, data_t), new_state
 
 
@@ -264,5 +263,5 @@ def _loop_vmap(op: Any) -> Any:
 
 
 for _name in ("amax", "cast", "cast_transpose", "cast_rowwise"):
-    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))
+    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(torch.ops.fp8ops, _name)))
 

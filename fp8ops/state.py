@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ._glue import values_readable
-from .formats import Role, check_role
+from .formats import _ROLES, Role, check_role
 
 __all__ = [
     "OpState",
@@ -47,6 +47,8 @@ _T = TypeVar("_T")
 
 _TENSOR_FIELDS = (("amax_history", 1), ("scale", 0), ("pending_amax", 0))
 _FIELDS = ("amax_history", "scale", "pending_amax", "role", "calibrated", "fp8_dtype", "mode", "observed")
+# The fields ScalingState.replace sets without checks (the tensors and the observed flag).
+_TENSOR_CHANGES = frozenset(("amax_history", "scale", "pending_amax", "observed"))
 
 
 def _describe(t: Any) -> str:
@@ -128,8 +130,9 @@ class ScalingState:
             or None for unknown (not checked). Static.
 
     A fifth static field, ``observed``, is set by :meth:`observe` (True), cleared by an update
-    (False) and unknown (None) for a hand-made or loaded state: an update reads on the host
-    whether an uncalibrated state saw anything only when it may have (see :func:`update`).
+    (False) and unknown (None) for a hand-made state or one whose ``pending_amax`` was replaced:
+    an update reads on the host whether an uncalibrated state saw anything only when it may have
+    (see :func:`update`). False promises that nothing is pending (``pending_amax`` is 0).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type, dtype, shape, device or value.
@@ -190,24 +193,53 @@ class ScalingState:
         """A copy with some fields replaced (the original is untouched).
 
         The static fields are checked; the tensors are not (``replace`` also runs on batched and
-        traced tensors), so prefer a recipe's ``init`` for a state with new values.
+        traced tensors), so prefer a recipe's ``init`` for a state with new values. A new
+        ``pending_amax`` without ``observed`` makes a state that had observed nothing (False) one
+        whose observations are unknown (None).
         """
-        unknown = [k for k in changes if k not in _FIELDS]
-        if unknown:
-            raise TypeError(f"ScalingState.replace: unknown fields {unknown}; the fields are {list(_FIELDS)}")
-        if any(k in changes for k in ("role", "calibrated", "fp8_dtype", "mode")):
-            _check_static(
-                changes.get("role", self.role),
-                changes.get("calibrated", self.calibrated),
-                changes.get("fp8_dtype", self.fp8_dtype),
-                changes.get("mode", self.mode),
-                where="ScalingState.replace",
-            )
-        return ScalingState._make(*(changes[n] if n in changes else getattr(self, n) for n in _FIELDS))
+        for k in changes:
+            if k not in _TENSOR_CHANGES:  # a static field (checked) or an unknown name
+                unknown = [k for k in changes if k not in _FIELDS]
+                if unknown:
+                    raise TypeError(f"ScalingState.replace: unknown fields {unknown}; the fields are {list(_FIELDS)}")
+                _check_static(
+                    changes.get("role", self.role),
+                    changes.get("calibrated", self.calibrated),
+                    changes.get("fp8_dtype", self.fp8_dtype),
+                    changes.get("mode", self.mode),
+                    where="ScalingState.replace",
+                )
+                break
+        get = changes.get
+        observed = self.observed
+        if "observed" in changes:
+            observed = changes["observed"]
+        elif "pending_amax" in changes and observed is False:
+            observed = None  # a pending amax given by hand: whether it holds an observation is unknown
+        return ScalingState._make(
+            get("amax_history", self.amax_history), get("scale", self.scale), get("pending_amax", self.pending_amax),
+            get("role", self.role), get("calibrated", self.calibrated), get("fp8_dtype", self.fp8_dtype),
+            get("mode", self.mode), observed,
+        )
 
     def observe(self, amax: Tensor) -> ScalingState:
         """A copy with ``amax`` max-merged into ``pending_amax`` (NaN propagates), marked ``observed``."""
-        return self.replace(pending_amax=torch.maximum(self.pending_amax, amax.to(torch.float32)), observed=True)
+        if amax.dtype != torch.float32:
+            amax = amax.to(torch.float32)
+        return ScalingState._make(self.amax_history, self.scale, torch.maximum(self.pending_amax, amax), self.role,
+                                  self.calibrated, self.fp8_dtype, self.mode, True)
+
+    def _observe_amax(self, amax: Tensor) -> ScalingState:
+        """:meth:`observe` of an amax that an op computed (float32, >= 0 or NaN).
+
+        A state with ``observed`` False has nothing pending (``pending_amax`` is 0: a fresh or just
+        updated state), and ``max(0, amax)`` is ``amax`` itself: the op's amax becomes the pending
+        amax as it is, without a kernel launch. Otherwise this is :meth:`observe`.
+        """
+        if self.observed is not False or amax.dtype != torch.float32:
+            return self.observe(amax)
+        return ScalingState._make(self.amax_history, self.scale, amax, self.role, self.calibrated, self.fp8_dtype,
+                                  self.mode, True)
 
     def __repr__(self) -> str:
         return (
@@ -217,9 +249,19 @@ class ScalingState:
         )
 
 
-def _set_fields(self: ScalingState, *values: Any) -> None:
-    for name, v in zip(_FIELDS, values):
-        object.__setattr__(self, name, v)
+def _set_fields(self: ScalingState, amax_history: Tensor, scale: Tensor, pending_amax: Tensor, role: str,
+                calibrated: bool, fp8_dtype: torch.dtype | None, mode: str | None, observed: bool | None) -> None:
+    # One statement per field: a loop over _FIELDS costs twice as much, and this runs for every
+    # state an op returns.
+    setattr_ = object.__setattr__
+    setattr_(self, "amax_history", amax_history)
+    setattr_(self, "scale", scale)
+    setattr_(self, "pending_amax", pending_amax)
+    setattr_(self, "role", role)
+    setattr_(self, "calibrated", calibrated)
+    setattr_(self, "fp8_dtype", fp8_dtype)
+    setattr_(self, "mode", mode)
+    setattr_(self, "observed", observed)
 
 
 _Context = tuple[str, bool, "torch.dtype | None", "str | None", "bool | None"]
@@ -327,9 +369,15 @@ class OpState:
 
     def replace(self: _T, **changes: ScalingState) -> _T:
         """A copy with some roles replaced."""
-        fields = {n: getattr(self, n) for n in type(self).ROLES}  # type: ignore[attr-defined]
-        fields.update(changes)
-        return type(self)(**fields)
+        cls = type(self)
+        roles = cls.ROLES  # type: ignore[attr-defined]
+        for name in changes:
+            if name not in roles:  # the constructor names the unexpected field
+                return cls(**{**{n: getattr(self, n) for n in roles}, **changes})
+        new = object.__new__(cls)
+        for name in roles:
+            object.__setattr__(new, name, changes[name] if name in changes else getattr(self, name))
+        return new
 
     @classmethod
     def init(cls: type[_T], recipe: Any, *, device: torch.device | str | None = None) -> _T:
@@ -484,12 +532,29 @@ def merge_batched(tree: _T, *, dim: int = 0) -> _T:
                 amax_history=x.amax_history.select(dim, 0) if x.amax_history.dim() == 2 else x.amax_history,
                 scale=x.scale.select(dim, 0) if x.scale.dim() == 1 else x.scale,
                 pending_amax=x.pending_amax.amax(dim) if x.pending_amax.dim() == 1 else x.pending_amax,
+                observed=x.observed,
             )
         if isinstance(x, Tensor):
             return x.amax(dim)
         return x
 
     return pytree.tree_map(reduce, tree, is_leaf=_is_state_or_tensor)
+
+
+def _state_ok(state: Any, device: torch.device, recipe: Any) -> bool:
+    """Whether ``state`` passes :func:`validate_state` for ``device`` and ``recipe``: the check of
+    every op call, in one expression (metadata only). False where validate_state may still accept
+    it (a recipe whose ``mode`` is None): call validate_state then, for the verdict and the
+    message."""
+    if not isinstance(state, ScalingState):
+        return False
+    h, s, p = state.amax_history, state.scale, state.pending_amax
+    f32 = torch.float32
+    return (state.role in _ROLES and isinstance(h, Tensor) and isinstance(s, Tensor) and isinstance(p, Tensor)
+            and h.dtype == f32 and s.dtype == f32 and p.dtype == f32 and h.dim() == 1 and s.dim() == 0
+            and p.dim() == 0 and h.device == device and s.device == device and p.device == device
+            and (state.mode is None or state.mode == recipe.mode)
+            and (state.fp8_dtype is None or state.fp8_dtype == recipe.dtype(state.role)))
 
 
 def validate_state(state: Any, *, where: str, device: torch.device | None = None, recipe: Any = None) -> ScalingState:
@@ -500,6 +565,8 @@ def validate_state(state: Any, *, where: str, device: torch.device | None = None
     """
     if not isinstance(state, ScalingState):
         raise TypeError(f"{where}: state must be a ScalingState, got {type(state).__name__}")
+    if device is not None and recipe is not None and _state_ok(state, device, recipe):
+        return state
     check_role(state.role, where=where)
     for name, ndim in _TENSOR_FIELDS:
         t = getattr(state, name)

@@ -147,3 +147,43 @@ def test_op_modes_are_bitwise_eager(op: str, recipe: str, dtype: str, device: st
             assert b is not None and torch.equal(a, b), (
                 f"{op} {recipe} {dtype} {device} {mode}: gradient of input {i} differs from eager "
                 f"(max |diff| {(a.float() - b.float()).abs().max().item() if b is not None else 'None'})")
+
+
+def test_library_ops_go_through_the_dispatcher_whenever_it_has_more_to_do() -> None:
+    """fp8ops calls its library ops through ``fp8ops.kernels._library.ops``: in plain eager mode
+    straight to the device kernel, otherwise (a dispatch mode, autograd recording, a transform)
+    through ``torch.ops.fp8ops``, with the same results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8ops.kernels._library import ops
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(6, 8)
+    args = (x, torch.tensor(4.0), None, 0, False, torch.float8_e4m3fn)
+    direct, packet = ops.cast_transpose(*args), torch.ops.fp8ops.cast_transpose(*args)
+    for a, b in zip(direct, packet):
+        assert a.dtype == b.dtype and torch.equal(a.float(), b.float())
+    with Seen() as mode:
+        under_mode = ops.cast_transpose(*args)
+    assert mode.ops == ["fp8ops.cast_transpose.default"]
+    assert torch.equal(under_mode[0].float(), direct[0].float())
+    # trailing arguments with defaults may be left out, as with the dispatcher
+    h = torch.randn(4, 6)
+    short = (h, "gelu_tanh", True, None, None, 0, False, None, False, False)
+    assert torch.equal(ops.act_fwd(*short)[0], torch.ops.fp8ops.act_fwd(*short)[0])
+    # an input that requires grad under grad mode: the dispatcher's autograd fallback, as before
+    xg = x.clone().requires_grad_()
+    assert ops.amax(xg).requires_grad == torch.ops.fp8ops.amax(xg).requires_grad
+    with torch.no_grad():
+        assert not ops.amax(xg).requires_grad
+    # inside a torch.func transform the op's vmap rule runs
+    batched = torch.func.vmap(ops.amax)(torch.randn(3, 4, 5))
+    assert batched.shape == (3,)

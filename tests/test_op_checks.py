@@ -330,6 +330,45 @@ def test_fp8_linear_state_and_recipe_go_together():
         fp8ops.fp8_linear(x, w, b, None, recipe=None, weight_cache=qw)
 
 
+def test_a_bad_state_or_parameter_after_good_calls_of_the_same_shapes_is_refused():
+    """The checks of a valid call take a fast path; a bad input of the same shapes right after
+    valid calls still gets its message."""
+    x, _, _, w, b = _lnl_args()
+    st = LinearState.init(DELAYED)
+    for _ in range(2):
+        fp8ops.fp8_linear(x, w, b, st, recipe=DELAYED)
+    bad_states = {
+        "pending_amax must be a 0-d float32 tensor": st.input.replace(pending_amax=torch.zeros((), dtype=torch.float64)),
+        "scale must be a 0-d float32 tensor": st.input.replace(scale=torch.ones(1)),
+        "amax_history is on meta": st.input.replace(amax_history=st.input.amax_history.to(META)),
+        "built for a 'current' recipe": RECIPES["current"].init(role="forward"),
+        "state must be a ScalingState": "input",
+    }
+    for message, bad in bad_states.items():
+        with pytest.raises((TypeError, ValueError), match=f"^fp8_linear: state.input: .*{message}"):
+            fp8ops.fp8_linear(x, w, b, st.replace(input=bad), recipe=DELAYED)
+        fp8ops.fp8_linear(x, w, b, st, recipe=DELAYED)  # and good again
+    cfg = fp8ops.TransformerConfig(hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                                   self_attn_mask_type="causal")
+    params = fp8ops.init_transformer_params(cfg)
+    xl = torch.randn(3, 2, 16)
+    for _ in range(2):
+        fp8ops.transformer_layer(params, xl, None, config=cfg, recipe=None)
+    bad_params = {
+        r"params\['fc1.weight'\] must have shape \(32, 16\)": {"fc1.weight": torch.zeros(16, 32)},
+        r"params\['fc1.weight'\] is on meta": {"fc1.weight": params["fc1.weight"].to(META)},
+        r"params\['fc1.bias'\] must be float32, bfloat16 or float16": {"fc1.bias": torch.zeros(32, dtype=torch.int64)},
+        r"params\['ln1.weight'\] must be a torch.Tensor": {"ln1.weight": [1.0] * 16},
+        r"unexpected \['extra'\]": {"extra": torch.zeros(1)},
+    }
+    for message, change in bad_params.items():
+        with pytest.raises((TypeError, ValueError), match=f"^transformer_layer: .*{message}"):
+            fp8ops.transformer_layer({**params, **change}, xl, None, config=cfg, recipe=None)
+    missing = {k: v for k, v in params.items() if k != "qkv.bias"}
+    with pytest.raises(ValueError, match=r"^transformer_layer: params do not match the config: missing \['qkv.bias'\]"):
+        fp8ops.transformer_layer(missing, xl, None, config=cfg, recipe=None)
+
+
 # ------------------------------------------------------------------------------------------------
 # 7. fp8ops.nn modules observe only in training forwards with gradients enabled
 

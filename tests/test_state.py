@@ -44,6 +44,33 @@ def test_observe_max_merges_and_propagates_nan():
     assert torch.isnan(s.observe(torch.tensor(float("nan"))).pending_amax)
 
 
+def test_an_op_observation_on_a_state_with_nothing_pending_is_the_amax_itself():
+    # observed False promises pending_amax == 0, so max(0, amax) is amax: ops record it as it is.
+    r = DelayedScaling()
+    fresh = r.init()
+    assert fresh.observed is False
+    amax = torch.tensor(3.0)
+    s = fresh._observe_amax(amax)
+    assert s.pending_amax is amax and s.observed is True and fresh.pending_amax.item() == 0.0
+    # a second observation max-merges; so does the public observe, whatever was pending
+    assert s._observe_amax(torch.tensor(2.0)).pending_amax.item() == 3.0
+    assert fresh.observe(torch.tensor(-1.0)).pending_amax.item() == 0.0
+    # a pending amax set by hand: no longer "nothing pending", so it is merged, not replaced
+    by_hand = fresh.replace(pending_amax=torch.tensor(5.0))
+    assert by_hand.observed is None
+    assert by_hand._observe_amax(torch.tensor(2.0)).pending_amax.item() == 5.0
+    assert fresh.replace(pending_amax=torch.tensor(0.0), observed=False).observed is False
+    assert fresh.replace(scale=torch.tensor(2.0)).observed is False
+    # through an op: the recorded amax equals the max-merge of the same amax into the state
+    st = fp8ops.LinearState.init(r)
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    _, new = fp8ops.fp8_linear(x, w, None, st, recipe=r)
+    assert new.input.pending_amax.item() == x.abs().max().item()
+    assert new.weight.pending_amax.item() == w.abs().max().item()
+    _, again = fp8ops.fp8_linear(x / 2, w, None, new, recipe=r)
+    assert again.input.pending_amax.item() == x.abs().max().item()
+
+
 def test_merge_takes_max_of_states_and_tensors():
     r = DelayedScaling()
     a = _model_states(r)

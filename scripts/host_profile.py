@@ -1,0 +1,161 @@
+"""Host cost of an eager op call: forward+backward of the main ops on tiny tensors.
+
+At 16 tokens and hidden 32 the arithmetic is negligible, so the time of a loop of calls is the
+Python and dispatcher glue around the kernels (validation, state handling, autograd Functions,
+allocations, pytree work). On the CPU the kernels are the reference functions, which weigh more
+than a GPU launch; the glue measured here is common to both devices.
+
+    python scripts/host_profile.py [--device cpu|cuda] [--profile] [--calls N] [--repeats R]
+                                   [--cpu-time] [--only NAME ...]
+
+Each case prints the best of ``--repeats`` (3) loops of ``--calls`` (200) calls in µs per call;
+on CUDA a loop is launched without synchronization (one ``synchronize`` after it), so the number
+is the host's time. ``--profile`` also prints the cProfile top 25 functions of each case by
+tottime and by cumtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import math
+import pstats
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import fp8ops
+from fp8ops.testing.states import calibrate
+
+T, H, FFN, HEADS = 16, 32, 64, 4  # tokens, hidden, ffn, heads
+S, B = 8, 2  # the layer's (S, B, H) input
+
+
+def _calibrated(state: Any, recipe: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: calibrate(v, recipe) for k, v in state.items()}
+    return calibrate(state, recipe)
+
+
+def cases(device: str) -> dict[str, Callable[[], None]]:
+    """Name -> one forward+backward call with fresh probes, as a training loop makes it."""
+    torch.manual_seed(0)
+
+    def leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device=device) * scale).requires_grad_()
+
+    delayed, current = fp8ops.DelayedScaling(), fp8ops.CurrentScaling()
+    x, w, b = leaf(T, H), leaf(H, H, scale=0.1), leaf(H, scale=0.1)
+    g, beta = leaf(H), leaf(H)
+    lin_d = _calibrated(fp8ops.LinearState.init(delayed, device=device), delayed)
+    lin_c = fp8ops.LinearState.init(current, device=device)
+    lnl = _calibrated(fp8ops.LayerNormLinearState.init(delayed, device=device), delayed)
+    cfg = fp8ops.TransformerConfig(hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+                                   hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="causal")
+    params = {k: v.to(device).requires_grad_() for k, v in fp8ops.init_transformer_params(cfg).items()}
+    tst = _calibrated(fp8ops.init_transformer_state(cfg, delayed, device=device), delayed)
+    xl = leaf(S, B, H)
+
+    def back(y: torch.Tensor) -> None:
+        y.backward(torch.ones_like(y))
+
+    def probe() -> torch.Tensor:
+        return torch.zeros((), device=device, requires_grad=True)
+
+    def linear(state: Any, recipe: Any) -> None:
+        back(fp8ops.fp8_linear(x, w, b, state, recipe=recipe, grad_probe=probe())[0])
+
+    def lnl_call() -> None:
+        back(fp8ops.layernorm_linear(x, g, beta, w, b, lnl, recipe=delayed, grad_probe=probe())[0])
+
+    def layer() -> None:
+        probes = fp8ops.make_probes(tst)
+        back(fp8ops.transformer_layer(params, xl, tst, config=cfg, recipe=delayed, probes=probes)[0])
+
+    def update() -> None:
+        fp8ops.update(tst, recipe=delayed, grad_amax=fp8ops.make_probes(tst, requires_grad=False))
+
+    return {
+        "torch F.linear": lambda: back(torch.nn.functional.linear(x, w, b)),
+        "fp8_linear no FP8": lambda: back(fp8ops.fp8_linear(x, w, b, None, recipe=None)[0]),
+        "fp8_linear delayed": lambda: linear(lin_d, delayed),
+        "fp8_linear current": lambda: linear(lin_c, current),
+        "layernorm_linear delayed": lnl_call,
+        "torch F.layer_norm": lambda: back(torch.nn.functional.layer_norm(x, (H,), g, beta)),
+        "layer_norm": lambda: back(fp8ops.layer_norm(x, g, beta, None)[0]),
+        "transformer_layer delayed": layer,
+        "update (transformer_layer state)": update,
+    }
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_us(fn: Callable[[], None], device: str, calls: int, repeats: int = 3, warmup: int = 10,
+            clock: Callable[[], float] = time.perf_counter) -> float:
+    """Best of ``repeats`` loops of ``calls`` calls, µs per call (host time: no sync inside a loop)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        best = min(best, (clock() - t0) / calls * 1e6)
+        _sync(device)
+    return best
+
+
+def profile(name: str, fn: Callable[[], None], device: str, calls: int) -> None:
+    """Print the cProfile top 25 of ``calls`` calls by tottime and by cumtime."""
+    for _ in range(5):
+        fn()
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    prof.disable()
+    for key in ("tottime", "cumtime"):
+        print(f"\n== {name}: cProfile top 25 by {key} ({calls} calls) ==")
+        pstats.Stats(prof).sort_stats(key).print_stats(25)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--profile", action="store_true", help="print the cProfile top 25 of each case")
+    parser.add_argument("--calls", type=int, default=200, help="calls per timed loop (default 200)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed loops per case, the best counts (default 3)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the calling thread's CPU time instead of wall time: steadier on a busy "
+                             "machine; for --device cpu only (on CUDA the autograd engine runs the backward "
+                             "on another thread)")
+    parser.add_argument("--only", nargs="*", default=None, help="case names (substrings) to run")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
+    todo = cases(args.device)
+    if args.only:
+        todo = {k: v for k, v in todo.items() if any(s in k for s in args.only)}
+    print(f"torch {torch.__version__}, device {args.device}, {T} tokens, hidden {H}, "
+          f"best of {args.repeats} x {args.calls} calls")
+    if args.cpu_time and args.device != "cpu":
+        parser.error("--cpu-time: only with --device cpu")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    width = max(len(k) for k in todo)
+    for name, fn in todo.items():
+        print(f"{name:<{width}}  {time_us(fn, args.device, args.calls, args.repeats, clock=clock):8.1f} us/call", flush=True)
+    if args.profile:
+        for name, fn in todo.items():
+            profile(name, fn, args.device, max(args.calls // 4, 20))
+
+
+if __name__ == "__main__":
+    main()
