@@ -27,5 +27,6 @@ SUITES: dict[str, str] = {
     "layer": "fp8ops.bench.layer",
     "host": "fp8ops.bench.host",
     "step": "fp8ops.bench.step",
+    "gpt": "fp8ops.bench.gpt",
 }
 """Suite name -> module implementing it (``add_arguments(parser)`` and ``run(args)``)."""

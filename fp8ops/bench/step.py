@@ -91,6 +91,9 @@ def _optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 
 
 def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
+    """``(step, carry, batch)`` of ``model`` ("gpt2": a GPT of ``size``; "seed": the seed layer) for
+    ``impl`` ("torch", "torchao" (gpt2 only), "fp8ops bf16", "fp8ops FP8"); ``mode`` starting with
+    "compile" compiles the model (torch) or the loss (fp8ops, ``fullgraph=True``)."""
     import fp8ops
 
     recipe = fp8ops.DelayedScaling() if impl == "fp8ops FP8" else None
@@ -100,8 +103,12 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Ca
         tokens = torch.randint(0, V, (B, S), device="cuda", generator=g)
         targets = torch.randint(0, V, (B, S), device="cuda", generator=g)
         batch: tuple[Any, ...] = (tokens, targets)
-        if impl == "torch":
+        if impl in ("torch", "torchao"):
             net = TorchGPT(L, H, heads, S, V).cuda().bfloat16()
+            if impl == "torchao":  # float8 tensorwise training of every block's Linear (the head stays bf16)
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+                convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name("tensorwise"))
             loss_fn: Callable[..., Any] = torch.compile(net) if mode.startswith("compile") else net
             opt = _optimizer(list(net.parameters()))
 
@@ -186,7 +193,9 @@ QUICK = {
 
 
 def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps: int,
-             profile: str | None = None) -> dict[str, Any]:
+             profile: str | None = None) -> tuple[dict[str, Any], Any]:
+    """Time ``step``: 4 warm-up steps, the host time of 5 steps started on an idle GPU, ``steps``
+    timed steps, then the device operations of 2 steps. Returns (the record, the last carry)."""
     for _ in range(4):  # warm-up: compilation, calibration, the capture
         carry, loss = step(carry, *batch)
     torch.cuda.synchronize()
@@ -207,8 +216,8 @@ def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps
         state["carry"], _ = step(state["carry"], *batch)
 
     kernels, device_us = device_ops(one, 2, table=profile)
-    return {"ms": ms, "host_ms": sorted(host)[len(host) // 2] * 1e3, "kernels": kernels,
-            "device_ms": device_us / 1e3, "loss": float(loss)}
+    return ({"ms": ms, "host_ms": sorted(host)[len(host) // 2] * 1e3, "kernels": kernels,
+             "device_ms": device_us / 1e3, "loss": float(loss)}, state["carry"])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 step, carry, batch = _variant(model, impl, mode, sizes[model])
                 fn = fp8ops.graph_step(step) if "graph" in mode else step
                 show = args.profile and (mode == "eager" or (impl == "torch" and mode == "compile"))
-                r = _measure(fn, carry, batch, args.steps, f"{model} {impl} {mode}" if show else None)
+                r, _ = _measure(fn, carry, batch, args.steps, f"{model} {impl} {mode}" if show else None)
                 if "graph" in mode:
                     r["graph_stats"] = dict(fn.stats)  # type: ignore[union-attr]
                     if not fn.stats["replays"]:  # type: ignore[union-attr]

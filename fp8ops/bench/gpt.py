@@ -1,0 +1,170 @@
+"""GPT training steps at four sizes: fp8ops FP8 vs plain PyTorch bf16 vs torchao float8, each in
+its fastest mode.
+
+Models (bf16 parameters, seq 1024, 8 sequences = 8192 tokens per step, vocabulary 50304, causal,
+head tied to the embedding), (hidden, layers, heads) = (512, 6, 8), (768, 12, 12), (2048, 8, 16),
+(4096, 4, 32), ffn 4 x hidden:
+
+- ``torch``: a nanoGPT-style ``nn.Module`` (``nn.Linear``, ``F.scaled_dot_product_attention``),
+  bf16;
+- ``torchao``: the same module with every block's ``nn.Linear`` converted by
+  ``torchao.float8.convert_to_float8_training`` (tensorwise), compiled (the head stays bf16);
+- ``fp8ops FP8``: the GPT of :mod:`fp8ops.testing.composition` (:func:`fp8ops.transformer_layer`
+  layers, delayed scaling), the loss compiled with ``fullgraph=True`` or not.
+
+A step is a whole training step: fresh probes, forward, backward, fused capturable AdamW and (FP8)
+:func:`fp8ops.update`. Each build is timed as it is (eager or compiled) and then as one CUDA graph
+per step (:func:`fp8ops.graph_step`) on the same compiled code, so every implementation is seen in
+eager, compile, graph and compile + graph. Per variant: ms/step, tokens/s, host ms (the time a step
+call takes to return when the GPU is idle at its start), kernels per step and their summed device
+time (torch.profiler, the unreplayed step), peak memory (``max_memory_allocated`` over the
+variant's run: parameters, optimizer state and activations; a graph's pool included).
+
+Targets (fp8ops FP8's fastest mode over bf16's fastest mode): <= 1.00 at hidden 512, <= 0.95 at
+768, <= 0.75 at 2048, <= 0.70 at 4096; <= 0.90 of torchao float8's fastest mode at 2048 and 4096.
+``--quick``: two small sizes and fewer steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import Progress, environment, format_table, write_bar_chart, write_json
+from .step import _measure, _variant
+
+__all__ = ["add_arguments", "run"]
+
+SIZES = {512: (6, 8), 768: (12, 12), 2048: (8, 16), 4096: (4, 32)}
+"""hidden -> (layers, heads)."""
+QUICK = {256: (2, 4), 512: (2, 8)}
+TARGET_VS_BF16 = {512: 1.0, 768: 0.95, 2048: 0.75, 4096: 0.70}
+TARGET_VS_TORCHAO = {2048: 0.9, 4096: 0.9}
+BUILDS = [("torch", "eager"), ("torch", "compile"), ("torchao", "compile"), ("fp8ops FP8", "eager"),
+          ("fp8ops FP8", "compile")]
+"""(impl, build); each build is measured as built and then as one CUDA graph per step."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the gpt suite."""
+    parser.add_argument("--hidden", nargs="+", type=int, default=None, choices=sorted(SIZES),
+                        help="the sizes to run, by hidden size (default: all four)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    parser.add_argument("--vocab", type=int, default=50304, help="vocabulary size (default 50304)")
+    parser.add_argument("--no-torchao", action="store_true", help="skip the torchao peer")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="skip the eager builds (their graph variants go with them)")
+    parser.add_argument("--impls", nargs="+", default=None, choices=sorted({i for i, _ in BUILDS}),
+                        help="only these implementations (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the top CUDA kernels of each build's step (torch.profiler)")
+
+
+def _size(hidden: int, layers: int, heads: int, vocab: int, quick: bool) -> dict[str, int]:
+    return {"layers": layers, "hidden": hidden, "heads": heads, "seq": 256 if quick else 1024,
+            "batch": 4 if quick else 8, "vocab": 8192 if quick else vocab}
+
+
+def _one_build(impl: str, build: str, size: dict[str, int], steps: int, profile: bool = False) -> list[dict[str, Any]]:
+    """Measure one build as built, then the same step as one CUDA graph per step."""
+    import fp8ops
+
+    rows = []
+    step, carry, batch = _variant("gpt2", impl, build, size)
+    torch.cuda.reset_peak_memory_stats()
+    r, carry = _measure(step, carry, batch, steps, f"hidden {size['hidden']} {impl} {build}" if profile else None)
+    rows.append({"impl": impl, "mode": build, "peak_mib": torch.cuda.max_memory_allocated() / 2**20, **r})
+    graphed = fp8ops.graph_step(step)
+    torch.cuda.reset_peak_memory_stats()
+    r, _ = _measure(graphed, carry, batch, steps)
+    r["graph_stats"] = dict(graphed.stats)
+    rows.append({"impl": impl, "mode": "graph" if build == "eager" else f"{build} + graph",
+                 "peak_mib": torch.cuda.max_memory_allocated() / 2**20, **r})
+    return rows
+
+
+def _ratios(rows: list[dict[str, Any]], hidden: int) -> dict[str, Any]:
+    """Fastest mode of each implementation and the ratios the targets are stated in."""
+    best = {}
+    for impl in ("torch", "torchao", "fp8ops FP8"):
+        mine = [r for r in rows if r["impl"] == impl]
+        if mine:
+            b = min(mine, key=lambda r: r["ms"])
+            best[impl] = {"mode": b["mode"], "ms": b["ms"]}
+    out: dict[str, Any] = {"hidden": hidden, "best": best}
+    if "fp8ops FP8" in best and "torch" in best:
+        out["fp8_over_bf16"] = best["fp8ops FP8"]["ms"] / best["torch"]["ms"]
+        out["target_vs_bf16"] = TARGET_VS_BF16.get(hidden)
+    if "fp8ops FP8" in best and "torchao" in best:
+        out["fp8_over_torchao"] = best["fp8ops FP8"]["ms"] / best["torchao"]["ms"]
+        out["target_vs_torchao"] = TARGET_VS_TORCHAO.get(hidden)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time every build of every size; print the tables and the targets; write gpt.json and gpt.png."""
+    table = QUICK if args.quick else {h: SIZES[h] for h in (args.hidden or sorted(SIZES))}
+    steps = 3 if args.quick else args.steps
+    builds = [b for b in BUILDS if not (args.no_torchao and b[0] == "torchao")
+              and not (args.no_eager and b[1] == "eager") and (args.impls is None or b[0] in args.impls)]
+    progress = Progress(len(table) * len(builds), prefix="gpt")
+    rows: list[dict[str, Any]] = []
+    summary: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for hidden, (layers, heads) in table.items():
+        size = _size(hidden, layers, heads, args.vocab, args.quick)
+        tokens = size["seq"] * size["batch"]
+        mine: list[dict[str, Any]] = []
+        for impl, build in builds:
+            progress.step(f"hidden {hidden}: {impl} {build}")
+            torch._dynamo.reset()
+            try:
+                got = _one_build(impl, build, size, steps, args.profile)
+            except Exception as exc:  # noqa: BLE001  (one failing build must not hide the others)
+                failed.append(f"hidden {hidden} {impl} {build}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:300] if str(exc) else ''}")
+                progress.note(failed[-1])
+                continue
+            finally:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            for r in got:
+                r.update(hidden=hidden, layers=layers, tok_per_s=tokens / r["ms"] * 1e3)
+                if not math.isfinite(r["loss"]):
+                    failed.append(f"hidden {hidden} {r['impl']} {r['mode']}: non-finite loss")
+                if "graph" in r["mode"] and not r["graph_stats"]["replays"]:
+                    failed.append(f"hidden {hidden} {r['impl']} {r['mode']}: never captured ({r['graph_stats']})")
+            mine += got
+        rows += mine
+        summary.append(_ratios(mine, hidden))
+    cols = [("hidden", "hidden", ".0f"), ("impl", "impl", ""), ("mode", "mode", ""), ("ms", "ms/step", ".2f"),
+            ("tok_per_s", "tokens/s", ".3g"), ("host_ms", "host ms", ".2f"), ("kernels", "kernels", ".0f"),
+            ("device_ms", "device ms", ".2f"), ("peak_mib", "peak MiB", ".0f")]
+    print(format_table(rows, cols))
+    print()
+    for s in summary:
+        parts = [f"hidden {s['hidden']}: best " + ", ".join(f"{k} {v['ms']:.2f} ms ({v['mode']})"
+                                                          for k, v in s["best"].items())]
+        for key, tkey, peer in (("fp8_over_bf16", "target_vs_bf16", "bf16"),
+                                ("fp8_over_torchao", "target_vs_torchao", "torchao")):
+            if key in s:
+                t = s[tkey]
+                verdict = "" if t is None else (f" (target <= {t:.2f}: " + ("met" if s[key] <= t else "MISSED") + ")")
+                parts.append(f"FP8 / {peer} {s[key]:.3f}{verdict}")
+        print("; ".join(parts))
+    record = {"suite": "gpt", "environment": environment(), "sizes": {str(h): v for h, v in table.items()},
+              "steps": steps, "vocab": args.vocab, "rows": rows, "summary": summary, "failed_checks": failed}
+    out = Path(args.out)
+    write_json(out / "gpt.json", record)
+    panels = []
+    for s in summary:
+        mine = [r for r in rows if r["hidden"] == s["hidden"]]
+        panels.append({"title": f"hidden {s['hidden']}: ms per step", "groups": [f"{r['impl']}\n{r['mode']}" for r in mine],
+                       "series": {"ms/step": [r["ms"] for r in mine]}})
+    write_bar_chart(out / "gpt.png", panels, title=f"GPT training steps ({torch.cuda.get_device_name()})",
+                    ylabel="ms per step")
+    return record
