@@ -8,13 +8,8 @@ small layer. Ops defined here with ``Library.define`` + ``Library.impl`` reach t
 straight from the dispatcher. They are still opaque to ``torch.compile`` (a fake kernel gives the
 output shapes) and have no autograd kernel: fp8ops calls them inside its autograd.Functions.
 
-fp8ops calls the ops through :data:`ops` (``ops.<name>(...)``), which is ``torch.ops.fp8ops``
-except in plain eager mode: when nothing but the device kernel would run (no ``torch.compile``,
-no ``torch.func`` transform, no dispatch or ``__torch_function__`` mode, no profiler or JIT
-trace, plain tensors on one device, no autograd recording), the call goes to that kernel
-directly and skips the dispatcher's round trip (argument boxing into C++, the dispatch itself
-and the conversion back to Python objects). What runs, on which arguments, is what the
-dispatcher would run; under ``torch.compile`` the op is what the graph records.
+fp8ops calls the ops through :data:`ops` (``ops.<name>(...)``), the same op packets as
+``torch.ops.fp8ops``.
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ import torch
 __all__ = ["OpSpec", "contiguous_args", "define", "merge_config", "ops"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
-_PARAMETER = torch.nn.Parameter
 
 
 class OpSpec(NamedTuple):
@@ -53,7 +47,7 @@ def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
     _LIB.impl(name, cpu, "CPU")
     torch.library.register_fake(f"fp8ops::{name}", spec.fake, lib=_LIB)
     packet = getattr(torch.ops.fp8ops, name)
-    setattr(ops, name, _eager_entry(packet, {"cuda": spec.cuda, "cpu": cpu}))
+    setattr(ops, name, packet)
     return packet
 
 
@@ -62,73 +56,7 @@ class _Ops:
 
 
 ops: Any = _Ops()
-"""``ops.<name>(*args)``: ``torch.ops.fp8ops.<name>(*args)``, straight to the device kernel in
-plain eager mode (module docstring). fp8ops calls its library ops through it."""
-
-
-def _eager_entry(packet: Any, kernels: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
-    """``packet(*args)``, or the device kernel that the dispatcher would reach, called directly.
-
-    Takes the schema's arguments positionally; trailing ones with defaults may be left out (they
-    are filled in as the dispatcher fills them).
-    """
-    arguments = packet.default._schema.arguments
-    nargs = len(arguments)
-    tensors = tuple(i for i, a in enumerate(arguments) if str(a.type) in ("Tensor", "Optional[Tensor]"))
-    tail: list[Any] = []  # the defaults of the trailing arguments that have one
-    for a in reversed(arguments):
-        if a.kwarg_only or not a.has_default_value():
-            break
-        tail.insert(0, a.default_value)
-    defaults = tuple(tail)
-    cuda, cpu = kernels["cuda"], kernels["cpu"]
-
-    def call(*args: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return packet(*args)
-        missing = nargs - len(args)
-        if missing:
-            if not 0 < missing <= len(defaults):
-                return packet(*args)  # the dispatcher's error
-            args = args + defaults[len(defaults) - missing:]
-        device = _plain_device(args, tensors)
-        if device == "cuda":
-            return cuda(*args)
-        if device == "cpu":
-            return cpu(*args)
-        return packet(*args)
-
-    call.__name__ = call.__qualname__ = packet._qualified_op_name.replace("::", "_")
-    return call
-
-
-def _plain_device(args: tuple[Any, ...], tensors: tuple[int, ...]) -> str | None:
-    """The device type, "cuda" or "cpu", when an eager call with ``args`` (tensors at the positions
-    ``tensors``) goes straight to that device's kernel; None when the dispatcher has more to do: a
-    mode, a torch.func transform, a profiler or JIT trace, a tensor subclass, autograd recording,
-    mixed devices, a negative view, another device."""
-    if (torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack()
-            or torch._C._len_torch_function_stack() or torch._C._autograd._profiler_enabled()
-            or torch._C._get_tracing_state() is not None):
-        return None
-    grad = torch.is_grad_enabled()
-    cuda = cpu = False
-    for i in tensors:
-        a = args[i]
-        if a is None:
-            continue
-        kind = type(a)
-        if (kind is not torch.Tensor and kind is not _PARAMETER) or (grad and a.requires_grad) or a.is_neg():
-            return None
-        if a.is_cuda:
-            cuda = True
-        elif a.is_cpu:
-            cpu = True
-        else:
-            return None
-    if cuda:
-        return None if cpu else "cuda"
-    return "cpu" if cpu else None
+"""``ops.<name>``: the op packet ``torch.ops.fp8ops.<name>``; fp8ops calls its library ops through it."""
 
 
 def contiguous_args(

@@ -92,13 +92,13 @@ def _case(name, dtype, rank, world, device, group, bad):
                 shard.grad.float(), rows.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0):
             bad.append(f"{tag} step {step}: the shard's gradient differs from its rows of the averaged "
                        f"single-process gradient")
-        sd = fp8ops.state_dict(st)
+        sd = {k: v.cpu() for k, v in fp8ops.state_dict(st).items()}  # compared on the CPU (NCCL: a GPU per rank)
         sds: list = [None] * world
         dist.all_gather_object(sds, sd, group=group)
         for k, v in sd.items():
             if any(not torch.equal(o[k], v) for o in sds):
                 bad.append(f"{tag} step {step}: state {k} differs across ranks")
-            if not torch.equal(v, want["state"][k]):
+            if not torch.equal(v, want["state"][k].cpu()):
                 bad.append(f"{tag} step {step}: state {k} {v.tolist()} differs from the single-process "
                            f"{want['state'][k].tolist()}")
 
