@@ -28,5 +28,6 @@ SUITES: dict[str, str] = {
     "host": "fp8ops.bench.host",
     "step": "fp8ops.bench.step",
     "gpt": "fp8ops.bench.gpt",
+    "parallel": "fp8ops.bench.parallel",
 }
 """Suite name -> module implementing it (``add_arguments(parser)`` and ``run(args)``)."""

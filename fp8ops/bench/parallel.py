@@ -1,0 +1,417 @@
+"""Tensor + sequence parallelism on 2 GPUs: the seed layer with TP=2 + SP, and FSDP2 of a small GPT
+with bf16 vs FP8 weight all-gathers; full training steps per GPU.
+
+Run on one host with two GPUs (NCCL): ``python -m fp8ops.bench parallel``. The suite spawns one
+process per GPU; every variant runs on both ranks in lockstep and its time is the slower rank's.
+
+Seed layer (hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4, dropout 0.1; bf16 parameters), a
+step = fresh probes, forward, backward, AdamW and (FP8) :func:`fp8ops.update` over the group:
+
+- ``fp8ops FP8, 1 GPU``: the whole layer on rank 0 (rank 1 idles), eager and as one CUDA graph;
+- ``fp8ops FP8, TP=2+SP``: :func:`fp8ops.transformer_layer` on this rank's shard
+  (:func:`fp8ops.shard_transformer_params`) and sequence slice (S/2, B, H), delayed scaling, the
+  all-gathers before the column-parallel GEMMs in FP8; eager and as one CUDA graph;
+- ``torch bf16, DTensor TP=2+SP + compile``: the seed's basic layer (SDPA) under
+  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel``;
+- ``torchao float8, TP=2+SP + compile``: the same with its Linear layers converted by
+  ``torchao.float8.convert_to_float8_training`` (tensorwise) and torchao's float8 parallel styles.
+
+FSDP2 (``fully_shard`` of each Linear and of the root over both GPUs, data parallel, bf16 compute
+with float32 master weights):
+a GPT (4 layers, hidden 2048, 16 heads, seq 1024, 4 sequences per GPU, vocabulary 32768) in plain
+bf16, and the same with its block Linears converted to :class:`fp8ops.nn.Linear` (delayed
+scaling), all-gathering the weights in bf16 or in FP8 (:func:`fp8ops.nn.enable_fp8_all_gather`).
+
+Per variant: ms/step, peak memory, and the bytes each rank sends into collectives per step, by
+kind (the inputs of the ``_c10d_functional`` collectives and of FSDP2's all-gathers and
+reduce-scatters, read from torch.profiler with their shapes and dtypes).
+
+Targets (seed layer): TP=2+SP step <= 0.6x fp8ops on one GPU, >= 1.3x faster than torchao float8
+TP + compile, >= 1.5x faster than bf16 DTensor TP + compile; FP8 all-gather bytes half of bf16's;
+FSDP2 with FP8 all-gather moves half the weight bytes of bf16 and is no slower.
+``--quick``: small sizes (a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from .common import Progress, environment, format_table, write_bar_chart, write_json
+
+__all__ = ["add_arguments", "run"]
+
+SEED = {"hidden": 4096, "ffn": 16384, "heads": 32, "seq": 2048, "batch": 4}
+SEED_QUICK = {"hidden": 512, "ffn": 2048, "heads": 8, "seq": 256, "batch": 2}
+GPT = {"layers": 4, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 4, "vocab": 32768}
+GPT_QUICK = {"layers": 2, "hidden": 256, "heads": 4, "seq": 128, "batch": 2, "vocab": 1024}
+TARGETS = {"tp_over_1gpu": 0.6, "vs_torchao_tp": 1.3, "vs_bf16_tp": 1.5}
+
+_DTYPE_BYTES = {"unsigned char": 1, "signed char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+                "c10::BFloat16": 2, "c10::Half": 2, "short int": 2, "float": 4, "int": 4, "double": 8,
+                "long int": 8}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the parallel suite."""
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    parser.add_argument("--no-torchao", action="store_true", help="skip the torchao float8 TP peer")
+    parser.add_argument("--no-compile", action="store_true", help="run the DTensor peers without torch.compile")
+    parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 GPT")
+
+
+# ------------------------------------------------------------------------------------------------
+# Bytes into collectives
+
+
+def _collective_bytes(prof: Any, steps: int) -> dict[str, float]:
+    """Bytes per step this rank gave to each kind of collective (all_gather, reduce_scatter,
+    all_reduce), from the profiler's records of the functional collectives and of the c10d ops
+    that FSDP2 calls directly."""
+    out: dict[str, float] = {}
+    for e in prof.events():
+        name = e.name
+        if name.startswith("_c10d_functional::"):
+            op = name.split("::", 1)[1]
+        elif name in ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_",
+                      "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced_"):
+            op = name.split("::", 1)[1]
+            if e.cpu_parent is not None and "_c10d_functional" in e.cpu_parent.name:
+                continue  # counted at its functional caller
+        else:
+            continue
+        if "wait" in op or "wrap" in op or not e.input_shapes:
+            continue
+        kind = ("all_gather" if "gather" in op else "reduce_scatter" if "reduce_scatter" in op
+                else "all_reduce" if "reduce" in op else op)
+        # a gather / reduce-scatter of FSDP2 takes (output, input): its input is the second tensor
+        i = 1 if name.startswith("c10d::") else 0
+        shapes, dtypes = e.input_shapes, e.input_dtypes
+        if i >= len(shapes) or not shapes[i]:
+            continue
+        n = 1
+        for s in shapes[i]:
+            n *= s
+        out[kind] = out.get(kind, 0.0) + n * _DTYPE_BYTES.get(dtypes[i], 0) / steps
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Variants: each returns (step, carry, batch) with step(carry, *batch) -> (carry, loss)
+
+
+def _adamw(params: list[torch.Tensor], capturable: bool, device: str) -> torch.optim.Optimizer:
+    if capturable and device == "cuda":
+        return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), fused=True, capturable=True)
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def _layer_batch(size: dict[str, int], rank: int, world: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sequence slice of the same (S, B, H) input and output gradient on every rank."""
+    g = torch.Generator(device=device).manual_seed(1)
+    S, B, H = size["seq"], size["batch"], size["hidden"]
+    x = torch.randn(S, B, H, device=device, generator=g).bfloat16()
+    dy = (torch.randn(S, B, H, device=device, generator=g) * 1e-2).bfloat16()
+    sl = slice(rank * S // world, (rank + 1) * S // world)
+    return x[sl].contiguous().requires_grad_(), dy[sl].contiguous()
+
+
+def _fp8ops_tp(size: dict[str, int], rank: int, world: int, group: Any, device: str = "cuda"
+               ) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
+    import fp8ops
+
+    recipe = fp8ops.DelayedScaling()
+    cfg = fp8ops.TransformerConfig(hidden_size=size["hidden"], ffn_hidden_size=size["ffn"],
+                                   num_attention_heads=size["heads"], hidden_dropout=0.1, attention_dropout=0.1)
+    full = fp8ops.init_transformer_params(cfg, generator=torch.Generator().manual_seed(0))
+    shard = fp8ops.shard_transformer_params(full, cfg, rank=rank, world_size=world)
+    params = {k: v.detach().to(device, torch.bfloat16).contiguous().requires_grad_() for k, v in shard.items()}
+    opt = _adamw(list(params.values()), capturable=True, device=device)
+    state = fp8ops.init_transformer_state(cfg, recipe, device=device)
+
+    def step(st: Any, x: torch.Tensor, dy: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        opt.zero_grad(set_to_none=True)
+        probes = fp8ops.make_probes(st)
+        y, ns = fp8ops.transformer_layer(params, x, st, config=cfg, recipe=recipe, probes=probes, tp_group=group,
+                                         sequence_parallel=True)
+        loss = (y.float() * dy.float()).sum()
+        loss.backward()
+        opt.step()
+        ns = fp8ops.update(ns, recipe=recipe, grad_amax=pytree.tree_map(lambda p: p.grad, probes), group=group)
+        return ns, loss.detach()
+
+    return step, state, _layer_batch(size, rank, world, device)
+
+
+def _dtensor_tp(size: dict[str, int], rank: int, world: int, float8: bool, compiled: bool, device: str = "cuda"
+                ) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from fp8ops.reference.transformer_layer import BasicTransformerLayer
+
+    torch.manual_seed(0)
+    net = BasicTransformerLayer(size["hidden"], size["ffn"], size["heads"], attention_dropout=0.1, hidden_dropout=0.1,
+                                attention_impl="sdpa").to(device, torch.bfloat16)
+    col, row = ColwiseParallel, RowwiseParallel
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        col, row = Float8ColwiseParallel, Float8RowwiseParallel
+    mesh = init_device_mesh(device, (world,))
+    # the residual stream stays the local (S/w, B, H) slice; the norms run on it as DTensors
+    # sharded on dim 0; the column-parallel GEMMs all-gather their input, the row-parallel ones
+    # reduce-scatter their output back to the slice
+    parallelize_module(net, mesh, {
+        "ln1": SequenceParallel(sequence_dim=0),
+        "qkv_projection": col(input_layouts=Shard(0)),
+        "projection": row(output_layouts=Shard(0)),
+        "ln2": SequenceParallel(sequence_dim=0),
+        "mlp.linear1": col(input_layouts=Shard(0)),
+        "mlp.linear2": row(output_layouts=Shard(0)),
+    })
+    net.num_attention_heads //= world  # each rank runs its heads
+    net.attention.projection_size //= world
+    fwd: Callable[..., Any] = torch.compile(net) if compiled else net
+    opt = _adamw(list(net.parameters()), capturable=False, device=device)
+
+    def step(carry: Any, x: torch.Tensor, dy: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        opt.zero_grad(set_to_none=True)
+        y = fwd(x)
+        y.backward(dy)
+        opt.step()
+        return carry, y.detach().float().square().mean()
+
+    return step, None, _layer_batch(size, rank, world, device)
+
+
+def _fsdp_gpt(size: dict[str, int], rank: int, world: int, kind: str, device: str = "cuda"
+              ) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
+    """FSDP2 of the step suite's torch GPT: kind "bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather"."""
+    import fp8ops
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .step import TorchGPT
+
+    torch.manual_seed(0)
+    L, H, heads, S, B, V = (size[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab"))
+    net = TorchGPT(L, H, heads, S, V).to(device)  # float32 master weights
+    recipe = None
+    if kind != "bf16":
+        recipe = fp8ops.DelayedScaling()
+        fp8ops.nn.convert(net, recipe)
+        if kind == "FP8, FP8 all-gather":
+            fp8ops.nn.enable_fp8_all_gather(net)
+    mesh = init_device_mesh(device, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # one FSDP2 group per Linear (the blocks are containers whose forward is never called), then
+    # the root (embeddings, norms)
+    for m in list(net.modules()):
+        if isinstance(m, (torch.nn.Linear, fp8ops.nn.Linear)):
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(net, mesh=mesh, mp_policy=mp)
+    opt = _adamw(list(net.parameters()), capturable=False, device=device)
+    g = torch.Generator(device=device).manual_seed(2 + rank)  # each rank its own batch
+    tokens = torch.randint(0, V, (B, S), device=device, generator=g)
+    targets = torch.randint(0, V, (B, S), device=device, generator=g)
+
+    def step(carry: Any, tok: torch.Tensor, tgt: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        opt.zero_grad(set_to_none=True)
+        loss = net(tok, tgt)
+        loss.backward()
+        opt.step()
+        if recipe is not None:
+            fp8ops.nn.update_scaling(net, group=dist.group.WORLD)
+        return carry, loss.detach()
+
+    return step, None, (tokens, targets)
+
+
+# ------------------------------------------------------------------------------------------------
+# The processes
+
+
+def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps: int) -> dict[str, Any]:
+    for _ in range(4):  # warm-up: compilation, calibration, a graph's capture
+        carry, loss = step(carry, *batch)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        carry, loss = step(carry, *batch)
+    torch.cuda.synchronize()
+    ms = torch.tensor((time.perf_counter() - t0) / steps * 1e3, device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slower rank's time
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(2):
+            carry, loss = step(carry, *batch)
+        torch.cuda.synchronize()
+    return {"ms": float(ms), "loss": float(loss), "comm_bytes": _collective_bytes(prof, 2)}
+
+
+def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[tuple[str, str, Callable[[], Any]]]:
+    """(suite part, name, build) in run order; a name containing "graph" is run through graph_step."""
+    seed = SEED_QUICK if opts["quick"] else SEED
+    gpt = GPT_QUICK if opts["quick"] else GPT
+    compiled = not opts["no_compile"]
+    suffix = " + compile" if compiled else ""
+    from .step import _variant
+
+    out = [
+        ("seed", "fp8ops FP8, 1 GPU", lambda: _variant("seed", "fp8ops FP8", "eager", seed)),
+        ("seed", "fp8ops FP8, 1 GPU, graph", lambda: _variant("seed", "fp8ops FP8", "eager", seed)),
+        ("seed", "fp8ops FP8, TP=2+SP", lambda: _fp8ops_tp(seed, rank, world, group)),
+        ("seed", "fp8ops FP8, TP=2+SP, graph", lambda: _fp8ops_tp(seed, rank, world, group)),
+        ("seed", f"torch bf16, DTensor TP=2+SP{suffix}", lambda: _dtensor_tp(seed, rank, world, False, compiled)),
+    ]
+    if not opts["no_torchao"]:
+        out.append(("seed", f"torchao float8, TP=2+SP{suffix}", lambda: _dtensor_tp(seed, rank, world, True, compiled)))
+    if not opts["no_fsdp"]:
+        for kind in ("bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather"):
+            out.append(("fsdp2 gpt", f"FSDP2 {kind}", lambda k=kind: _fsdp_gpt(gpt, rank, world, k)))
+    return out
+
+
+def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
+    import fp8ops
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{os.path.join(out_dir, 'init')}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    variants = _variants(opts, rank, world, group)
+    progress = Progress(len(variants), prefix="parallel") if rank == 0 else None
+    for part, name, build in variants:
+        if progress is not None:
+            progress.step(name)
+        torch._dynamo.reset()
+        torch.cuda.reset_peak_memory_stats()
+        one_gpu = "1 GPU" in name
+        try:
+            if not one_gpu or rank == 0:
+                step, carry, batch = build()
+                fn = fp8ops.graph_step(step) if "graph" in name else step
+                if one_gpu:  # rank 0 alone: no collectives, no barrier inside
+                    for _ in range(4):
+                        carry, _ = fn(carry, *batch)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(opts["steps"]):
+                        carry, loss = fn(carry, *batch)
+                    torch.cuda.synchronize()
+                    r = {"ms": (time.perf_counter() - t0) / opts["steps"] * 1e3, "loss": float(loss), "comm_bytes": {}}
+                else:
+                    r = _measure(fn, carry, batch, opts["steps"])
+                if "graph" in name:
+                    r["graph_stats"] = dict(fn.stats)  # type: ignore[union-attr]
+                rows.append({"part": part, "variant": name, "peak_mib": torch.cuda.max_memory_allocated() / 2**20, **r})
+                del step, carry, batch, fn
+        except Exception as exc:  # noqa: BLE001  (one failing variant must not hide the others)
+            failed.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+            if progress is not None:
+                progress.note(failed[-1])
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        dist.barrier()
+    if rank == 0:
+        with open(os.path.join(out_dir, "rows.json"), "w") as f:
+            json.dump({"rows": rows, "failed": failed}, f)
+    dist.destroy_process_group()
+
+
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {r["variant"]: r for r in rows}
+
+    def ms(prefix: str) -> float | None:
+        got = [r["ms"] for name, r in by.items() if name.startswith(prefix)]
+        return min(got) if got else None
+
+    tp, one, ao, bf = ms("fp8ops FP8, TP=2+SP"), ms("fp8ops FP8, 1 GPU"), ms("torchao float8"), ms("torch bf16")
+    out: dict[str, Any] = {}
+    if tp and one:
+        out["tp_over_1gpu"] = tp / one
+    if tp and ao:
+        out["vs_torchao_tp"] = ao / tp
+    if tp and bf:
+        out["vs_bf16_tp"] = bf / tp
+    gathers = {name: r["comm_bytes"].get("all_gather", 0.0) for name, r in by.items()}
+    fp8_tp = gathers.get("fp8ops FP8, TP=2+SP")
+    bf_tp = next((v for k, v in gathers.items() if k.startswith("torch bf16")), None)
+    if fp8_tp and bf_tp:
+        out["tp_all_gather_bytes_fp8_over_bf16"] = fp8_tp / bf_tp
+    f8, f16 = gathers.get("FSDP2 FP8, FP8 all-gather"), gathers.get("FSDP2 FP8, bf16 all-gather")
+    if f8 and f16:
+        out["fsdp_all_gather_bytes_fp8_over_bf16"] = f8 / f16
+    a, b = by.get("FSDP2 FP8, FP8 all-gather"), by.get("FSDP2 bf16")
+    if a and b:
+        out["fsdp_fp8_over_bf16_ms"] = a["ms"] / b["ms"]
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn one process per GPU (2), run every variant, print the table and the ratios, write
+    parallel.json and parallel.png."""
+    n = torch.cuda.device_count()
+    record: dict[str, Any] = {"suite": "parallel", "environment": environment(), "rows": [], "failed_checks": []}
+    if n < 2 or not dist.is_nccl_available():
+        record["failed_checks"].append(f"the parallel suite needs 2 CUDA GPUs and NCCL; found {n} GPU(s)")
+        return record
+    import torch.multiprocessing as mp
+
+    opts = {"quick": args.quick, "steps": 3 if args.quick else args.steps, "no_torchao": args.no_torchao,
+            "no_compile": args.no_compile, "no_fsdp": args.no_fsdp}
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(2, d, opts), nprocs=2, join=True)
+        with open(os.path.join(d, "rows.json")) as f:
+            got = json.load(f)
+    rows, failed = got["rows"], got["failed"]
+    ratios = _ratios(rows)
+    for r in rows:
+        for kind, v in r.pop("comm_bytes").items():
+            r[f"{kind}_MiB"] = v / 2**20
+    cols = [("part", "part", ""), ("variant", "variant", ""), ("ms", "ms/step", ".2f"), ("peak_mib", "peak MiB", ".0f"),
+            ("all_gather_MiB", "all-gather MiB", ".1f"), ("reduce_scatter_MiB", "reduce-scatter MiB", ".1f"),
+            ("all_reduce_MiB", "all-reduce MiB", ".2f")]
+    print(format_table(rows, cols))
+    print()
+    for key, value in ratios.items():
+        target = TARGETS.get(key)
+        verdict = ""
+        if target is not None:
+            ok = value <= target if key == "tp_over_1gpu" else value >= target
+            verdict = f" (target {'<=' if key == 'tp_over_1gpu' else '>='} {target}: {'met' if ok else 'MISSED'})"
+        print(f"{key}: {value:.3f}{verdict}")
+    record.update(rows=rows, ratios=ratios, failed_checks=failed, sizes={"seed": SEED_QUICK if args.quick else SEED,
+                                                                         "gpt": GPT_QUICK if args.quick else GPT})
+    out = Path(args.out)
+    write_json(out / "parallel.json", record)
+    panels = []
+    for part in ("seed", "fsdp2 gpt"):
+        mine = [r for r in rows if r["part"] == part]
+        if mine:
+            panels.append({"title": f"{part}: ms per step (per GPU)", "groups": [r["variant"] for r in mine],
+                           "series": {"ms/step": [r["ms"] for r in mine]}})
+    if panels:
+        write_bar_chart(out / "parallel.png", panels, title=f"2 x {torch.cuda.get_device_name()}", ylabel="ms per step")
+    return record
