@@ -1,20 +1,24 @@
 """FP8 weight all-gather inside FSDP2 ``fully_shard``: the parameter subclasses behind
-:func:`fp8ops.nn.enable_fp8_all_gather`, and the forward of a linear layer over the gathered bytes.
+:func:`fp8ops.nn.enable_fp8_all_gather`, and the forwards of the linear-family modules
+(``fp8ops.nn.Linear``, ``LayerNormLinear``, ``LayerNormMLP``) over the gathered bytes.
 
 FSDP2 all-gathers a parameter whose local shard defines ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather`` through those hooks (torch/distributed/fsdp/_fully_shard/_fsdp_param.py)::
 
     sharded parameter    DTensor, local tensor an FP8AllGatherWeight (N/w, K), high precision
     fsdp_pre_all_gather  q = sat(shard * scale) as bytes (N/w, K) uint8, padded to FSDP2's shard rows;
-                         scale: the weight state's (calibrated delayed), or that of the group's amax
-                         (one all_reduce(MAX) of a scalar: current scaling, an uncalibrated state)
+                         scale: the weight role's state (calibrated delayed; the role is ``weight``,
+                         ``fc1_weight`` or ``fc2_weight`` of the module's state), or that of the
+                         group's amax (one all_reduce(MAX) of a scalar: current scaling, an
+                         uncalibrated state)
     all-gather           (w * N/w, K) uint8: one byte per element, half of bfloat16's
     fsdp_post_all_gather the unsharded parameter, a GatheredFP8Weight (N, K) of the param dtype that
                          holds the gathered bytes, their transposed copy (K, N), 1/scale and the
                          amax of this rank's shard; no high-precision copy of the full weight
-    forward              fp8_linear with a WeightCache of those bytes and a zero-stride stand-in
-                         weight whose gradient, the (N, K) dW, becomes the unsharded parameter's
-                         gradient, which FSDP2 reduce-scatters as usual
+    forward              the module's op (fp8_linear, layernorm_linear, fused_ln_mlp) with a
+                         WeightCache of those bytes and a zero-stride stand-in weight whose
+                         gradient, the (N, K) dW, becomes the unsharded parameter's gradient, which
+                         FSDP2 reduce-scatters as usual
 
 FSDP2 frees the all-gather output and the inner tensors returned by ``fsdp_post_all_gather``
 after the forward (storage resized to 0) and gathers again for the backward into the same tensor
@@ -33,10 +37,12 @@ from torch.utils import _pytree as pytree
 
 from ._parallel import fp8_group_quantize
 from .fp8_linear import LinearState, WeightCache, fp8_linear
+from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
+from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .quantize import Float8Value, QuantSpec
 
-__all__ = ["FP8AllGatherWeight", "GatheredFP8Weight", "gathered_linear", "is_fp8_all_gather", "sharded_fp8_weight",
-           "wrap_weights"]
+__all__ = ["FP8AllGatherWeight", "GatheredFP8Weight", "gathered_fused_ln_mlp", "gathered_layernorm_linear",
+           "gathered_linear", "is_fp8_all_gather", "is_gathered", "sharded_fp8_weight", "wrap_weights"]
 
 _aten = torch.ops.aten
 
@@ -57,63 +63,66 @@ _KEEP_SUBCLASS = {
 
 
 class FP8AllGatherWeight(torch.Tensor):
-    """A high-precision weight (N, K) of an ``fp8ops.nn.Linear`` that FSDP2 all-gathers in FP8.
+    """A high-precision weight (N, K) of an fp8ops module that FSDP2 all-gathers in FP8.
 
     Every op runs on the wrapped tensor (the results are plain tensors, except for the ops FSDP2
     uses to shard the parameter, which keep the subclass); FSDP2 calls :meth:`fsdp_pre_all_gather`
     and :meth:`fsdp_post_all_gather` on the local shard. ``owner`` is a weak reference to the
-    ``fp8ops.nn.Linear`` whose recipe and weight state quantize it, carried by every shard and view
-    FSDP2 makes: a weight shared by several layers is quantized with its first layer's state,
-    whichever of them FSDP2 registers it under.
+    module (``fp8ops.nn.Linear``, ``LayerNormLinear`` or ``LayerNormMLP``) whose recipe and weight
+    state quantize it, ``role`` the weight's role in that module's state (``"weight"``,
+    ``"fc1_weight"`` or ``"fc2_weight"``); both are carried by every shard and view FSDP2 makes: a
+    weight shared by several layers is quantized with its first layer's state, whichever of them
+    FSDP2 registers it under.
     """
 
     _tensor: Tensor
     _owner: weakref.ref[Any]
+    _role: str
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, tensor: Tensor, owner: weakref.ref[Any]) -> FP8AllGatherWeight:
+    def __new__(cls, tensor: Tensor, owner: weakref.ref[Any], role: str = "weight") -> FP8AllGatherWeight:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: Tensor, owner: weakref.ref[Any]) -> None:
-        self._tensor, self._owner = tensor, owner
+    def __init__(self, tensor: Tensor, owner: weakref.ref[Any], role: str = "weight") -> None:
+        self._tensor, self._owner, self._role = tensor, owner, role
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"FP8AllGatherWeight({self._tensor!r})"
+        return f"FP8AllGatherWeight({self._tensor!r}, role={self._role!r})"
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _aten.detach.default:
-            return cls(args[0]._tensor, args[0]._owner)
-        owner = next(t._owner for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
+            return cls(args[0]._tensor, args[0]._owner, args[0]._role)
+        src = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP_SUBCLASS:
             return out
-        return pytree.tree_map_only(Tensor, lambda t: cls(t, owner), out)
+        return pytree.tree_map_only(Tensor, lambda t: cls(t, src._owner, src._role), out)
 
-    def __tensor_flatten__(self) -> tuple[list[str], weakref.ref[Any]]:
-        return ["_tensor"], self._owner
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[weakref.ref[Any], str]]:
+        return ["_tensor"], (self._owner, self._role)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, Tensor], owner: weakref.ref[Any], outer_size: Any, outer_stride: Any
-                             ) -> FP8AllGatherWeight:
-        return FP8AllGatherWeight(inner["_tensor"], owner)
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: tuple[weakref.ref[Any], str], outer_size: Any,
+                             outer_stride: Any) -> FP8AllGatherWeight:
+        return FP8AllGatherWeight(inner["_tensor"], *meta)
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
                             module: torch.nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
         """FSDP2 hook: this rank's shard quantized with one scale for the shard group, as bytes."""
-        linear = self._owner()
-        if linear is None:
-            raise RuntimeError("FP8AllGatherWeight: the fp8ops.nn.Linear this weight was enabled on "
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("FP8AllGatherWeight: the fp8ops.nn module this weight was enabled on "
                                "(fp8ops.nn.enable_fp8_all_gather) no longer exists")
         if tuple(self.shape[1:]) != tuple(outer_size[1:]):
             raise ValueError(f"FP8AllGatherWeight.fsdp_pre_all_gather: the FP8 all-gather needs row shards (FSDP2's "
                              f"default Shard(0) placement) of the {tuple(outer_size)} weight, got a "
                              f"{tuple(self.shape)} shard; do not pass a shard_placement_fn for this weight")
-        recipe, ws = linear.recipe, linear.fp8_state.weight
+        recipe, ws = owner.recipe, getattr(owner.fp8_state, self._role)
         spec = QuantSpec.of(recipe, "forward", ws.calibrated)
         group = mesh.get_group()
         shard = self._tensor
@@ -149,7 +158,7 @@ class GatheredFP8Weight(torch.Tensor):
     """The unsharded parameter of an :class:`FP8AllGatherWeight` inside FSDP2: (N, K) of the param
     dtype outside, the all-gathered FP8 weight inside.
 
-    ``fp8ops.nn.Linear`` reads the FP8 operands (:func:`gathered_linear`); any other op sees the
+    The fp8ops modules read the FP8 operands (:func:`gathered_linear` and its siblings); any other op sees the
     dequantized weight ``fp8 * inv_scale`` in the param dtype (a plain tensor). In-place ops raise:
     the unsharded weight is FSDP2's, rebuilt from the shards at every all-gather.
     """
@@ -200,7 +209,7 @@ class GatheredFP8Weight(torch.Tensor):
 
 
 class _StandIn(torch.autograd.Function):
-    """A zero-stride (N, K) stand-in for the unsharded weight: fp8_linear's ``weight`` next to the
+    """A zero-stride (N, K) stand-in for the unsharded weight: the op's weight argument next to the
     cache; its gradient (dW) passes to the unsharded parameter unchanged."""
 
     generate_vmap_rule = True
@@ -218,17 +227,61 @@ class _StandIn(torch.autograd.Function):
         return dw
 
 
-def gathered_linear(x: Tensor, weight: GatheredFP8Weight, bias: Tensor | None, state: LinearState, *, recipe: Any,
-                    grad_probe: Tensor | None) -> tuple[Tensor, LinearState]:
-    """:func:`fp8_linear` over an unsharded FP8-gathered weight: ``(y, new_state)``, the weight role
-    observing the amax of this rank's shard (``update(..., group=)`` makes it the full weight's)."""
+def is_gathered(*weights: Tensor | None) -> bool:
+    """Whether any of ``weights`` is an unsharded FP8-gathered weight (inside ``fully_shard``'s forward)."""
+    return any(isinstance(w, GatheredFP8Weight) for w in weights)
+
+
+def _cached(weight: Tensor, scale: Tensor, recipe: Any) -> tuple[Tensor, WeightCache | None]:
+    """``(op weight, cache)`` of one weight argument: for a :class:`GatheredFP8Weight`, the stand-in
+    and a :class:`WeightCache` over the gathered bytes (built with the role's scale tensor itself,
+    as the op checks); for any other weight, the weight itself and no cache."""
+    if not isinstance(weight, GatheredFP8Weight):
+        return weight, None
     stand_in = _StandIn.apply(weight)
     dt = weight._fp8_dtype
     value = Float8Value(weight._data.view(dt), weight._inv, weight._data_t.view(dt))
-    cache = WeightCache(value, None, state.weight.scale, recipe, stand_in)
-    y, new_state = fp8_linear(x, stand_in, bias, state, recipe=recipe, grad_probe=grad_probe, weight_cache=cache)
-    assert new_state is not None
-    return y, new_state.replace(weight=new_state.weight.observe(weight._amax))
+    return stand_in, WeightCache(value, None, scale, recipe, stand_in)
+
+
+def _observe_shards(state: Any, weights: dict[str, Tensor]) -> Any:
+    """``state`` with each gathered weight's role observing the amax of this rank's shard (the op
+    records none for a cached weight; ``update(..., group=)`` makes it the full weight's)."""
+    seen = {role: getattr(state, role).observe(w._amax) for role, w in weights.items()
+            if isinstance(w, GatheredFP8Weight)}
+    return state.replace(**seen) if seen else state
+
+
+def gathered_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearState, *, recipe: Any,
+                    grad_probe: Tensor | None) -> tuple[Tensor, LinearState]:
+    """:func:`fp8_linear` over an unsharded FP8-gathered weight: ``(y, new_state)``, the weight role
+    observing the amax of this rank's shard."""
+    w, cache = _cached(weight, state.weight.scale, recipe)
+    y, new_state = fp8_linear(x, w, bias, state, recipe=recipe, grad_probe=grad_probe, weight_cache=cache)
+    return y, _observe_shards(new_state, {"weight": weight})
+
+
+def gathered_layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, weight: Tensor,
+                              bias: Tensor | None, state: LayerNormLinearState, *, recipe: Any, **kw: Any
+                              ) -> tuple[Any, LayerNormLinearState]:
+    """:func:`layernorm_linear` (keywords as there) over an unsharded FP8-gathered weight; the norm's
+    parameters and the bias are used as given. The weight role observes the amax of this rank's shard."""
+    w, cache = _cached(weight, state.weight.scale, recipe)
+    out, new_state = layernorm_linear(x, ln_weight, ln_bias, w, bias, state, recipe=recipe, weight_cache=cache, **kw)
+    return out, _observe_shards(new_state, {"weight": weight})
+
+
+def gathered_fused_ln_mlp(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1_weight: Tensor,
+                          fc1_bias: Tensor | None, fc2_weight: Tensor, fc2_bias: Tensor | None,
+                          state: LayerNormMLPState, *, recipe: Any, **kw: Any) -> tuple[Tensor, LayerNormMLPState]:
+    """:func:`fused_ln_mlp` (keywords as there) over its unsharded FP8-gathered weights (either may
+    be a plain weight, quantized in the op); the roles ``fc1_weight`` / ``fc2_weight`` observe the
+    amax of this rank's shard of a gathered weight."""
+    w1, c1 = _cached(fc1_weight, state.fc1_weight.scale, recipe)
+    w2, c2 = _cached(fc2_weight, state.fc2_weight.scale, recipe)
+    y, new_state = fused_ln_mlp(x, ln_weight, ln_bias, w1, fc1_bias, w2, fc2_bias, state, recipe=recipe,
+                                weight_cache=(c1, c2), **kw)
+    return y, _observe_shards(new_state, {"fc1_weight": fc1_weight, "fc2_weight": fc2_weight})
 
 
 def sharded_fp8_weight(weight: Tensor) -> bool:
@@ -247,8 +300,10 @@ def is_fp8_all_gather(weight: Tensor) -> bool:
 
 
 def wrap_weights(model: torch.nn.Module, selected: list[tuple[str, Any]], where: str) -> None:
-    """Check the selected ``(fqn, fp8ops.nn.Linear)`` layers of ``model`` and give each weight an
-    :class:`FP8AllGatherWeight` parameter, in place (``fp8ops.nn.enable_fp8_all_gather``)."""
+    """Check the selected ``(fqn, module)`` fp8ops modules of ``model`` and give each of their FP8
+    weights (the parameters named in the module class's ``_FP8_WEIGHTS``, whose names are also
+    their roles in the module's state) an :class:`FP8AllGatherWeight` parameter, in place
+    (``fp8ops.nn.enable_fp8_all_gather``)."""
     for fqn, m in selected:
         recipe = m.recipe
         name = f"layer {fqn!r}" if fqn else "model"
@@ -260,27 +315,31 @@ def wrap_weights(model: torch.nn.Module, selected: list[tuple[str, Any]], where:
             raise ValueError(f"{where}: {name} has a recipe with fprop={recipe.fprop.precision!r}, "
                              f"dgrad={recipe.dgrad.precision!r}; the gathered FP8 weight replaces the high-precision "
                              f"weight in both GEMMs, which must be 'fp8' (or leave this layer out with filter=)")
-        if type(m.weight).__name__ == "DTensor":
-            raise ValueError(f"{where}: the weight of {name} is already sharded (a DTensor): call "
-                             f"enable_fp8_all_gather before fully_shard")
-    # A weight tied to another module (an embedding) would be read there as its FP8 value.
-    owners = {id(m.weight): fqn for fqn, m in selected}
-    chosen = {id(m) for _, m in selected}
+        for wname in m._FP8_WEIGHTS:
+            if type(getattr(m, wname)).__name__ == "DTensor":
+                raise ValueError(f"{where}: the {wname} of {name} is already sharded (a DTensor): call "
+                                 f"enable_fp8_all_gather before fully_shard")
+    # A weight must be read as an FP8 weight wherever it is registered: a weight tied to another
+    # module (an embedding), or to another parameter of a selected one, would be read as its FP8 value.
+    owners = {id(getattr(m, wname)): (fqn, wname) for fqn, m in selected for wname in m._FP8_WEIGHTS}
+    allowed = {(id(m), wname) for _, m in selected for wname in m._FP8_WEIGHTS}
     for mfqn, mod in model.named_modules(remove_duplicate=False):
-        for p in mod._parameters.values():
-            if p is not None and id(p) in owners and id(mod) not in chosen:
-                fqn = owners[id(p)]
+        for pname, p in mod._parameters.items():
+            if p is not None and id(p) in owners and (id(mod), pname) not in allowed:
+                fqn, wname = owners[id(p)]
                 name = f"layer {fqn!r}" if fqn else "model"
-                raise ValueError(f"{where}: the weight of {name} is also a parameter of {mfqn!r} "
-                                 f"({type(mod).__name__}), which would read it as its FP8 value under fully_shard; "
-                                 f"leave the layer out with filter= (e.g. filter=lambda fqn, m: fqn != {fqn!r})")
+                raise ValueError(f"{where}: the {wname} of {name} is also a parameter of {mfqn!r} "
+                                 f"({type(mod).__name__}, as {pname!r}), which would read it as its FP8 value under "
+                                 f"fully_shard; leave the layer out with filter= (e.g. filter=lambda fqn, m: "
+                                 f"fqn != {fqn!r})")
     new: dict[int, torch.nn.Parameter] = {}
     for _, m in selected:
-        w = m.weight
-        if id(w) not in new and not is_fp8_all_gather(w):
-            # a weight shared by several layers is quantized with the first one's state
-            new[id(w)] = torch.nn.Parameter(FP8AllGatherWeight(w.detach(), weakref.ref(m)),
-                                            requires_grad=w.requires_grad)
+        for wname in m._FP8_WEIGHTS:
+            w = getattr(m, wname)
+            if id(w) not in new and not is_fp8_all_gather(w):
+                # a weight shared by several layers is quantized with the first one's state
+                new[id(w)] = torch.nn.Parameter(FP8AllGatherWeight(w.detach(), weakref.ref(m), wname),
+                                                requires_grad=w.requires_grad)
     # Swap every reference (a weight tied between selected layers stays tied).
     for mod in model.modules():
         for pname, p in list(mod._parameters.items()):

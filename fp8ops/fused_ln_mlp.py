@@ -25,7 +25,9 @@ backward recomputes aq^T from hq (same scale, same bits) and the activation grad
 
 so the backward is the gradient of exactly the function the forward computed. Seven tensor roles
 are quantized, each with its own scaling state (``fc1_output`` only with recompute); the two
-gradient roles report through one probe of shape (2,) (``make_probes``).
+gradient roles report through one probe of shape (2,) (``make_probes``). A ``weight_cache`` pair
+(:func:`fp8ops.quantize_weight` of W1 and W2) replaces q(W1), q(W2) and their transposed copies
+with the cached operands.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ from ._operands import (
 )
 from .quantize import QuantSpec, quantize_2d
 from .recipes import GemmSpec, Recipe
-from .fp8_linear import LinearState, fp8_linear
+from .fp8_linear import LinearState, WeightCache, fp8_linear
+from .layernorm_linear import check_weight_cache
 from .state import OpState, ScalingState
 
 __all__ = ["LayerNormMLPState", "fused_ln_mlp"]
@@ -171,6 +174,8 @@ class _Cfg(NamedTuple):
     need_db1: bool
     need_dw2: bool
     need_db2: bool
+    cache1: bool  # W1's FP8 operands come from a WeightCache
+    cache2: bool  # W2's
 
     @property
     def need_dh(self) -> bool:
@@ -198,6 +203,14 @@ class _FusedLNMLP(torch.autograd.Function):
         s_g2: Tensor | None,
         s_h1: Tensor | None,
         probes: Tensor | None,  # (2,)
+        c1_data: Tensor | None,  # (C, K) cached FP8 W1
+        c1_data_t: Tensor | None,  # (K, C)
+        c1_inv: Tensor | None,
+        c1_inv_t: Tensor | None,  # row-wise (K, 1) scales of c1_data_t, else None
+        c2_data: Tensor | None,  # (K2, F) cached FP8 W2
+        c2_data_t: Tensor | None,  # (F, K2)
+        c2_inv: Tensor | None,
+        c2_inv_t: Tensor | None,  # row-wise (F, 1) scales of c2_data_t, else None
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
         sp_x1, sp_w1, _, sp_x2, sp_w2, _, sp_h1 = cfg.specs
@@ -208,9 +221,14 @@ class _FusedLNMLP(torch.autograd.Function):
             x, ln_w, ln_b, cfg.norm, s_x1, sp_x1, need_q=fp8_fwd, need_t=cfg.need_dw1 and fp8_wgrad,
             need_hp=not fp8_fwd or (cfg.need_dw1 and not fp8_wgrad),
         )
-        # Step 2: fc1.
-        w1q, w1_inv, w1q_t, w1_inv_t, w1_amax = quantize_weight_operands(
-            w1, s_w1, sp_w1, fp8_fwd, cfg.need_dx and fp8_dgrad)
+        # Step 2: fc1, its weight from the cache (its transposed copy is saved in setup_context) or
+        # quantized now.
+        if cfg.cache1:
+            w1q, w1_inv, w1q_t, w1_inv_t = c1_data, c1_inv, None, None
+            w1_amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        else:
+            w1q, w1_inv, w1q_t, w1_inv_t, w1_amax = quantize_weight_operands(
+                w1, s_w1, sp_w1, fp8_fwd, cfg.need_dx and fp8_dgrad)
         h = gemm_fprop(lnq, ln_inv, ln, w1q, w1_inv, w1, b1, cfg.fprop, x.dtype)  # (M, C)
         h_inv = h_amax = None
         if cfg.recompute and cfg.fp8:
@@ -224,9 +242,13 @@ class _FusedLNMLP(torch.autograd.Function):
             h, cfg.act, s_x2, sp_x2, need_q=fp8_fwd, need_t=keep_a_t, need_hp=not fp8_fwd or keep_a_hp,
             h_inv=h_inv, hp_dtype=x.dtype,
         )
-        # Step 4: fc2.
-        w2q, w2_inv, w2q_t, w2_inv_t, w2_amax = quantize_weight_operands(
-            w2, s_w2, sp_w2, fp8_fwd, cfg.need_dh and fp8_dgrad)
+        # Step 4: fc2, its weight as fc1's.
+        if cfg.cache2:
+            w2q, w2_inv, w2q_t, w2_inv_t = c2_data, c2_inv, None, None
+            w2_amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        else:
+            w2q, w2_inv, w2q_t, w2_inv_t, w2_amax = quantize_weight_operands(
+                w2, s_w2, sp_w2, fp8_fwd, cfg.need_dh and fp8_dgrad)
         y = gemm_fprop(aq, a_inv, a, w2q, w2_inv, w2, b2, cfg.fprop, x.dtype)
         if not (cfg.need_dx and fp8_dgrad):
             w1q_t = w1_inv_t = None
@@ -243,7 +265,8 @@ class _FusedLNMLP(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, cfg = inputs
+        (x, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, _, c1_data_t, c1_inv, c1_inv_t, _, c2_data_t,
+         c2_inv, c2_inv_t, cfg) = inputs
         ctx.mark_non_differentiable(*output[1:])
         # The other outputs never get a gradient: without this, autograd would allocate a zero
         # gradient of each one's shape (the FP8 operands saved for backward among them) per step.
@@ -251,6 +274,10 @@ class _FusedLNMLP(torch.autograd.Function):
         (_, _, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
          w2q_t, w2_inv_t) = output
         fp8_dgrad = cfg.dgrad.precision == "fp8"
+        if cfg.cache1 and cfg.need_dx and fp8_dgrad:
+            w1q_t, w1_inv_t = c1_data_t, (c1_inv_t if c1_inv_t is not None else c1_inv)
+        if cfg.cache2 and cfg.need_dh and fp8_dgrad:
+            w2q_t, w2_inv_t = c2_data_t, (c2_inv_t if c2_inv_t is not None else c2_inv)
         ctx.save_for_backward(
             x if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t,
             w1 if cfg.need_dx and not fp8_dgrad else None,
@@ -323,16 +350,38 @@ class _FusedLNMLP(torch.autograd.Function):
             if dh_amax is None:
                 dh_amax = torch.zeros_like(dy_amax)
             probe_grad = torch.stack([dh_amax.reshape(()), dy_amax.reshape(())])
-        return (dx, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None, None, None, None, None, probe_grad, None)
+        return (dx, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None, None, None, None, None, probe_grad,
+                *(None,) * 8, None)
 
 
 _FusedLNMLP.forward.__signature__ = inspect.signature(_FusedLNMLP.forward)  # type: ignore[attr-defined]
 
 
+def _weight_caches(weight_cache: Any, fc1_weight: Tensor, fc2_weight: Tensor, state: Any, recipe: Any, fp8: bool,
+                   where: str) -> tuple[WeightCache | None, WeightCache | None]:
+    """``weight_cache`` checked (as :func:`fp8ops.fp8_linear` checks its own), as ``(fc1's, fc2's)``."""
+    if weight_cache is None:
+        return None, None
+    if not fp8:
+        raise ValueError(f"{where}: weight_cache is only meaningful with FP8 (a state and a recipe); "
+                         f"pass weight_cache=None")
+    if not isinstance(weight_cache, (tuple, list)) or len(weight_cache) != 2:
+        raise TypeError(f"{where}: weight_cache must be a pair (fc1's, fc2's) of WeightCache from quantize_weight "
+                        f"(or None for a weight quantized in the op), got {type(weight_cache).__name__}"
+                        f"{f' of length {len(weight_cache)}' if isinstance(weight_cache, (tuple, list)) else ''}")
+    for i, (c, w) in enumerate(zip(weight_cache, (fc1_weight, fc2_weight))):
+        if c is not None:
+            role = f"fc{i + 1}_weight"
+            check_weight_cache(c, w, getattr(state, role), recipe, fp8, where, name=f"weight_cache[{i}]",
+                               weight_name=role, role=role)
+    return weight_cache[0], weight_cache[1]
+
+
 def _sequence_parallel(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1_weight: Tensor,
                        fc1_bias: Tensor | None, fc2_weight: Tensor, fc2_bias: Tensor | None, state: Any, recipe: Any,
                        normalization: str, activation: str, eps: float, zero_centered_gamma: bool, recompute: Any,
-                       grad_probe: Tensor | None, tp_group: Any) -> tuple[Tensor, LayerNormMLPState | None]:
+                       grad_probe: Tensor | None, weight_cache: Any, tp_group: Any
+                       ) -> tuple[Tensor, LayerNormMLPState | None]:
     """fused_ln_mlp under sequence parallelism, unfused: norm on the slice -> fc1 (column-parallel)
     -> activation -> fc2 (row-parallel), with the states of fc1 and fc2 as two LinearStates."""
     where = "fused_ln_mlp"
@@ -342,6 +391,7 @@ def _sequence_parallel(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1
     fp8 = check_state_recipe(state, recipe, LayerNormMLPState, x, where)
     check_probe(grad_probe, where, shape=(2,), name="grad_probe", device=x.device)
     _activation.check_activation(activation, where)
+    c1, c2 = _weight_caches(weight_cache, fc1_weight, fc2_weight, state, recipe, fp8, where)
     # Step 1: the norm on this rank's slice; its parameters' gradients are partial sums over the group.
     ln = sequence_norm(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, tp_group)
     # Step 2: fc1 (all-gathers ln), the activation, fc2 (reduce-scatters y), each with its LinearState.
@@ -351,9 +401,10 @@ def _sequence_parallel(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1
         st2 = LinearState(input=state.fc2_input, weight=state.fc2_weight, grad_output=state.fc2_grad_output)
     p1, p2 = (None, None) if grad_probe is None else (grad_probe[0], grad_probe[1])
     tp = {"tp_group": tp_group, "sequence_parallel": True}
-    h, st1 = fp8_linear(ln, fc1_weight, fc1_bias, st1, recipe=recipe, grad_probe=p1, parallel_mode="column", **tp)
+    h, st1 = fp8_linear(ln, fc1_weight, fc1_bias, st1, recipe=recipe, grad_probe=p1, weight_cache=c1,
+                        parallel_mode="column", **tp)
     y, st2 = fp8_linear(_activation.activation(h, activation), fc2_weight, fc2_bias, st2, recipe=recipe,
-                        grad_probe=p2, parallel_mode="row", **tp)
+                        grad_probe=p2, weight_cache=c2, parallel_mode="row", **tp)
     if not fp8:
         return y, None
     assert st1 is not None and st2 is not None
@@ -378,6 +429,7 @@ def fused_ln_mlp(
     recompute: str | None = None,
     grad_probe: Tensor | None = None,
     grad_probes: Tensor | None = None,
+    weight_cache: tuple[WeightCache | None, WeightCache | None] | None = None,
     tp_group: Any = None,
     sequence_parallel: bool = False,
 ) -> tuple[Tensor, LayerNormMLPState | None]:
@@ -419,6 +471,17 @@ def fused_ln_mlp(
             output gradients are quantized with current scaling. (Every op calls its probe
             ``grad_probe``; a pytree of probes, as ``transformer_layer`` takes, is ``probes``.)
         grad_probes: the old name of ``grad_probe``; still accepted, with a ``DeprecationWarning``.
+        weight_cache: FP8 weights quantized once per optimizer step, as
+            :func:`fp8ops.fp8_linear`'s ``weight_cache``: a pair ``(cache1, cache2)`` for
+            ``fc1_weight`` and ``fc2_weight``, each a :class:`fp8ops.WeightCache` from
+            ``fp8ops.quantize_weight(fc1_weight, state.fc1_weight, recipe=recipe)`` (for
+            ``fc2_weight``, with ``state.fc2_weight``) or None (that weight is quantized in the
+            op). ``quantize_weight`` returns the weight role's state with amax(W) recorded: put it
+            back with ``state.replace(fc1_weight=...)``. A cached weight is not quantized again
+            (forward and dgrad GEMMs) and its gradient still flows to it. Only with FP8; each
+            cache must be built with this recipe and the role's current scale (rebuild after
+            every ``fp8ops.update``) from this weight tensor. Inside ``torch.autocast`` a cached
+            weight is not cast.
         tp_group: a ``torch.distributed`` process group for tensor parallelism, or None. fc1 is
             column-parallel and fc2 row-parallel: ``fc1_weight`` is this rank's (C/w, K) shard
             (for gated activations the rows of both halves a and b of this rank, a first; see
@@ -433,7 +496,8 @@ def fused_ln_mlp(
 
     Returns:
         ``(y, new_state)``: y (..., K2); ``new_state`` with the amaxes of the normalised input,
-        W1, the activation output and W2 recorded (None without FP8).
+        W1, the activation output and W2 recorded (None without FP8; the amax of a cached weight
+        is recorded by :func:`fp8ops.quantize_weight`).
 
     Raises:
         TypeError, ValueError: bad input (the message names the argument and the fix).
@@ -473,25 +537,32 @@ def fused_ln_mlp(
         if tp.sp:
             return _sequence_parallel(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state,
                                       recipe, normalization, activation, eps, zero_centered_gamma, recompute,
-                                      grad_probe, tp_group)
+                                      grad_probe, weight_cache, tp_group)
         y, new_state = fused_ln_mlp(
             copy_to_tp(x, g), copy_to_tp(ln_weight, g), copy_to_tp(ln_bias, g), fc1_weight, fc1_bias,
             fc2_weight, None, state, recipe=recipe, normalization=normalization, activation=activation, eps=eps,
-            zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probe=grad_probe)
+            zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probe=grad_probe,
+            weight_cache=weight_cache)
         if fc2_bias is not None and tuple(fc2_bias.shape) != (y.shape[-1],):
             raise ValueError(f"{where}: fc2_bias must have shape (K2,) = ({y.shape[-1]},), got {tuple(fc2_bias.shape)}")
         return row_output(y, fc2_bias, tp, where), new_state
     ac = autocast_dtype(x.device.type) if isinstance(x, Tensor) else None
     if ac is not None:
         # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,
-        # so gradients reach the originals in their dtype), then the op with autocast off inside.
-        x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias = autocast_inputs(
-            ac, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+        # so gradients reach the originals in their dtype), then the op with autocast off inside. A
+        # cached FP8 weight is used as it is (its source weight is not cast: the cache checks identity).
+        x, ln_weight, ln_bias, fc1_bias, fc2_bias = autocast_inputs(ac, x, ln_weight, ln_bias, fc1_bias, fc2_bias)
+        c1, c2 = weight_cache if isinstance(weight_cache, (tuple, list)) and len(weight_cache) == 2 else (None, None)
+        if c1 is None:
+            (fc1_weight,) = autocast_inputs(ac, fc1_weight)
+        if c2 is None:
+            (fc2_weight,) = autocast_inputs(ac, fc2_weight)
         with torch.autocast(x.device.type, enabled=False):
             return fused_ln_mlp(
                 x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state, recipe=recipe,
                 normalization=normalization, activation=activation, eps=eps,
-                zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probe=grad_probe)
+                zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probe=grad_probe,
+                weight_cache=weight_cache)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     _activation.check_activation(activation, where)
     C = check_weight(fc1_weight, fc1_bias, K, x, "fc1_weight", where)
@@ -509,6 +580,7 @@ def fused_ln_mlp(
     check_probe(grad_probe, where, shape=(2,), name="grad_probe", device=x.device)
     if grad_probe is not None and not fp8:
         raise ValueError(f"{where}: grad_probe is only meaningful with FP8 (a state and a recipe); pass None")
+    c1, c2 = _weight_caches(weight_cache, fc1_weight, fc2_weight, state, recipe, fp8, where)
     grad_on = torch.is_grad_enabled()
 
     def needs(t: Tensor | None) -> bool:
@@ -533,17 +605,25 @@ def fused_ln_mlp(
         fprop=gemms[0], dgrad=gemms[1], wgrad=gemms[2], has_probe=grad_probe is not None,
         need_dx=needs(x) or needs(ln_weight) or needs(ln_bias),
         need_dw1=needs(fc1_weight), need_db1=needs(fc1_bias),
-        need_dw2=needs(fc2_weight), need_db2=needs(fc2_bias),
+        need_dw2=needs(fc2_weight), need_db2=needs(fc2_bias), cache1=c1 is not None, cache2=c2 is not None,
     )
     lead = x.shape[:-1]
     refuse_compiled_transform(where, x)
+    cached: list[Tensor | None] = []
+    for c in (c1, c2):
+        cached += [None] * 4 if c is None else [c.value.data, c.value.data_t, c.value.inv_scale, c.inv_scale_t]
     y, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = apply(
-        _FusedLNMLP, x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales, grad_probe, cfg
+        _FusedLNMLP, x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales,
+        grad_probe, *cached, cfg
     )
     new_state = None
     if fp8:
         assert state is not None
-        seen = {"fc1_input": ln_amax, "fc1_weight": w1_amax, "fc2_input": a_amax, "fc2_weight": w2_amax}
+        seen = {"fc1_input": ln_amax, "fc2_input": a_amax}
+        if c1 is None:  # a cached weight's amax is recorded by quantize_weight
+            seen["fc1_weight"] = w1_amax
+        if c2 is None:
+            seen["fc2_weight"] = w2_amax
         if cfg.recompute:  # fc1's output was quantized (stored in FP8) only then
             seen["fc1_output"] = h_amax
         new_state = state.replace(**{n: getattr(state, n)._observe_amax(a) for n, a in seen.items()})

@@ -15,7 +15,9 @@ Backward::
 
 No high-precision copy of the normalised output is written unless it is asked for
 (``return_layernorm_output=True``) or a GEMM runs in high precision. With ``state=None`` and
-``recipe=None`` the same fused norm kernels run with high-precision GEMMs (no FP8).
+``recipe=None`` the same fused norm kernels run with high-precision GEMMs (no FP8). With a
+``weight_cache`` (:func:`fp8ops.quantize_weight`) q(W) and q(W)^T are the cached operands and W is
+not quantized again.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ from ._operands import (
     quantize_grad,
     quantize_weight_operands,
 )
-from .fp8_linear import LinearState, fp8_linear
+from .fp8_linear import LinearState, WeightCache, _same_tensor, _same_weight, fp8_linear
 from .quantize import QuantSpec
 from .recipes import GemmSpec, Recipe
+from .state import ScalingState
 
-__all__ = ["LayerNormLinearState", "layernorm_linear"]
+__all__ = ["LayerNormLinearState", "check_weight_cache", "layernorm_linear"]
 
 
 class LayerNormLinearState(LinearState):
@@ -59,6 +62,41 @@ class LayerNormLinearState(LinearState):
         >>> [st.input.role, st.weight.role, st.grad_output.role]
         ['forward', 'forward', 'backward']
     """
+
+
+def check_weight_cache(cache: Any, weight: Tensor, wstate: ScalingState | None, recipe: Recipe | None, fp8: bool,
+                       where: str, *, name: str = "weight_cache", weight_name: str = "weight",
+                       role: str = "weight") -> None:
+    """The checks of :func:`fp8ops.fp8_linear`'s ``weight_cache``, for a linear-family op ``where``
+    (``layernorm_linear``, and ``fused_ln_mlp`` for each of its two caches).
+
+    ``cache`` is the argument ``name`` (a :class:`fp8ops.WeightCache`) given for the weight
+    argument ``weight_name``, whose scaling state is the role ``role`` (``wstate``) of the op's
+    state: FP8 only (``fp8``: a state and a recipe were given), built with ``recipe``, with this
+    role's scale tensor itself (a cache built before an ``fp8ops.update`` is stale), of the
+    weight's shape, from this weight tensor (eager mode: under ``torch.compile`` an alias of the
+    weight cannot be told from another tensor; the scale check holds there by identity).
+
+    Raises:
+        TypeError: ``cache`` is not a WeightCache.
+        ValueError: any other mismatch; the message names ``where``, ``name`` and the fix.
+    """
+    if not fp8:
+        raise ValueError(f"{where}: {name} is only meaningful with FP8 (a state and a recipe); pass {name}=None")
+    if not isinstance(cache, WeightCache):
+        raise TypeError(f"{where}: {name} must be a WeightCache from quantize_weight, got {type(cache).__name__}")
+    assert wstate is not None  # fp8: check_state_recipe has checked the state
+    rebuild = f"rebuild it with quantize_weight({weight_name}, state.{role}, recipe=...)"
+    if cache.recipe != recipe:
+        raise ValueError(f"{where}: {name} was built with another recipe ({cache.recipe!r}); {rebuild}")
+    if not _same_tensor(cache.scale, wstate.scale):
+        raise ValueError(f"{where}: {name} was built with another weight state (stale after fp8ops.update?); "
+                         f"{rebuild} once per optimizer step")
+    if tuple(cache.value.shape) != tuple(weight.shape):
+        raise ValueError(f"{where}: {name} holds a {tuple(cache.value.shape)} weight, expected "
+                         f"{tuple(weight.shape)} ({weight_name}'s shape)")
+    if not torch.compiler.is_compiling() and not _same_weight(cache.weight, weight):
+        raise ValueError(f"{where}: {name} was built from another weight tensor than {weight_name}; {rebuild}")
 
 
 class _Cfg(NamedTuple):
@@ -77,6 +115,7 @@ class _Cfg(NamedTuple):
     need_dx: bool  # any gradient through the norm: x, its weight or its bias
     need_dw: bool
     need_db: bool
+    use_cache: bool  # the weight's FP8 operands come from a WeightCache
 
 
 class _LayerNormLinear(torch.autograd.Function):
@@ -93,18 +132,27 @@ class _LayerNormLinear(torch.autograd.Function):
         w_scale: Tensor | None,
         g_scale: Tensor | None,
         probe: Tensor | None,
+        c_data: Tensor | None,  # (N, K) cached FP8 weight
+        c_data_t: Tensor | None,  # (K, N)
+        c_inv: Tensor | None,
+        c_inv_t: Tensor | None,  # row-wise (K, 1) scales of c_data_t, else None
         cfg: _Cfg,
     ) -> tuple[Tensor, ...]:
         fp8_fwd = cfg.fprop.precision == "fp8"
         need_xt = cfg.need_dw and cfg.wgrad.precision == "fp8"
-        need_wt = cfg.need_dx and cfg.dgrad.precision == "fp8"
+        need_wt = cfg.need_dx and cfg.dgrad.precision == "fp8" and not cfg.use_cache
         need_hp = cfg.return_ln or not fp8_fwd or (cfg.need_dw and cfg.wgrad.precision != "fp8")
         # Step 1: the norm, writing the FP8 GEMM operand (and its transpose) directly.
         ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd = norm_operands(
             x, ln_w, ln_b, cfg.norm, x_scale, cfg.x_spec, need_q=fp8_fwd, need_t=need_xt, need_hp=need_hp
         )
-        # Step 2: the weight (and its transpose for dgrad).
-        wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
+        # Step 2: the weight, from the cache or quantized now (with its transpose for dgrad).
+        if cfg.use_cache:
+            # the cached transposed copy is saved from the inputs in setup_context
+            wq, w_inv, wq_t, w_inv_t = c_data, c_inv, None, None
+            w_amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        else:
+            wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
         # Step 3: the forward GEMM.
         y = gemm_fprop(lnq, ln_inv, ln, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if not need_wt:
@@ -114,8 +162,10 @@ class _LayerNormLinear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, ln_w, _, w, bias, _, _, g_scale, _, cfg = inputs
+        x, ln_w, _, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg = inputs
         _, ln, _, _, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t = output
+        if cfg.use_cache and cfg.need_dx and cfg.dgrad.precision == "fp8":
+            wq_t, w_inv_t = c_data_t, (c_inv_t if c_inv_t is not None else c_inv)
         # one call: a second mark_non_differentiable replaces the first set
         ctx.mark_non_differentiable(*output[2:], *(() if cfg.return_ln else (ln,)))
         # No zero gradients for the outputs that never get one; dy or dln_out may then be None.
@@ -161,7 +211,7 @@ class _LayerNormLinear(torch.autograd.Function):
                     dln = dln + dln_out
                 dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm)
         probe_grad = dy_amax if cfg.has_probe else None
-        return dx, dln_w, dln_b, dw, db, None, None, None, probe_grad, None
+        return dx, dln_w, dln_b, dw, db, None, None, None, probe_grad, None, None, None, None, None
 
 
 _LayerNormLinear.forward.__signature__ = inspect.signature(_LayerNormLinear.forward)  # type: ignore[attr-defined]
@@ -181,6 +231,7 @@ def layernorm_linear(
     zero_centered_gamma: bool = False,
     return_layernorm_output: bool = False,
     grad_probe: Tensor | None = None,
+    weight_cache: WeightCache | None = None,
     tp_group: Any = None,
     parallel_mode: str | None = None,
     sequence_parallel: bool = False,
@@ -211,6 +262,14 @@ def layernorm_linear(
         return_layernorm_output: also return the normalised output (differentiable).
         grad_probe: a 0-d float32 zero on x's device whose gradient becomes amax(dy); without
             one, dy is quantized with current scaling.
+        weight_cache: a :class:`fp8ops.WeightCache` of this ``weight`` for this optimizer step,
+            from ``fp8ops.quantize_weight(weight, state, recipe=recipe)`` (which records amax(W)
+            in the returned state); the weight is then not quantized again, in the forward GEMM
+            and the dgrad GEMM alike, and its gradient still flows to ``weight``. The same rules
+            as :func:`fp8ops.fp8_linear`'s: only with FP8, built with this recipe and the
+            state's current weight scale (rebuild it after every ``fp8ops.update``), from this
+            weight tensor. Inside ``torch.autocast`` ``weight`` is not cast (the cache is used
+            as built).
         tp_group: a ``torch.distributed`` process group for tensor parallelism, or None.
         parallel_mode: with ``tp_group``, ``"column"``: ``weight`` is this rank's (N/w, K) row
             shard, ``bias`` its (N/w,) shard, y the last-dim shard; the norm's parameters are
@@ -226,8 +285,9 @@ def layernorm_linear(
     Returns:
         ``(y, new_state)`` with y (..., N), or ``((y, ln_out), new_state)`` with
         ``return_layernorm_output``; ``new_state`` has amax(ln) and amax(W) recorded (None
-        without FP8). With K = 0 the normalised output is empty, y is the bias broadcast to
-        (..., N) (zeros without one) and the state comes back unchanged (nothing is observed).
+        without FP8; amax(W) is recorded by :func:`fp8ops.quantize_weight` when a cache is
+        used). With K = 0 the normalised output is empty, y is the bias broadcast to (..., N)
+        (zeros without one) and the state comes back unchanged (nothing is observed).
 
     Raises:
         TypeError, ValueError: bad input (the message names the argument and the fix).
@@ -262,28 +322,34 @@ def layernorm_linear(
             # SP: the norm on this rank's slice (its parameters' gradients are partial sums), then the
             # column-parallel GEMM all-gathers its output (FP8 bytes with a per-tensor recipe).
             ln = sequence_norm(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, g)
-            return fp8_linear(ln, weight, bias, state, recipe=recipe, grad_probe=grad_probe, tp_group=g,
-                              parallel_mode="column", sequence_parallel=True)
+            return fp8_linear(ln, weight, bias, state, recipe=recipe, grad_probe=grad_probe, weight_cache=weight_cache,
+                              tp_group=g, parallel_mode="column", sequence_parallel=True)
         return layernorm_linear(
             copy_to_tp(x, g), copy_to_tp(ln_weight, g), copy_to_tp(ln_bias, g), weight, bias,
             state, recipe=recipe, normalization=normalization, eps=eps, zero_centered_gamma=zero_centered_gamma,
-            grad_probe=grad_probe)
+            grad_probe=grad_probe, weight_cache=weight_cache)
     ac = autocast_dtype(x.device.type) if isinstance(x, Tensor) else None
     if ac is not None:
         # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,
-        # so gradients reach the originals in their dtype), then the op with autocast off inside.
-        x, ln_weight, ln_bias, weight, bias = autocast_inputs(ac, x, ln_weight, ln_bias, weight, bias)
+        # so gradients reach the originals in their dtype), then the op with autocast off inside. A
+        # cached FP8 weight is used as it is (its source weight is not cast: the cache checks identity).
+        x, ln_weight, ln_bias, bias = autocast_inputs(ac, x, ln_weight, ln_bias, bias)
+        if weight_cache is None:
+            (weight,) = autocast_inputs(ac, weight)
         with torch.autocast(x.device.type, enabled=False):
             return layernorm_linear(
                 x, ln_weight, ln_bias, weight, bias, state, recipe=recipe, normalization=normalization, eps=eps,
                 zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output,
-                grad_probe=grad_probe)
+                grad_probe=grad_probe, weight_cache=weight_cache)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     N = check_weight(weight, bias, K, x, "weight", where)
     fp8 = check_state_recipe(state, recipe, LayerNormLinearState, x, where)
     check_probe(grad_probe, where, device=x.device)
     if grad_probe is not None and not fp8:
         raise ValueError(f"{where}: grad_probe is only meaningful with FP8 (a state and a recipe); pass grad_probe=None")
+    use_cache = weight_cache is not None
+    if use_cache:
+        check_weight_cache(weight_cache, weight, None if state is None else state.weight, recipe, fp8, where)
     if K == 0:
         # Nothing to normalise or quantize: the normalised output is empty and y is the bias
         # broadcast (zeros without one), as torch.nn.functional.linear gives; nothing is observed.
@@ -310,7 +376,7 @@ def layernorm_linear(
         fprop=gemms[0], dgrad=gemms[1], wgrad=gemms[2],
         has_probe=grad_probe is not None, return_ln=bool(return_layernorm_output),
         need_dx=need_norm_grad, need_dw=grad_on and weight.requires_grad,
-        need_db=grad_on and bias is not None and bias.requires_grad,
+        need_db=grad_on and bias is not None and bias.requires_grad, use_cache=use_cache,
     )
     x_scale, w_scale, g_scale = scales
     if fp8:  # autograd.Function under torch.compile rejects one tensor passed twice
@@ -320,14 +386,18 @@ def layernorm_linear(
             g_scale = g_scale.clone()
     lead = x.shape[:-1]
     refuse_compiled_transform(where, x)
+    c = weight_cache.value if weight_cache is not None else None
     y, ln, ln_amax, w_amax, *_ = apply(
-        _LayerNormLinear, x.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe, cfg
+        _LayerNormLinear, x.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe,
+        None if c is None else c.data, None if c is None else c.data_t, None if c is None else c.inv_scale,
+        None if weight_cache is None else weight_cache.inv_scale_t, cfg,
     )
     y = y.reshape(*lead, N)
     new_state = None
     if fp8:
         assert state is not None
-        new_state = state.replace(input=state.input._observe_amax(ln_amax), weight=state.weight._observe_amax(w_amax))
+        new_state = state.replace(input=state.input._observe_amax(ln_amax),
+                                  weight=state.weight if use_cache else state.weight._observe_amax(w_amax))
     if return_layernorm_output:
         return (y, ln.reshape(*lead, K)), new_state
     return y, new_state

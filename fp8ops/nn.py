@@ -21,7 +21,7 @@ amaxes into the state with :func:`fp8ops.update`::
 ``module.state_dict()`` holds the parameters; the scaling state has its own flat dict
 (:meth:`scaling_state_dict` / :meth:`load_scaling_state_dict`, via :func:`fp8ops.state_dict`).
 Under FSDP2, :func:`enable_fp8_all_gather` (before ``fully_shard``) makes the all-gathers move the
-:class:`Linear` weights as FP8 bytes.
+weights of :class:`Linear`, :class:`LayerNormLinear` and :class:`LayerNormMLP` as FP8 bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ._checks import check_eps, check_normalization, check_recipe, check_zero_centered_gamma
-from ._fsdp import GatheredFP8Weight, gathered_linear, sharded_fp8_weight, wrap_weights
+from ._fsdp import gathered_fused_ln_mlp, gathered_layernorm_linear, gathered_linear, is_gathered, sharded_fp8_weight
+from ._fsdp import wrap_weights
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .fp8_linear import LinearState, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
@@ -191,7 +192,7 @@ def update_scaling(modules: torch.nn.Module | Iterable[torch.nn.Module], *, grou
                 found.setdefault(id(m), m)
     if group is None:
         gathered = [type(m).__name__ for m in found.values()
-                    if isinstance(getattr(m, "weight", None), Tensor) and sharded_fp8_weight(m.weight)]
+                    if any(sharded_fp8_weight(p) for p in m.parameters(recurse=False))]
         if gathered:
             raise ValueError(f"update_scaling: group is None, but {len(gathered)} module(s) have weights that "
                              f"fully_shard all-gathers in FP8 (enable_fp8_all_gather); pass group= (the process "
@@ -280,18 +281,16 @@ class Linear(FP8Module):
         m.reset_scaling()
         return m
 
+    _FP8_WEIGHTS = ("weight",)  # all-gathered in FP8 under enable_fp8_all_gather (the name is the state role)
+
     def _init_state(self, device: Any) -> Any:
         return LinearState.init(self.recipe, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.recipe is None:
             return F.linear(x, self.weight, self.bias)
-        if isinstance(self.weight, GatheredFP8Weight):  # all-gathered in FP8 by fully_shard
-            y, new_state = gathered_linear(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe,
-                                           grad_probe=self._next_probes())
-        else:
-            y, new_state = fp8_linear(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe,
-                                      grad_probe=self._next_probes())
+        op = gathered_linear if is_gathered(self.weight) else fp8_linear  # all-gathered in FP8 by fully_shard
+        y, new_state = op(x, self.weight, self.bias, self.fp8_state, recipe=self.recipe, grad_probe=self._next_probes())
         self._keep_state(new_state)
         return y
 
@@ -351,11 +350,14 @@ class LayerNormLinear(FP8Module):
         _init_linear(self.weight, self.bias)
         self.reset_scaling()
 
+    _FP8_WEIGHTS = ("weight",)
+
     def _init_state(self, device: Any) -> Any:
         return LayerNormLinearState.init(self.recipe, device=device)
 
     def forward(self, x: Tensor) -> Any:
-        out, new_state = layernorm_linear(
+        op = gathered_layernorm_linear if is_gathered(self.weight) else layernorm_linear
+        out, new_state = op(
             x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, self.fp8_state,
             recipe=self.recipe, normalization=self.normalization, eps=self.eps,
             zero_centered_gamma=self.zero_centered_gamma, return_layernorm_output=self.return_layernorm_output,
@@ -411,11 +413,14 @@ class LayerNormMLP(FP8Module):
         _init_linear(self.fc2_weight, self.fc2_bias)
         self.reset_scaling()
 
+    _FP8_WEIGHTS = ("fc1_weight", "fc2_weight")
+
     def _init_state(self, device: Any) -> Any:
         return LayerNormMLPState.init(self.recipe, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
-        y, new_state = fused_ln_mlp(
+        op = gathered_fused_ln_mlp if is_gathered(self.fc1_weight, self.fc2_weight) else fused_ln_mlp
+        y, new_state = op(
             x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
             self.fc2_bias, self.fp8_state, recipe=self.recipe, normalization=self.normalization,
             activation=self.activation, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
@@ -598,40 +603,43 @@ def convert(model: torch.nn.Module, recipe: Any, *,
 
 
 def enable_fp8_all_gather(model: torch.nn.Module, *,
-                          filter: Callable[[str, Linear], bool] | None = None) -> list[str]:  # noqa: A002
-    """Make FSDP2's ``fully_shard`` all-gather the weights of the model's :class:`Linear` layers in FP8.
+                          filter: Callable[[str, FP8Module], bool] | None = None) -> list[str]:  # noqa: A002
+    """Make FSDP2's ``fully_shard`` all-gather the weights of the model's linear-family layers in FP8.
 
-    Call it before ``fully_shard``. Each selected layer's ``weight`` is replaced by a parameter of
-    the same values, dtype and ``requires_grad`` (a tensor subclass that wraps the same memory) with
-    FSDP2's all-gather hooks. Under ``fully_shard`` each rank then quantizes its row shard of the
+    Call it before ``fully_shard``. Each selected layer's GEMM weights (``weight`` of :class:`Linear`
+    and :class:`LayerNormLinear`; ``fc1_weight`` and ``fc2_weight`` of :class:`LayerNormMLP`) are
+    replaced by parameters of the same values, dtype and ``requires_grad`` (a tensor subclass that
+    wraps the same memory) with FSDP2's all-gather hooks; norms and biases are gathered in their
+    own dtype. Under ``fully_shard`` each rank then quantizes its row shard of an
     (N, K) weight with one scale for the group, the all-gather moves the FP8 bytes (one byte per
     element: half of bfloat16's traffic, a quarter of float32's) and the transposed FP8 copy for
     the dgrad GEMM is written from them; no high-precision copy of the full weight is made. The
-    layer's forward feeds those bytes to :func:`fp8ops.fp8_linear` as its weight cache, and the
+    layer's forward feeds those bytes to its op (:func:`fp8ops.fp8_linear`,
+    :func:`fp8ops.layernorm_linear`, :func:`fp8ops.fused_ln_mlp`) as its ``weight_cache``, and the
     (N, K) weight gradient it computes is the unsharded parameter's gradient, which FSDP2
     reduce-scatters (in the param dtype, or ``reduce_dtype``) as usual.
 
-    The scale is the weight state's (``layer.fp8_state.weight``) when it is a calibrated delayed
-    scale, or, with current scaling and before the first update, that of the group's amax (one
-    ``all_reduce(MAX)`` of a scalar per layer and all-gather). Each rank's weight role observes the
-    amax of its shard; :func:`update_scaling` with ``group=`` (required: it raises without one)
-    max-reduces it with the other observations in its one ``all_reduce`` per step, so the state
-    sees the full weight's amax and the scales stay identical on every rank. The gathered FP8
-    weight is the one the layer would quantize from the full weight.
+    The scale is the weight role's (``layer.fp8_state.weight``, ``.fc1_weight``, ``.fc2_weight``)
+    when it is a calibrated delayed scale, or, with current scaling and before the first update,
+    that of the group's amax (one ``all_reduce(MAX)`` of a scalar per weight and all-gather). Each
+    rank's weight role observes the amax of its shard; :func:`update_scaling` with ``group=``
+    (required: it raises without one) max-reduces it with the other observations in its one
+    ``all_reduce`` per step, so the state sees the full weight's amax and the scales stay identical
+    on every rank. The gathered FP8 weight is the one the layer would quantize from the full weight.
 
     Outside ``fully_shard`` (before it, or without it) the weight behaves as a plain tensor and the
     layer runs as before. A weight tied between selected layers stays tied; one tied to any other
-    module (an embedding, which would read it as its FP8 value) is refused. The sharded parameters are ``DTensor`` shards as usual
-    (``.full_tensor()`` gathers one in high precision). The parameters are new ``Parameter``
-    objects: build the optimizer after ``fully_shard``, as FSDP2 requires anyway.
+    module (an embedding) or parameter, which would read it as its FP8 value, is refused. The
+    sharded parameters are ``DTensor`` shards as usual (``.full_tensor()`` gathers one in high
+    precision). The parameters are new ``Parameter`` objects: build the optimizer after
+    ``fully_shard``, as FSDP2 requires anyway.
 
-    Covered: :class:`Linear` only (including those made by :func:`convert`). The other modules
-    (:class:`LayerNormLinear`, :class:`LayerNormMLP`, :class:`TransformerLayer`) all-gather their
-    weights in their own dtype: their ops do not take a pre-quantized weight.
+    Covered: :class:`Linear` (including those made by :func:`convert`), :class:`LayerNormLinear`
+    and :class:`LayerNormMLP`. :class:`TransformerLayer` all-gathers its weights in their own dtype.
 
     Args:
-        model: the module tree (``model`` itself may be a :class:`Linear`).
-        filter: ``filter(fqn, layer) -> bool`` selects among the :class:`Linear` layers with a recipe
+        model: the module tree (``model`` itself may be a covered layer).
+        filter: ``filter(fqn, layer) -> bool`` selects among the covered layers with a recipe
             (``fqn`` as in ``model.named_modules()``); None selects them all. Layers without a
             recipe are never selected (nothing of theirs is FP8).
 
@@ -641,7 +649,7 @@ def enable_fp8_all_gather(model: torch.nn.Module, *,
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``, or ``filter`` is not callable.
-        ValueError: no :class:`Linear` layer with a recipe is selected; a selected layer's recipe
+        ValueError: no covered layer with a recipe is selected; a selected layer's recipe
             scales per row (the gathered weight needs one scale per tensor) or runs its fprop or
             dgrad GEMM in high precision (the FP8 weight replaces the high-precision one in both);
             a selected weight is tied to a module that is not a selected layer (an embedding would
@@ -674,12 +682,11 @@ def enable_fp8_all_gather(model: torch.nn.Module, *,
         raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
     if filter is not None and not callable(filter):
         raise TypeError(f"{where}: filter must be a callable (fqn, module) -> bool, got {type(filter).__name__}")
-    selected = [(fqn, m) for fqn, m in model.named_modules()
-                if isinstance(m, Linear) and m.recipe is not None and (filter is None or filter(fqn, m))]
+    selected = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, (Linear, LayerNormLinear, LayerNormMLP))
+                and m.recipe is not None and (filter is None or filter(fqn, m))]
     if not selected:
-        raise ValueError(f"{where}: found no fp8ops.nn.Linear with a recipe to all-gather in FP8 in the "
-                         f"{type(model).__name__} given (or the filter selected none); only fp8ops.nn.Linear is "
-                         f"covered (LayerNormLinear, LayerNormMLP and TransformerLayer all-gather their weights in "
-                         f"their own dtype)")
+        raise ValueError(f"{where}: found no fp8ops.nn.Linear, LayerNormLinear or LayerNormMLP with a recipe to "
+                         f"all-gather in FP8 in the {type(model).__name__} given (or the filter selected none); "
+                         f"TransformerLayer all-gathers its weights in their own dtype")
     wrap_weights(model, selected, where)
     return [fqn for fqn, _ in selected]

@@ -1,10 +1,12 @@
 """FP8 weight all-gather inside FSDP2 (``fp8ops.nn.enable_fp8_all_gather`` before ``fully_shard``)
 on CPU with gloo, 2 and 4 ranks, each rank on its part of the batch.
 
-A model of fp8ops.nn modules (Linear -> LayerNormLinear -> Linear with 33 rows, sharded unevenly
--> Linear without bias) trains 3 SGD steps under ``fully_shard`` with the Linear weights gathered
-in FP8, for DelayedScaling and CurrentScaling, next to the same model under ``fully_shard``
-without it and the single-process model on the whole batch. After each run:
+A model of fp8ops.nn modules (Linear -> LayerNormLinear -> LayerNormMLP (swiglu, fc1 with 42 rows)
+-> Linear with 33 rows -> Linear without bias; the 42 and 33 rows are sharded unevenly over 4
+ranks) trains 3 SGD steps under ``fully_shard`` with the weights of every layer gathered in FP8
+(the norms and biases in their own dtype), for DelayedScaling and CurrentScaling, next to the same
+model under ``fully_shard`` without it and the single-process model on the whole batch. After each
+run:
 
 - the parameters equal those of ``fully_shard`` without FP8 all-gather bit for bit: there the layer
   quantizes the full weight with the same scale into the same bytes, so the FP8 all-gather changes
@@ -17,10 +19,11 @@ without it and the single-process model on the whole batch. After each run:
   bfloat16 policy, the weights' amax histories within 1e-2);
 - the all-gathers moved FP8 bytes: FSDP2's all-gather hooks were called for each gathered weight
   in the forward and the backward, with uint8 outputs (padded rows included) and an unsharded
-  weight of the param dtype, and every all-gather of a Linear's
-  parameters moved one byte per weight element (the collective is wrapped and its buffers
-  measured against those of the run without FP8 all-gather);
-- ``update_scaling`` without ``group=`` and ``enable_fp8_all_gather`` after ``fully_shard`` raise.
+  weight of the param dtype, and every all-gather of a layer's parameters moved one byte per
+  element of its gathered weights and the param dtype's bytes for its norm and biases (the
+  collective is wrapped and its buffers measured against those of the run without FP8 all-gather);
+- ``update_scaling`` without ``group=`` (of the model, or of its LayerNormMLP alone) and
+  ``enable_fp8_all_gather`` after ``fully_shard`` raise.
 
 Each distributed test is one ``mp.spawn``: every rank also runs the references, records mismatches
 instead of raising (so that no rank is left waiting in a collective), and the test asserts on the
@@ -50,15 +53,19 @@ pytestmark = [
 
 S, B = 8, 4  # (S, B, 16) batches; each of the w ranks takes B/w sequences
 STEPS, LR = 3, 0.5
-GATHERED = ("0", "2", "3")  # the Linear layers (the LayerNormLinear "1" gathers in its own dtype)
+# layer -> its weights gathered in FP8 (the norms' parameters and the biases gather in their own dtype)
+GATHERED = {"0": ("weight",), "1": ("weight",), "2": ("fc1_weight", "fc2_weight"), "3": ("weight",),
+            "4": ("weight",)}
 
 
 def _model(recipe) -> torch.nn.Sequential:
-    """The same initial parameters on every rank; layer 2 has 33 rows (uneven FSDP2 shards)."""
+    """The same initial parameters on every rank; fc1 of layer 2 has 42 rows and layer 3 has 33
+    (uneven FSDP2 shards)."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
         fp8ops.nn.Linear(16, 32, recipe=recipe),
         fp8ops.nn.LayerNormLinear(32, 48, recipe=recipe),
+        fp8ops.nn.LayerNormMLP(48, 21, activation="swiglu", recipe=recipe),
         fp8ops.nn.Linear(48, 33, recipe=recipe),
         fp8ops.nn.Linear(33, 16, bias=False, recipe=recipe),
     )
@@ -180,8 +187,8 @@ def _full_params(model, tag: str, bad: list[str], fp8_gather: bool) -> dict[str,
         if type(v).__name__ != "DTensor":
             bad.append(f"{tag}: parameter {k} is a {type(v).__name__}, not a DTensor shard")
             continue
-        layer = k.split(".")[0]
-        gathered = fp8_gather and k.endswith(".weight") and layer in GATHERED
+        layer, name = k.split(".")
+        gathered = fp8_gather and name in GATHERED[layer]
         if gathered != isinstance(v._local_tensor, _fsdp.FP8AllGatherWeight):
             bad.append(f"{tag}: the shard of {k} is a {type(v._local_tensor).__name__}")
         out[k] = v.full_tensor().detach()
@@ -191,8 +198,8 @@ def _full_params(model, tag: str, bad: list[str], fp8_gather: bool) -> dict[str,
 
 
 def _check_traffic(tag: str, spy: _Spy, plain: _Spy, world: int, param_dtype: torch.dtype, bad: list[str]) -> None:
-    """Every all-gather of a layer with an FP8 weight moved one byte per weight element, and the
-    unsharded weights have the param dtype."""
+    """Every all-gather of a layer moved one byte per element of its FP8 weights, and the unsharded
+    weights have the param dtype."""
     itemsize = param_dtype.itemsize
     # bytes one all-gather of each layer moves without and with FP8 weights (FSDP2 pads each
     # parameter's shard to ceil(rows / w) rows; with several dtypes the buffer is bytes)
@@ -202,7 +209,7 @@ def _check_traffic(tag: str, spy: _Spy, plain: _Spy, world: int, param_dtype: to
         for name, p in layer.named_parameters():
             padded = -(-p.shape[0] // world) * world * p[0].numel()
             size += padded * itemsize
-            fp8 += padded * (1 if (name == "weight" and str(i) in GATHERED) else itemsize)
+            fp8 += padded * (1 if name in GATHERED[str(i)] else itemsize)
         plain_to_fp8[size] = fp8
     if len(set(plain_to_fp8.values())) != len(plain_to_fp8):
         bad.append(f"{tag}: test setup: layers with equal all-gather sizes {plain_to_fp8}")
@@ -212,12 +219,12 @@ def _check_traffic(tag: str, spy: _Spy, plain: _Spy, world: int, param_dtype: to
                    f"and a {param_dtype} unsharded weight")
     # each gathered weight: forward and backward all-gathers (the root's layers reshard after the
     # forward), every step
-    n_pre = sum(h[0] == "pre" for h in spy.hooks)
-    if n_pre != 2 * len(GATHERED) * STEPS or n_pre != sum(h[0] == "post" for h in spy.hooks):
-        bad.append(f"{tag}: {n_pre} pre-all-gather hook calls, expected {2 * len(GATHERED) * STEPS}, as many "
+    n_pre, n_weights = sum(h[0] == "pre" for h in spy.hooks), sum(map(len, GATHERED.values()))
+    if n_pre != 2 * n_weights * STEPS or n_pre != sum(h[0] == "post" for h in spy.hooks):
+        bad.append(f"{tag}: {n_pre} pre-all-gather hook calls, expected {2 * n_weights * STEPS}, as many "
                    f"post-all-gather calls")
     posts = {h[2] for h in spy.hooks if h[0] == "post"}
-    expected = {(-(-n // world) * world, k) for n, k in ((32, 16), (33, 48), (16, 33))}
+    expected = {(-(-n // world) * world, k) for n, k in ((32, 16), (48, 32), (42, 48), (48, 21), (33, 48), (16, 33))}
     if posts != expected:
         bad.append(f"{tag}: the all-gather outputs were {sorted(posts)}, expected {sorted(expected)} (padded rows)")
     got = sorted(n for _, n in spy.gathers)
@@ -278,7 +285,8 @@ def _case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
             bad.append(f"{tag}: state {k} differs across ranks")
         if param_dtype is None:
             same = torch.equal(v, plain_sd[k])
-        elif ".weight." in k and "amax_history" in k:  # the FP32 weight's amax, not its bfloat16 cast's
+        elif k.split(".")[1] in GATHERED[k.split(".")[0]] and "amax_history" in k:
+            # the FP32 weight's amax, not its bfloat16 cast's
             same = torch.allclose(v, plain_sd[k], rtol=1e-2, atol=0)
         else:
             same = not k.endswith("calibrated") or torch.equal(v, plain_sd[k])
@@ -288,12 +296,13 @@ def _case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
     _check_traffic(tag, spy, plain_spy, world, param_dtype or torch.float32, bad)
 
     # the errors, identical on every rank (raised before any collective)
-    try:
-        fp8ops.nn.update_scaling(model)
-        bad.append(f"{tag}: update_scaling without group= did not raise")
-    except ValueError as e:
-        if "group" not in str(e):
-            bad.append(f"{tag}: update_scaling without group=: {e}")
+    for part in (model, model[2]):  # the model, and a LayerNormMLP alone (no attribute "weight")
+        try:
+            fp8ops.nn.update_scaling(part)
+            bad.append(f"{tag}: update_scaling({type(part).__name__}) without group= did not raise")
+        except ValueError as e:
+            if "group" not in str(e):
+                bad.append(f"{tag}: update_scaling without group=: {e}")
     try:
         fp8ops.nn.enable_fp8_all_gather(plain)
         bad.append(f"{tag}: enable_fp8_all_gather after fully_shard did not raise")
@@ -346,15 +355,15 @@ def test_fsdp2_fp8_all_gather_4_ranks_delayed_and_current():
     (fp8ops.DelayedScaling(fprop=fp8ops.GemmSpec(precision="high")), "fprop='high'"),
     (fp8ops.DelayedScaling(dgrad=fp8ops.GemmSpec(precision="high")), "dgrad='high'"),
 ])
-def test_enable_fp8_all_gather_rejects_recipes_without_a_per_tensor_fp8_weight(recipe, match):
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_enable_fp8_all_gather_rejects_recipes_without_a_per_tensor_fp8_weight(recipe, match, kind):
     model = torch.nn.Sequential(fp8ops.nn.Linear(16, 32, recipe=fp8ops.DelayedScaling()),
-                                fp8ops.nn.Linear(32, 16, recipe=recipe))
+                                getattr(fp8ops.nn, kind)(32, 16, recipe=recipe))
     with pytest.raises(ValueError, match=rf"enable_fp8_all_gather: layer '1' has a .*{match}"):
         fp8ops.nn.enable_fp8_all_gather(model)
     # the filter leaves the layer out
     assert fp8ops.nn.enable_fp8_all_gather(model, filter=lambda fqn, m: fqn != "1") == ["0"]
-    assert isinstance(model[0].weight, _fsdp.FP8AllGatherWeight)
-    assert not isinstance(model[1].weight, _fsdp.FP8AllGatherWeight)
+    assert {k for k, p in model.named_parameters() if isinstance(p, _fsdp.FP8AllGatherWeight)} == {"0.weight"}
 
 
 def test_enable_fp8_all_gather_argument_errors():
@@ -364,11 +373,14 @@ def test_enable_fp8_all_gather_argument_errors():
     with pytest.raises(TypeError, match="enable_fp8_all_gather: filter must be a callable"):
         fp8ops.nn.enable_fp8_all_gather(fp8ops.nn.Linear(16, 16, recipe=r), filter="0")
     layer = fp8ops.nn.TransformerLayer(32, 64, 4, recipe=r)
-    with pytest.raises(ValueError, match="found no fp8ops.nn.Linear with a recipe.*TransformerLayer"):
+    none = "found no fp8ops.nn.Linear, LayerNormLinear or LayerNormMLP with a recipe"
+    with pytest.raises(ValueError, match=f"{none}.*TransformerLayer"):
         fp8ops.nn.enable_fp8_all_gather(layer)
-    with pytest.raises(ValueError, match="found no fp8ops.nn.Linear with a recipe"):
-        fp8ops.nn.enable_fp8_all_gather(torch.nn.Sequential(fp8ops.nn.Linear(16, 16), torch.nn.Linear(16, 16)))
-    with pytest.raises(ValueError, match="found no fp8ops.nn.Linear with a recipe"):
+    with pytest.raises(ValueError, match=none):
+        fp8ops.nn.enable_fp8_all_gather(torch.nn.Sequential(  # no recipe: nothing of theirs is FP8
+            fp8ops.nn.Linear(16, 16), fp8ops.nn.LayerNormLinear(16, 16), fp8ops.nn.LayerNormMLP(16, 16),
+            torch.nn.Linear(16, 16)))
+    with pytest.raises(ValueError, match=none):
         fp8ops.nn.enable_fp8_all_gather(fp8ops.nn.Linear(16, 16, recipe=r), filter=lambda fqn, m: False)
 
 
@@ -380,11 +392,12 @@ def test_enable_fp8_all_gather_outside_fully_shard_changes_nothing():
     def run(enable: bool):
         torch.manual_seed(0)
         model = torch.nn.Sequential(fp8ops.nn.Linear(16, 16, recipe=r), fp8ops.nn.Linear(16, 16, recipe=r),
-                                    fp8ops.nn.Linear(16, 16))
+                                    fp8ops.nn.Linear(16, 16), fp8ops.nn.LayerNormLinear(16, 16, recipe=r),
+                                    fp8ops.nn.LayerNormMLP(16, 8, activation="swiglu", recipe=r))
         model[1].weight = model[0].weight  # tied
         if enable:
-            assert fp8ops.nn.enable_fp8_all_gather(model) == ["0", "1"]
-            assert fp8ops.nn.enable_fp8_all_gather(model) == ["0", "1"]  # again: nothing changes
+            assert fp8ops.nn.enable_fp8_all_gather(model) == ["0", "1", "3", "4"]
+            assert fp8ops.nn.enable_fp8_all_gather(model) == ["0", "1", "3", "4"]  # again: nothing changes
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         for _ in range(2):
             (model(x) * gy).sum().backward()
@@ -396,6 +409,9 @@ def test_enable_fp8_all_gather_outside_fully_shard_changes_nothing():
     plain, model = run(False), run(True)
     assert model[1].weight is model[0].weight and isinstance(model[0].weight, _fsdp.FP8AllGatherWeight)
     assert type(model[2].weight) is torch.nn.Parameter
+    wrapped = {k for k, p in model.named_parameters() if isinstance(p, _fsdp.FP8AllGatherWeight)}
+    assert wrapped == {"0.weight", "3.weight", "4.fc1_weight", "4.fc2_weight"}  # not the norms and biases
+    assert [model[4].fc1_weight._role, model[4].fc2_weight._role] == ["fc1_weight", "fc2_weight"]
     assert sorted(model.state_dict()) == sorted(plain.state_dict())
     for (k, a), b in zip(model.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), k
@@ -440,3 +456,8 @@ def test_enable_fp8_all_gather_refuses_a_weight_tied_to_another_module():
     assert type(model.head.weight) is torch.nn.Parameter  # nothing swapped
     assert fp8ops.nn.enable_fp8_all_gather(model, filter=lambda fqn, m: fqn != "head") == ["mid"]
     assert model.head.weight is model.emb.weight and type(model.emb.weight) is torch.nn.Parameter
+    # a weight that is also another (not gathered) parameter of a selected layer: refused as well
+    mlp = fp8ops.nn.LayerNormMLP(16, 16, activation="gelu", recipe=fp8ops.DelayedScaling())
+    mlp.register_parameter("extra", mlp.fc2_weight)
+    with pytest.raises(ValueError, match="fc2_weight of model is also a parameter of '' .LayerNormMLP, as 'extra'"):
+        fp8ops.nn.enable_fp8_all_gather(mlp)

@@ -1,5 +1,5 @@
 """fused_ln_mlp on CPU: forward and every gradient vs the FP32 reference, state and probe semantics,
-recompute, errors, and the composition canaries."""
+recompute, weight caches, errors, and the composition canaries."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ import fp8ops
 from fp8ops import (
     CurrentScaling,
     DelayedScaling,
+    GemmSpec,
     LayerNormLinearState,
     LayerNormMLPState,
 )
@@ -336,3 +337,212 @@ def test_old_probe_name_still_works_with_a_deprecation_warning():
     with pytest.raises(TypeError, match="pass grad_probe only"):
         fp8ops.fused_ln_mlp(x, g, b, w1, None, w2, None, LayerNormMLPState.init(r), recipe=r, grad_probe=p_new,
                      grad_probes=p_old)
+
+
+# ------------------------------------------------------------------------------------------------
+# weight_cache: W1 and W2 quantized once per optimizer step (fp8ops.quantize_weight)
+
+CACHE_CASES = {  # name: (recipe, calibrated state)
+    "delayed": (DELAYED, True),
+    "delayed-first-step": (DELAYED, False),
+    "current": (RECIPES["current"], False),
+    "rowwise": (RECIPES["rowwise"], False),
+    "dgrad-high": (DelayedScaling(amax_history_len=4, dgrad=GemmSpec(precision="high")), True),
+}
+
+
+def _quantize_weights(params, st, recipe, which):
+    """``((cache1, cache2), state)``: caches of W1 / W2 (``params[3]`` / ``params[5]``) for the
+    weights named in ``which`` ("fc1", "fc2"), None for the others, and the state with their amaxes."""
+    caches = []
+    for name, w in (("fc1", params[3]), ("fc2", params[5])):
+        if name in which:
+            c, ws = fp8ops.quantize_weight(w, getattr(st, f"{name}_weight"), recipe=recipe)
+            st = st.replace(**{f"{name}_weight": ws})
+            caches.append(c)
+        else:
+            caches.append(None)
+    return tuple(caches), st
+
+
+def _mlp_micro_batches(recipe, calibrated, *, cache, micro=1, act="swiglu", grads="all", dtype=torch.float32,
+                       **kw):
+    """``micro`` micro-batches through fused_ln_mlp with the same parameter leaves (their gradients
+    accumulate) and the state threaded through; ``cache`` names the weights quantized once, first
+    ("fc1", "fc2", both, or none). ``grads``: "all", "no_x" (x and the norm's parameters need no
+    gradient: no dgrad into the norm) or "w2_only" (only W2 needs one: no gradient through the
+    activation). Returns the per-micro-batch outputs, x gradients and probe gradients, the
+    parameters' gradients, and the final state as a flat dict."""
+    data = [_mlp_data(12, 16, 24, act, dtype, False, seed=i) for i in range(micro)]
+    batches = [(args[0], dy) for args, dy in data]
+    need = {"all": range(6), "no_x": range(2, 6), "w2_only": [4]}[grads]
+    params = [t.clone().requires_grad_(i in need) for i, t in enumerate(data[0][0][1:])]
+    st = _mlp_state(recipe, calibrated)
+    extra = {}
+    if cache:
+        extra["weight_cache"], st = _quantize_weights([None, *params], st, recipe, cache)
+    out = []
+    for xb, dyb in batches:
+        xl = xb.clone().requires_grad_(grads == "all")
+        p = fp8ops.make_probes(st)
+        y, st = fp8ops.fused_ln_mlp(xl, *params, st, recipe=recipe, activation=act, grad_probe=p, **extra, **kw)
+        y.backward(dyb)
+        out += [y.detach(), xl.grad, p.grad]
+    return out + [t.grad for t in params], fp8ops.state_dict(st)
+
+
+def _assert_same(got, ref):
+    (g, g_st), (r, r_st) = got, ref
+    assert len(g) == len(r)
+    for i, (a, b) in enumerate(zip(g, r)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"output/gradient {i} differs"
+    assert g_st.keys() == r_st.keys()
+    for k in r_st:
+        assert torch.equal(g_st[k], r_st[k]), f"state {k}: {g_st[k]} != {r_st[k]}"
+
+
+@pytest.mark.parametrize("case", list(CACHE_CASES))
+@pytest.mark.parametrize("cache", ["fc1+fc2", "fc1", "fc2"])
+def test_weight_cache_gives_the_same_bits(case, cache):
+    """With caches: the same output, every gradient and probe gradient, and the same state (amax(W)
+    recorded by quantize_weight instead of the op) as without."""
+    recipe, calibrated = CACHE_CASES[case]
+    _assert_same(_mlp_micro_batches(recipe, calibrated, cache=cache),
+                 _mlp_micro_batches(recipe, calibrated, cache=""))
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "reglu"])
+@pytest.mark.parametrize("recompute", [None, "activation"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_cache_gives_the_same_bits_activations_recompute_dtypes(act, recompute, dtype):
+    recipe, calibrated = CACHE_CASES["delayed"]
+    kw = {"act": act, "recompute": recompute, "dtype": dtype}
+    _assert_same(_mlp_micro_batches(recipe, calibrated, cache="fc1+fc2", **kw),
+                 _mlp_micro_batches(recipe, calibrated, cache="", **kw))
+
+
+@pytest.mark.parametrize("case", ["delayed", "current"])
+@pytest.mark.parametrize("grads", ["all", "no_x", "w2_only"])
+def test_weight_cache_reused_over_two_micro_batches(case, grads):
+    recipe, calibrated = CACHE_CASES[case]
+    _assert_same(_mlp_micro_batches(recipe, calibrated, cache="fc1+fc2", micro=2, grads=grads),
+                 _mlp_micro_batches(recipe, calibrated, cache="", micro=2, grads=grads))
+
+
+@pytest.mark.parametrize("case", ["delayed", "current", "rowwise"])
+def test_weight_cache_operands_are_what_the_gemms_read(case):
+    """The forward and dgrad GEMMs read the cached FP8 operands only, never the weights' values:
+    caches of W1 and W2 next to all-zero stand-in weights (as FSDP's FP8 all-gather passes) give
+    the results of W1 and W2, and their gradients reach the stand-ins."""
+    recipe, calibrated = CACHE_CASES[case]
+    (x, *params), dy = _mlp_data(12, 16, 24, "swiglu", torch.float32, False)
+    (q1, q2), st_c = _quantize_weights([x, *params], _mlp_state(recipe, calibrated), recipe, "fc1+fc2")
+    s1, s2 = torch.zeros_like(params[2], requires_grad=True), torch.zeros_like(params[4], requires_grad=True)
+    caches = tuple(fp8ops.WeightCache(q.value, q.inv_scale_t, q.scale, recipe, s) for q, s in ((q1, s1), (q2, s2)))
+    got, ref = [], []
+    for w1, w2, kw, out in ((s1, s2, {"weight_cache": caches}, got),
+                            (params[2].clone().requires_grad_(), params[4].clone().requires_grad_(), {}, ref)):
+        xl = x.clone().requires_grad_()
+        ln_w, ln_b, _, b1, _, b2 = params
+        y, _ = fp8ops.fused_ln_mlp(xl, ln_w, ln_b, w1, b1, w2, b2, st_c, recipe=recipe, activation="swiglu", **kw)
+        y.backward(dy)
+        out += [y, xl.grad, w1.grad, w2.grad]
+    for name, a, r in zip(["y", "dx", "dw1", "dw2"], got, ref):
+        assert torch.equal(a, r), name
+
+
+def test_weight_cache_amax_is_recorded_by_quantize_weight_not_the_op():
+    recipe, calibrated = CACHE_CASES["delayed"]
+    args, _ = _mlp_data(6, 16, 24, "gelu", torch.float32, False)
+    st = _mlp_state(recipe, calibrated)
+    caches, st_c = _quantize_weights(args, st, recipe, "fc1+fc2")
+    amax1, amax2 = args[3].abs().max().item(), args[5].abs().max().item()
+    _, st2 = fp8ops.fused_ln_mlp(*args, st_c, recipe=recipe, activation="gelu", weight_cache=caches)
+    assert st2.fc1_weight.pending_amax.item() == amax1 and st2.fc2_weight.pending_amax.item() == amax2
+    # given the state from before quantize_weight (same scales: accepted), the op records no amax(W)
+    # of a cached weight, and that of the other one
+    _, st3 = fp8ops.fused_ln_mlp(*args, st, recipe=recipe, activation="gelu", weight_cache=(None, caches[1]))
+    assert st3.fc1_weight.pending_amax.item() == amax1 and st3.fc2_weight.pending_amax.item() == 0.0
+    assert st3.fc1_input.pending_amax.item() > 0 and st3.fc2_input.pending_amax.item() > 0
+
+
+def test_weight_cache_under_autocast_uses_the_weights_as_built():
+    """Inside torch.autocast a cached weight is not cast (its cache was built from the FP32 weight)
+    and an uncached one is: the same bits as the op on the cast inputs with the FP32 W1's cache."""
+    recipe, calibrated = CACHE_CASES["delayed"]
+    (x, ln_w, ln_b, w1, b1, w2, b2), dy = _mlp_data(6, 16, 24, "gelu", torch.float32, False)
+    w1 = w1.requires_grad_()
+    (q1, _), st = _quantize_weights([x, ln_w, ln_b, w1, b1, w2, b2], _mlp_state(recipe, calibrated), recipe, "fc1")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = fp8ops.fused_ln_mlp(x, ln_w, ln_b, w1, b1, w2, b2, st, recipe=recipe, activation="gelu",
+                                   weight_cache=(q1, None))
+    bf = [t.to(torch.bfloat16) for t in (x, ln_w, ln_b, b1, w2, b2)]
+    y_ref, _ = fp8ops.fused_ln_mlp(*bf[:3], w1, *bf[3:], st, recipe=recipe, activation="gelu", weight_cache=(q1, None))
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref)
+    y.backward(dy.to(y.dtype))
+    assert w1.grad.dtype == torch.float32
+
+
+def test_weight_cache_errors():
+    args, _ = _mlp_data(4, 8, 16, "gelu", torch.float32, False)
+    x, ln_w, ln_b, w1, b1, w2, b2 = args
+    st0 = _mlp_state(DELAYED, True)
+    (q1, q2), st = _quantize_weights(args, st0, DELAYED, "fc1+fc2")
+
+    def call(cache, state=st, recipe=DELAYED, weights=(w1, w2)):
+        return fp8ops.fused_ln_mlp(x, ln_w, ln_b, weights[0], b1, weights[1], b2, state, recipe=recipe,
+                                   weight_cache=cache)
+
+    def fix(i):
+        return rf"rebuild it with quantize_weight\(fc{i}_weight, state\.fc{i}_weight, recipe=\.\.\.\)"
+
+    stale = fp8ops.update(st, recipe=DELAYED)
+    cases = [
+        (dict(cache=(q1, q2), state=None, recipe=None), ValueError,
+         "weight_cache is only meaningful with FP8 .* pass weight_cache=None"),
+        (dict(cache=q1), TypeError, r"weight_cache must be a pair \(fc1's, fc2's\) of WeightCache .*got WeightCache$"),
+        (dict(cache=(q1, q2, None)), TypeError, r"weight_cache must be a pair .*got tuple of length 3"),
+        (dict(cache=(object(), None)), TypeError, r"weight_cache\[0\] must be a WeightCache from quantize_weight"),
+        (dict(cache=(None, q2), recipe=DelayedScaling(amax_history_len=4, margin=1)), ValueError,
+         r"weight_cache\[1\] was built with another recipe .*; " + fix(2)),
+        (dict(cache=(q1, q2), state=stale.replace(fc2_weight=st.fc2_weight)), ValueError,
+         r"weight_cache\[0\] was built with another weight state \(stale after fp8ops\.update\?\); " + fix(1)),
+        (dict(cache=(q1, q2), state=stale.replace(fc1_weight=st.fc1_weight)), ValueError,
+         r"weight_cache\[1\] was built with another weight state \(stale after fp8ops\.update\?\); " + fix(2)),
+        (dict(cache=(q2, q1), state=st.replace(fc1_weight=st.fc2_weight, fc2_weight=st.fc1_weight)), ValueError,
+         r"weight_cache\[0\] holds a \(8, 16\) weight, expected \(16, 8\) \(fc1_weight's shape\)"),
+        (dict(cache=(q1, q2), weights=(w1, w2.clone())), ValueError,
+         r"weight_cache\[1\] was built from another weight tensor than fc2_weight; " + fix(2)),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match="^fused_ln_mlp: " + match):
+            call(**kw)
+    # None entries, or no cache: the weights are quantized in the op
+    y, _ = call((None, None))
+    assert torch.equal(y, call(None)[0]) and torch.equal(y, call((q1, q2))[0])
+
+
+def test_weight_cache_under_func_grad_and_compile():
+    """The caches pass through torch.func.grad (the weights wrapped by the transform are still
+    theirs) and torch.compile(fullgraph=True), forward and backward, with the eager results."""
+    params, x = _mlp_params()
+    w1, w2 = params["w1"].requires_grad_(), params["w2"].requires_grad_()
+    st = _mlp_state(DELAYED, True)
+    (q1, q2), st = _quantize_weights([x, None, None, w1, None, w2], st, DELAYED, "fc1+fc2")
+
+    def loss(x, w1, w2, st, caches, probes):
+        y, _ = fp8ops.fused_ln_mlp(x, params["g"], params["beta"], w1, params["b1"], w2, params["b2"], st,
+                                   recipe=DELAYED, activation="swiglu", grad_probe=probes, weight_cache=caches)
+        return (y.float() ** 2).sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    grads = []
+    for fn in (loss, compiled):
+        xl, p = x.clone().requires_grad_(), torch.zeros(2, requires_grad=True)
+        fn(xl, w1, w2, st, (q1, q2), p).backward()
+        grads.append((xl.grad, w1.grad, w2.grad, p.grad))
+        w1.grad = w2.grad = None
+    grads.append(torch.func.grad(lambda *a: loss(a[0], a[1], a[2], st, (q1, q2), a[3]), argnums=(0, 1, 2, 3))(
+        x, w1, w2, torch.zeros(2)))
+    for name, a, c, f in zip(["dx", "dw1", "dw2", "probe"], *grads):
+        assert torch.equal(a, c) and torch.equal(a, f), name

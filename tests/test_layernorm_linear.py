@@ -150,3 +150,180 @@ def test_layernorm_linear_errors():
         fp8ops.layernorm_linear(x, ln_w, ln_b, w[:, :5], b, st, recipe=DELAYED)
     with pytest.raises(ValueError, match="grad_probe is only meaningful"):
         fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, None, recipe=None, grad_probe=torch.zeros(()))
+
+
+# ------------------------------------------------------------------------------------------------
+# weight_cache: the weight quantized once per optimizer step (fp8ops.quantize_weight)
+
+CACHE_CASES = {  # name: (recipe, calibrated state)
+    "delayed": (DELAYED, True),
+    "delayed-first-step": (DELAYED, False),
+    "current": (RECIPES["current"], False),
+    "rowwise": (RECIPES["rowwise"], False),
+    "dgrad-high": (DelayedScaling(amax_history_len=4, dgrad=GemmSpec(precision="high")), True),
+    "fprop-high": (DelayedScaling(amax_history_len=4, fprop=GemmSpec(precision="high")), True),
+}
+
+
+def _lnl_micro_batches(recipe, calibrated, *, cache, micro=1, grads="all", dtype=torch.float32, **kw):
+    """``micro`` micro-batches through layernorm_linear with the same parameter leaves (their
+    gradients accumulate) and the state threaded through; with ``cache`` the weight is quantized
+    once, first. ``grads``: "all", "no_x" (x and the norm's parameters need no gradient: no dgrad)
+    or "no_w" (the weight needs none: no wgrad). Returns the per-micro-batch outputs, x gradients
+    and probe gradients, the parameters' gradients, and the final state as a flat dict."""
+    x, ln_w, ln_b, w, b, dy = _lnl_data((3, 5), 40, 24, dtype, False)
+    batches = [(x, dy)]
+    for i in range(1, micro):
+        xi, *_, dyi = _lnl_data((3, 5), 40, 24, dtype, False, seed=i)
+        batches.append((xi, dyi))
+    params = [t.clone().requires_grad_(not (grads == "no_x" and i < 2) and not (grads == "no_w" and i == 2))
+              for i, t in enumerate((ln_w, ln_b, w, b))]
+    st = _lnl_state(recipe, calibrated)
+    extra = {}
+    if cache:
+        extra["weight_cache"], st = fp8ops.quantize_weight(params[2], st, recipe=recipe)
+    out = []
+    for xb, dyb in batches:
+        xl = xb.clone().requires_grad_(grads != "no_x")
+        p = torch.zeros((), requires_grad=True)
+        y, st = fp8ops.layernorm_linear(xl, *params, st, recipe=recipe, grad_probe=p, **extra, **kw)
+        y.backward(dyb)
+        out += [y.detach(), xl.grad, p.grad]
+    return out + [t.grad for t in params], fp8ops.state_dict(st)
+
+
+def _assert_same(got, ref):
+    (g, g_st), (r, r_st) = got, ref
+    assert len(g) == len(r)
+    for i, (a, b) in enumerate(zip(g, r)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"output/gradient {i} differs"
+    assert g_st.keys() == r_st.keys()
+    for k in r_st:
+        assert torch.equal(g_st[k], r_st[k]), f"state {k}: {g_st[k]} != {r_st[k]}"
+
+
+@pytest.mark.parametrize("case", list(CACHE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_cache_gives_the_same_bits(case, dtype):
+    """With a cache: the same output, every gradient and probe gradient, and the same state (amax(W)
+    recorded by quantize_weight instead of the op) as without one."""
+    recipe, calibrated = CACHE_CASES[case]
+    _assert_same(_lnl_micro_batches(recipe, calibrated, cache=True, dtype=dtype),
+                 _lnl_micro_batches(recipe, calibrated, cache=False, dtype=dtype))
+
+
+@pytest.mark.parametrize("case", ["delayed", "current"])
+@pytest.mark.parametrize("grads", ["all", "no_x", "no_w"])
+def test_weight_cache_reused_over_two_micro_batches(case, grads):
+    recipe, calibrated = CACHE_CASES[case]
+    _assert_same(_lnl_micro_batches(recipe, calibrated, cache=True, micro=2, grads=grads),
+                 _lnl_micro_batches(recipe, calibrated, cache=False, micro=2, grads=grads))
+
+
+def test_weight_cache_with_the_layernorm_output():
+    x, ln_w, ln_b, w, b, _ = _lnl_data((4,), 24, 16, torch.float32, False)
+    st = _lnl_state(DELAYED, True)
+    qw, st_c = fp8ops.quantize_weight(w, st, recipe=DELAYED)
+    (y, ln), _ = fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, st_c, recipe=DELAYED, weight_cache=qw,
+                                         return_layernorm_output=True)
+    (y_ref, ln_ref), _ = fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, st, recipe=DELAYED, return_layernorm_output=True)
+    assert torch.equal(y, y_ref) and torch.equal(ln, ln_ref)
+
+
+@pytest.mark.parametrize("case", ["delayed", "current", "rowwise"])
+def test_weight_cache_operands_are_what_the_gemms_read(case):
+    """The forward and dgrad GEMMs read the cached FP8 operands only, never the weight's values:
+    a cache of W next to an all-zero stand-in weight (as FSDP's FP8 all-gather passes) gives the
+    results of W, and W's gradient reaches the stand-in."""
+    recipe, calibrated = CACHE_CASES[case]
+    x, ln_w, ln_b, w, b, dy = _lnl_data((3, 5), 40, 24, torch.float32, False)
+    st = _lnl_state(recipe, calibrated)
+    qw, st_c = fp8ops.quantize_weight(w, st, recipe=recipe)
+    stand_in = torch.zeros_like(w, requires_grad=True)
+    cache = fp8ops.WeightCache(qw.value, qw.inv_scale_t, qw.scale, recipe, stand_in)
+    got, ref = [], []
+    for weight, kw, out in ((stand_in, {"weight_cache": cache}, got), (w.clone().requires_grad_(), {}, ref)):
+        xl = x.clone().requires_grad_()
+        y, _ = fp8ops.layernorm_linear(xl, ln_w, ln_b, weight, b, st_c, recipe=recipe, **kw)
+        y.backward(dy)
+        out += [y, xl.grad, weight.grad]
+    for name, a, r in zip(["y", "dx", "dw"], got, ref):
+        assert torch.equal(a, r), name
+
+
+def test_weight_cache_amax_is_recorded_by_quantize_weight_not_the_op():
+    x, ln_w, ln_b, w, b, _ = _lnl_data((4,), 24, 16, torch.float32, False)
+    st = _lnl_state(DELAYED, True)
+    qw, st_c = fp8ops.quantize_weight(w, st, recipe=DELAYED)
+    assert st_c.weight.pending_amax.item() == w.abs().max().item()
+    _, st2 = fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, st_c, recipe=DELAYED, weight_cache=qw)
+    assert st2.weight.pending_amax.item() == w.abs().max().item()
+    # given the state from before quantize_weight (same scale: accepted), the op records no amax(W)
+    _, st3 = fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, st, recipe=DELAYED, weight_cache=qw)
+    assert st3.weight.pending_amax.item() == 0.0 and st3.input.pending_amax.item() > 0
+
+
+def test_weight_cache_under_autocast_uses_the_weight_as_built():
+    """Inside torch.autocast the cached weight is not cast (the cache was built from the FP32
+    weight): the same bits as the op on the cast inputs with the FP32 weight's cache."""
+    x, ln_w, ln_b, w, b, dy = _lnl_data((4,), 24, 16, torch.float32, False)
+    w = w.requires_grad_()
+    qw, st = fp8ops.quantize_weight(w, _lnl_state(DELAYED, True), recipe=DELAYED)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, st, recipe=DELAYED, weight_cache=qw)
+    bf = [t.to(torch.bfloat16) for t in (x, ln_w, ln_b, b)]
+    y_ref, _ = fp8ops.layernorm_linear(*bf[:3], w, bf[3], st, recipe=DELAYED, weight_cache=qw)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref)
+    y.backward(dy.to(y.dtype))
+    assert w.grad.dtype == torch.float32
+
+
+def test_weight_cache_errors():
+    x, ln_w, ln_b, w, b, _ = _lnl_data((4,), 8, 6, torch.float32, False)
+    st = _lnl_state(DELAYED, True)
+    qw, st = fp8ops.quantize_weight(w, st, recipe=DELAYED)
+
+    def call(weight=w, bias=b, state=st, recipe=DELAYED, cache=qw):
+        return fp8ops.layernorm_linear(x, ln_w, ln_b, weight, bias, state, recipe=recipe, weight_cache=cache)
+
+    fixes = r"rebuild it with quantize_weight\(weight, state\.weight, recipe=\.\.\.\)"
+    cases = [
+        (dict(state=None, recipe=None), ValueError, "weight_cache is only meaningful with FP8 .* pass weight_cache=None"),
+        (dict(cache=object()), TypeError, "weight_cache must be a WeightCache from quantize_weight, got object"),
+        (dict(cache=(qw,)), TypeError, "weight_cache must be a WeightCache from quantize_weight, got tuple"),
+        (dict(recipe=DelayedScaling(amax_history_len=4, margin=1)), ValueError,
+         "weight_cache was built with another recipe .*; " + fixes),
+        (dict(state=fp8ops.update(st, recipe=DELAYED)), ValueError,
+         r"weight_cache was built with another weight state \(stale after fp8ops\.update\?\); " + fixes),
+        (dict(weight=w[:4], bias=b[:4]), ValueError, r"weight_cache holds a \(6, 8\) weight, expected \(4, 8\)"),
+        (dict(weight=w.clone()), ValueError, "weight_cache was built from another weight tensor than weight; " + fixes),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match="^layernorm_linear: " + match):
+            call(**kw)
+    # a detached alias of the weight is the same weight
+    y, _ = call(weight=w.detach())
+    assert torch.equal(y, call()[0])
+
+
+def test_weight_cache_under_func_grad_and_compile():
+    """The cache passes through torch.func.grad (the weight wrapped by the transform is still its
+    weight) and torch.compile(fullgraph=True), forward and backward, with the eager results."""
+    x, ln_w, ln_b, w, b, dy = _lnl_data((6,), 24, 16, torch.float32, False)
+    w = w.requires_grad_()
+    qw, st = fp8ops.quantize_weight(w, _lnl_state(DELAYED, True), recipe=DELAYED)
+
+    def loss(x, w, st, qw, p):
+        y, _ = fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, st, recipe=DELAYED, grad_probe=p, weight_cache=qw)
+        return (y * dy).sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    grads = []
+    for fn in (loss, compiled):
+        xl, p = x.clone().requires_grad_(), torch.zeros((), requires_grad=True)
+        fn(xl, w, st, qw, p).backward()
+        grads.append((xl.grad, w.grad, p.grad))
+        w.grad = None
+    grads.append(torch.func.grad(lambda x, w, p: loss(x, w, st, qw, p), argnums=(0, 1, 2))(x, w, torch.zeros(())))
+    for name, a, c, f in zip(["dx", "dw", "probe"], *grads):
+        assert torch.equal(a, c) and torch.equal(a, f), name
