@@ -158,3 +158,36 @@ def test_compile_fullgraph_matches_eager():
     for k in g0:
         torch.testing.assert_close(g0[k], g1[k])
     torch.testing.assert_close(p0, p1)
+
+
+@pytest.mark.parametrize("rname", ["delayed", "current"])
+def test_weight_cache_gives_the_same_bits_on_the_gpu(rname):
+    """fc1 and fc2 quantized once (``quantize_weight``) give the bits of the op quantizing them:
+    output, dx, every parameter gradient and the probe gradients, over 2 micro-batches."""
+    recipe = RECIPES[rname]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    M, H, F = 512, 1024, 2048
+    xs = [torch.randn(M, H, device=DEV, generator=g).to(BF16) for _ in range(2)]
+    dys = [torch.randn(M, H, device=DEV, generator=g).to(BF16) for _ in range(2)]
+    params = [torch.ones(H, device=DEV, dtype=BF16), torch.zeros(H, device=DEV, dtype=BF16),
+              (torch.randn(F, H, device=DEV, generator=g) / 32).to(BF16), torch.zeros(F, device=DEV, dtype=BF16),
+              (torch.randn(H, F, device=DEV, generator=g) / 45).to(BF16), torch.zeros(H, device=DEV, dtype=BF16)]
+    runs = []
+    for cached in (False, True):
+        st = _calibrated(LayerNormMLPState, recipe) if rname == "delayed" else LayerNormMLPState.init(recipe, device=DEV)
+        leaves = [_leaf(t) for t in params]
+        kw = {}
+        if cached:
+            c1, w1 = fp8ops.quantize_weight(leaves[2], st.fc1_weight, recipe=recipe)
+            c2, w2 = fp8ops.quantize_weight(leaves[4], st.fc2_weight, recipe=recipe)
+            st = st.replace(fc1_weight=w1, fc2_weight=w2)
+            kw["weight_cache"] = (c1, c2)
+        got = []
+        for x, dy in zip(xs, dys):
+            xl, p = _leaf(x), torch.zeros(2, device=DEV, requires_grad=True)
+            y, st = fp8ops.fused_ln_mlp(xl, *leaves, st, recipe=recipe, grad_probe=p, **kw)
+            y.backward(dy)
+            got += [y.detach(), xl.grad, p.grad]
+        runs.append(got + [t.grad for t in leaves])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"{rname}: output/gradient {i} differs with weight caches"

@@ -59,3 +59,32 @@ def test_layernorm_linear_real_size(rname, norm):
         assert rel_error(t, ref[name]) < TOL, f"{name}: {rel_error(t, ref[name]):.3e}"
     torch.testing.assert_close(probe.grad, ref["amax_dy"], rtol=1e-2, atol=0)
     torch.testing.assert_close(st2.input.pending_amax, ref["amax_ln"], rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("rname", ["delayed", "current"])
+def test_weight_cache_gives_the_same_bits_on_the_gpu(rname):
+    """A weight quantized once (``quantize_weight``) gives the bits of the op quantizing it: output,
+    dx, every parameter gradient and the probe gradient, over 2 micro-batches."""
+    recipe = RECIPES[rname]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    M, K, N = 512, 1024, 768
+    xs = [torch.randn(M, K, device=DEV, generator=g).to(BF16) for _ in range(2)]
+    dys = [torch.randn(M, N, device=DEV, generator=g).to(BF16) for _ in range(2)]
+    params = [torch.ones(K, device=DEV, dtype=BF16), torch.zeros(K, device=DEV, dtype=BF16),
+              (torch.randn(N, K, device=DEV, generator=g) / 32).to(BF16), torch.zeros(N, device=DEV, dtype=BF16)]
+    runs = []
+    for cached in (False, True):
+        st = _calibrated(LayerNormLinearState, recipe) if rname == "delayed" else LayerNormLinearState.init(recipe, device=DEV)
+        leaves = [_leaf(t) for t in params]
+        kw = {}
+        if cached:
+            kw["weight_cache"], st = fp8ops.quantize_weight(leaves[2], st, recipe=recipe)
+        got = []
+        for x, dy in zip(xs, dys):
+            xl, p = _leaf(x), torch.zeros((), device=DEV, requires_grad=True)
+            y, st = fp8ops.layernorm_linear(xl, *leaves, st, recipe=recipe, grad_probe=p, **kw)
+            y.backward(dy)
+            got += [y.detach(), xl.grad, p.grad]
+        runs.append(got + [t.grad for t in leaves])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"{rname}: output/gradient {i} differs with a weight cache"
