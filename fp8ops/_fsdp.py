@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ._parallel import fp8_group_quantize
+from ._parallel import check_fp8_gather_recipe, fp8_group_quantize
 from .fp8_linear import LinearState, WeightCache, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
@@ -307,14 +307,7 @@ def wrap_weights(model: torch.nn.Module, selected: list[tuple[str, Any]], where:
     for fqn, m in selected:
         recipe = m.recipe
         name = f"layer {fqn!r}" if fqn else "model"
-        if recipe.mode == "rowwise":
-            raise ValueError(f"{where}: {name} has a row-wise recipe ({recipe!r}); an FP8 all-gather needs one scale "
-                             f"per tensor: DelayedScaling or CurrentScaling(granularity='tensor'), or leave this "
-                             f"layer out with filter=")
-        if recipe.fprop.precision != "fp8" or recipe.dgrad.precision != "fp8":
-            raise ValueError(f"{where}: {name} has a recipe with fprop={recipe.fprop.precision!r}, "
-                             f"dgrad={recipe.dgrad.precision!r}; the gathered FP8 weight replaces the high-precision "
-                             f"weight in both GEMMs, which must be 'fp8' (or leave this layer out with filter=)")
+        check_fp8_gather_recipe(recipe, where, f"{name} has a recipe with ", " (or leave this layer out with filter=)")
         for wname in m._FP8_WEIGHTS:
             if type(getattr(m, wname)).__name__ == "DTensor":
                 raise ValueError(f"{where}: the {wname} of {name} is already sharded (a DTensor): call "

@@ -43,6 +43,7 @@ __all__ = [
     "check_divisible",
     "column_input",
     "copy_to_tp",
+    "check_fp8_gather_recipe",
     "fp8_all_gather_bytes",
     "fp8_group_quantize",
     "gather_seq",
@@ -112,6 +113,20 @@ _CopyToTP = _conjugate("_CopyToTP", lambda x, g: x.view_as(x), _all_reduce)
 _ReduceFromTP = _conjugate("_ReduceFromTP", _all_reduce, lambda dy, g: dy)
 _GatherSeq = _conjugate("_GatherSeq", _all_gather, _reduce_scatter)
 _ScatterSeq = _conjugate("_ScatterSeq", _reduce_scatter, _all_gather)
+
+
+def check_fp8_gather_recipe(recipe: Any, where: str, subject: str = "", hint: str = "") -> None:
+    """Raise unless ``recipe`` can use a weight all-gathered in FP8: one scale per tensor, and FP8
+    fprop and dgrad GEMMs (the gathered weight replaces the high-precision one in both).
+    ``subject`` starts the reason (e.g. "layer '1' has a recipe with "), ``hint`` ends it."""
+    if recipe.mode == "rowwise":
+        raise ValueError(f"{where}: {subject}row-wise scaling: one scale per row, and its dgrad operand needs "
+                         f"per-column scales; an FP8 all-gather needs a per-tensor recipe (DelayedScaling or "
+                         f"CurrentScaling(granularity='tensor')){hint}")
+    if recipe.fprop.precision != "fp8" or recipe.dgrad.precision != "fp8":
+        raise ValueError(f"{where}: {subject}fprop={recipe.fprop.precision!r}, dgrad={recipe.dgrad.precision!r}: "
+                         f"the gathered FP8 weight replaces the high-precision weight in the fprop and dgrad "
+                         f"GEMMs, which must then run in FP8{hint}")
 
 
 def fp8_group_quantize(x2: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Tensor, Tensor, Tensor]:

@@ -23,7 +23,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._checks import check_float_tensor, check_recipe
-from ._parallel import _reduce_scatter, fp8_all_gather_bytes, transformer_shard_shapes, transformer_split
+from ._parallel import (
+    _reduce_scatter,
+    check_fp8_gather_recipe,
+    fp8_all_gather_bytes,
+    transformer_shard_shapes,
+    transformer_split,
+)
 from .activation import GATED
 from .fp8_linear import LinearState, WeightCache
 from .quantize import Float8Value, QuantSpec
@@ -284,14 +290,7 @@ def all_gather_weight(
     if shard.dim() != 2:
         raise ValueError(f"{where}: shard must be 2-D (N/w, K), this rank's rows of the weight, got shape "
                          f"{tuple(shard.shape)}")
-    if recipe.mode == "rowwise":
-        raise ValueError(f"{where}: row-wise scaling has one scale per row and its dgrad operand needs per-column "
-                         f"scales; an FP8 all-gather needs a per-tensor recipe (DelayedScaling or "
-                         f"CurrentScaling(granularity='tensor'))")
-    if recipe.fprop.precision != "fp8" or recipe.dgrad.precision != "fp8":
-        raise ValueError(f"{where}: the gathered FP8 weight replaces the high-precision weight in the fprop and "
-                         f"dgrad GEMMs, which must then run in FP8; got fprop={recipe.fprop.precision!r}, "
-                         f"dgrad={recipe.dgrad.precision!r}")
+    check_fp8_gather_recipe(recipe, where)
     if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{where}: group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD), "
                         f"got {type(group).__name__}")
