@@ -1,6 +1,6 @@
 """FP8 weight all-gather inside FSDP2 ``fully_shard``: the parameter subclasses behind
 :func:`fp8ops.nn.enable_fp8_all_gather`, and the forwards of the linear-family modules
-(``fp8ops.nn.Linear``, ``LayerNormLinear``, ``LayerNormMLP``) over the gathered bytes.
+(``fp8ops.nn.Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``TransformerLayer``) over the gathered bytes.
 
 FSDP2 all-gathers a parameter whose local shard defines ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather`` through those hooks (torch/distributed/fsdp/_fully_shard/_fsdp_param.py)::
@@ -8,14 +8,15 @@ FSDP2 all-gathers a parameter whose local shard defines ``fsdp_pre_all_gather`` 
     sharded parameter    DTensor, local tensor an FP8AllGatherWeight (N/w, K), high precision
     fsdp_pre_all_gather  q = sat(shard * scale) as bytes (N/w, K) uint8, padded to FSDP2's shard rows;
                          scale: the weight role's state (calibrated delayed; the role is ``weight``,
-                         ``fc1_weight`` or ``fc2_weight`` of the module's state), or that of the
+                         ``fc1_weight`` or ``fc2_weight`` of the module's state, ``qkv.weight``,
+                         ``proj.weight``, ``mlp.fc1_weight``... of a TransformerLayer's), or that of the
                          group's amax (one all_reduce(MAX) of a scalar: current scaling, an
                          uncalibrated state)
     all-gather           (w * N/w, K) uint8: one byte per element, half of bfloat16's
     fsdp_post_all_gather the unsharded parameter, a GatheredFP8Weight (N, K) of the param dtype that
                          holds the gathered bytes, their transposed copy (K, N), 1/scale and the
                          amax of this rank's shard; no high-precision copy of the full weight
-    forward              the module's op (fp8_linear, layernorm_linear, fused_ln_mlp) with a
+    forward              the module's op (fp8_linear, layernorm_linear, fused_ln_mlp, transformer_layer) with a
                          WeightCache of those bytes and a zero-stride stand-in weight whose
                          gradient, the (N, K) dW, becomes the unsharded parameter's gradient, which
                          FSDP2 reduce-scatters as usual
@@ -29,6 +30,7 @@ in place without a version bump, as FSDP2 does with its own outputs.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,13 +38,16 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ._parallel import check_fp8_gather_recipe, fp8_group_quantize
+from ._transformer_checks import WEIGHT_ROLES
 from .fp8_linear import LinearState, WeightCache, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .quantize import Float8Value, QuantSpec
+from .transformer_layer import transformer_layer
 
 __all__ = ["FP8AllGatherWeight", "GatheredFP8Weight", "gathered_fused_ln_mlp", "gathered_layernorm_linear",
-           "gathered_linear", "is_fp8_all_gather", "is_gathered", "sharded_fp8_weight", "wrap_weights"]
+           "gathered_linear", "gathered_transformer_layer", "is_fp8_all_gather", "is_gathered", "sharded_fp8_weight",
+           "transformer_fp8_weights", "wrap_weights"]
 
 _aten = torch.ops.aten
 
@@ -68,9 +73,10 @@ class FP8AllGatherWeight(torch.Tensor):
     Every op runs on the wrapped tensor (the results are plain tensors, except for the ops FSDP2
     uses to shard the parameter, which keep the subclass); FSDP2 calls :meth:`fsdp_pre_all_gather`
     and :meth:`fsdp_post_all_gather` on the local shard. ``owner`` is a weak reference to the
-    module (``fp8ops.nn.Linear``, ``LayerNormLinear`` or ``LayerNormMLP``) whose recipe and weight
-    state quantize it, ``role`` the weight's role in that module's state (``"weight"``,
-    ``"fc1_weight"`` or ``"fc2_weight"``); both are carried by every shard and view FSDP2 makes: a
+    module (``fp8ops.nn.Linear``, ``LayerNormLinear``, ``LayerNormMLP`` or ``TransformerLayer``)
+    whose recipe and weight state quantize it, ``role`` the path of the weight's role in that
+    module's state (``"weight"``, ``"fc1_weight"``, ``"fc2_weight"``; ``"qkv.weight"``,
+    ``"proj.weight"``, ``"mlp.fc1_weight"``, ``"mlp.fc2_weight"`` in a TransformerLayer's dict); both are carried by every shard and view FSDP2 makes: a
     weight shared by several layers is quantized with its first layer's state, whichever of them
     FSDP2 registers it under.
     """
@@ -122,7 +128,7 @@ class FP8AllGatherWeight(torch.Tensor):
             raise ValueError(f"FP8AllGatherWeight.fsdp_pre_all_gather: the FP8 all-gather needs row shards (FSDP2's "
                              f"default Shard(0) placement) of the {tuple(outer_size)} weight, got a "
                              f"{tuple(self.shape)} shard; do not pass a shard_placement_fn for this weight")
-        recipe, ws = owner.recipe, getattr(owner.fp8_state, self._role)
+        recipe, ws = owner.recipe, role_state(owner.fp8_state, self._role)
         spec = QuantSpec.of(recipe, "forward", ws.calibrated)
         group = mesh.get_group()
         shard = self._tensor
@@ -284,6 +290,51 @@ def gathered_fused_ln_mlp(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, 
     return y, _observe_shards(new_state, {"fc1_weight": fc1_weight, "fc2_weight": fc2_weight})
 
 
+def transformer_fp8_weights(config: Any) -> dict[str, str]:
+    """The weights of ``fp8ops.nn.TransformerLayer`` all-gathered in FP8: parameter name -> the path
+    of its role in the layer's state. Separate q, k, v weights are not among them: each would be
+    gathered with its own scale, while the layer quantizes their concatenation with one."""
+    names = ["proj.weight", "fc1.weight", "fc2.weight"]
+    if config.fuse_qkv_params:
+        names.insert(0, "qkv.weight")
+    return {n: ".".join(WEIGHT_ROLES[n]) for n in names}
+
+
+def role_state(state: Any, role: str) -> Any:
+    """The ScalingState at the path ``role`` ("weight", "mlp.fc1_weight") of a module's state."""
+    for part in role.split("."):
+        state = state[part] if isinstance(state, Mapping) else getattr(state, part)
+    return state
+
+
+def gathered_transformer_layer(params: Mapping[str, Tensor], x: Tensor, state: dict[str, Any], *, recipe: Any,
+                               **kw: Any) -> tuple[Tensor, dict[str, Any]]:
+    """:func:`fp8ops.transformer_layer` (keywords as there) with its unsharded FP8-gathered weights
+    as its ``weight_cache``; their roles observe the amax of this rank's shard."""
+    gathered = {k: WEIGHT_ROLES[k] for k, w in params.items() if isinstance(w, GatheredFP8Weight)}
+    p, caches = dict(params), {}
+    for key, (skey, role) in gathered.items():
+        p[key], caches[key] = _cached(params[key], getattr(state[skey], role).scale, recipe)
+    y, new_state = transformer_layer(p, x, state, recipe=recipe, weight_cache=caches, **kw)
+    if new_state is not None:
+        new_state = dict(new_state)
+        for key, (skey, role) in gathered.items():
+            new_state[skey] = _observe_shards(new_state[skey], {role: params[key]})
+    return y, new_state  # type: ignore[return-value]
+
+
+def _fp8_weights(m: Any) -> dict[str, str]:
+    """Parameter name -> state role path of the FP8 weights of an fp8ops.nn module."""
+    names = m._FP8_WEIGHTS
+    return dict(names) if isinstance(names, Mapping) else {n: n for n in names}
+
+
+def _owner_slot(m: torch.nn.Module, name: str) -> tuple[int, str]:
+    """(id of the module that registers the parameter ``name`` of ``m``, its name there)."""
+    path, _, pname = name.rpartition(".")
+    return id(m.get_submodule(path) if path else m), pname
+
+
 def sharded_fp8_weight(weight: Tensor) -> bool:
     """Whether ``weight`` is an FSDP2 shard (a DTensor) of an :class:`FP8AllGatherWeight` over more
     than one rank, or its unsharded :class:`GatheredFP8Weight`."""
@@ -301,21 +352,21 @@ def is_fp8_all_gather(weight: Tensor) -> bool:
 
 def wrap_weights(model: torch.nn.Module, selected: list[tuple[str, Any]], where: str) -> None:
     """Check the selected ``(fqn, module)`` fp8ops modules of ``model`` and give each of their FP8
-    weights (the parameters named in the module class's ``_FP8_WEIGHTS``, whose names are also
-    their roles in the module's state) an :class:`FP8AllGatherWeight` parameter, in place
+    weights (the parameters named in the module's ``_FP8_WEIGHTS``: names that are also their
+    roles in the module's state, or a dict name -> role path) an :class:`FP8AllGatherWeight` parameter, in place
     (``fp8ops.nn.enable_fp8_all_gather``)."""
     for fqn, m in selected:
         recipe = m.recipe
         name = f"layer {fqn!r}" if fqn else "model"
         check_fp8_gather_recipe(recipe, where, f"{name} has a recipe with ", " (or leave this layer out with filter=)")
-        for wname in m._FP8_WEIGHTS:
-            if type(getattr(m, wname)).__name__ == "DTensor":
+        for wname in _fp8_weights(m):
+            if type(m.get_parameter(wname)).__name__ == "DTensor":
                 raise ValueError(f"{where}: the {wname} of {name} is already sharded (a DTensor): call "
                                  f"enable_fp8_all_gather before fully_shard")
     # A weight must be read as an FP8 weight wherever it is registered: a weight tied to another
     # module (an embedding), or to another parameter of a selected one, would be read as its FP8 value.
-    owners = {id(getattr(m, wname)): (fqn, wname) for fqn, m in selected for wname in m._FP8_WEIGHTS}
-    allowed = {(id(m), wname) for _, m in selected for wname in m._FP8_WEIGHTS}
+    owners = {id(m.get_parameter(wname)): (fqn, wname) for fqn, m in selected for wname in _fp8_weights(m)}
+    allowed = {_owner_slot(m, wname) for _, m in selected for wname in _fp8_weights(m)}
     for mfqn, mod in model.named_modules(remove_duplicate=False):
         for pname, p in mod._parameters.items():
             if p is not None and id(p) in owners and (id(mod), pname) not in allowed:
@@ -327,11 +378,11 @@ def wrap_weights(model: torch.nn.Module, selected: list[tuple[str, Any]], where:
                                  f"fqn != {fqn!r})")
     new: dict[int, torch.nn.Parameter] = {}
     for _, m in selected:
-        for wname in m._FP8_WEIGHTS:
-            w = getattr(m, wname)
+        for wname, role in _fp8_weights(m).items():
+            w = m.get_parameter(wname)
             if id(w) not in new and not is_fp8_all_gather(w):
                 # a weight shared by several layers is quantized with the first one's state
-                new[id(w)] = torch.nn.Parameter(FP8AllGatherWeight(w.detach(), weakref.ref(m), wname),
+                new[id(w)] = torch.nn.Parameter(FP8AllGatherWeight(w.detach(), weakref.ref(m), role),
                                                 requires_grad=w.requires_grad)
     # Swap every reference (a weight tied between selected layers stays tied).
     for mod in model.modules():

@@ -21,7 +21,7 @@ amaxes into the state with :func:`fp8ops.update`::
 ``module.state_dict()`` holds the parameters; the scaling state has its own flat dict
 (:meth:`scaling_state_dict` / :meth:`load_scaling_state_dict`, via :func:`fp8ops.state_dict`).
 Under FSDP2, :func:`enable_fp8_all_gather` (before ``fully_shard``) makes the all-gathers move the
-weights of :class:`Linear`, :class:`LayerNormLinear` and :class:`LayerNormMLP` as FP8 bytes.
+weights of :class:`Linear`, :class:`LayerNormLinear`, :class:`LayerNormMLP` and :class:`TransformerLayer` as FP8 bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from ._checks import check_eps, check_normalization, check_recipe, check_zero_centered_gamma
 from ._fsdp import gathered_fused_ln_mlp, gathered_layernorm_linear, gathered_linear, is_gathered, sharded_fp8_weight
-from ._fsdp import wrap_weights
+from ._fsdp import gathered_transformer_layer, transformer_fp8_weights, wrap_weights
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .fp8_linear import LinearState, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
@@ -192,7 +192,7 @@ def update_scaling(modules: torch.nn.Module | Iterable[torch.nn.Module], *, grou
                 found.setdefault(id(m), m)
     if group is None:
         gathered = [type(m).__name__ for m in found.values()
-                    if any(sharded_fp8_weight(p) for p in m.parameters(recurse=False))]
+                    if any(sharded_fp8_weight(p) for p in m.parameters(recurse=isinstance(m, TransformerLayer)))]
         if gathered:
             raise ValueError(f"update_scaling: group is None, but {len(gathered)} module(s) have weights that "
                              f"fully_shard all-gathers in FP8 (enable_fp8_all_gather); pass group= (the process "
@@ -498,11 +498,16 @@ class TransformerLayer(FP8Module):
         """The functional ``params`` dict: ``{"ln1.weight": Parameter, ...}``."""
         return dict(self.named_parameters())
 
+    @property
+    def _FP8_WEIGHTS(self) -> dict[str, str]:  # all-gathered in FP8 under enable_fp8_all_gather: name -> role
+        return transformer_fp8_weights(self.config)
+
     def forward(self, x: Tensor, attention_mask: Tensor | None = None, *, block_mask: Any = None,
                 cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
                 dropout_seed: int | Tensor | None = None) -> Tensor:
-        y, new_state = transformer_layer(
-            self.params(), x, self.fp8_state, config=self.config, recipe=self.recipe, probes=self._next_probes(),
+        params = self.params()
+        y, new_state = (gathered_transformer_layer if is_gathered(*params.values()) else transformer_layer)(
+            params, x, self.fp8_state, config=self.config, recipe=self.recipe, probes=self._next_probes(),
             attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             training=self.training, dropout_seed=dropout_seed, layout=self.layout)
         self._keep_state(new_state)
@@ -607,7 +612,8 @@ def enable_fp8_all_gather(model: torch.nn.Module, *,
     """Make FSDP2's ``fully_shard`` all-gather the weights of the model's linear-family layers in FP8.
 
     Call it before ``fully_shard``. Each selected layer's GEMM weights (``weight`` of :class:`Linear`
-    and :class:`LayerNormLinear`; ``fc1_weight`` and ``fc2_weight`` of :class:`LayerNormMLP`) are
+    and :class:`LayerNormLinear`; ``fc1_weight`` and ``fc2_weight`` of :class:`LayerNormMLP`;
+    ``qkv.weight`` (fused only), ``proj.weight``, ``fc1.weight``, ``fc2.weight`` of :class:`TransformerLayer`) are
     replaced by parameters of the same values, dtype and ``requires_grad`` (a tensor subclass that
     wraps the same memory) with FSDP2's all-gather hooks; norms and biases are gathered in their
     own dtype. Under ``fully_shard`` each rank then quantizes its row shard of an
@@ -615,11 +621,11 @@ def enable_fp8_all_gather(model: torch.nn.Module, *,
     element: half of bfloat16's traffic, a quarter of float32's) and the transposed FP8 copy for
     the dgrad GEMM is written from them; no high-precision copy of the full weight is made. The
     layer's forward feeds those bytes to its op (:func:`fp8ops.fp8_linear`,
-    :func:`fp8ops.layernorm_linear`, :func:`fp8ops.fused_ln_mlp`) as its ``weight_cache``, and the
+    :func:`fp8ops.layernorm_linear`, :func:`fp8ops.fused_ln_mlp`, :func:`fp8ops.transformer_layer`) as its ``weight_cache``, and the
     (N, K) weight gradient it computes is the unsharded parameter's gradient, which FSDP2
     reduce-scatters (in the param dtype, or ``reduce_dtype``) as usual.
 
-    The scale is the weight role's (``layer.fp8_state.weight``, ``.fc1_weight``, ``.fc2_weight``)
+    The scale is the weight role's (``layer.fp8_state.weight``, ``.fc1_weight``, ``.fc2_weight``, ``["proj"].weight``...)
     when it is a calibrated delayed scale, or, with current scaling and before the first update,
     that of the group's amax (one ``all_reduce(MAX)`` of a scalar per weight and all-gather). Each
     rank's weight role observes the amax of its shard; :func:`update_scaling` with ``group=``
@@ -634,8 +640,8 @@ def enable_fp8_all_gather(model: torch.nn.Module, *,
     precision). The parameters are new ``Parameter`` objects: build the optimizer after
     ``fully_shard``, as FSDP2 requires anyway.
 
-    Covered: :class:`Linear` (including those made by :func:`convert`), :class:`LayerNormLinear`
-    and :class:`LayerNormMLP`. :class:`TransformerLayer` all-gathers its weights in their own dtype.
+    Covered: :class:`Linear` (including those made by :func:`convert`), :class:`LayerNormLinear`,
+    :class:`LayerNormMLP` and :class:`TransformerLayer` (unfused q, k, v weights, quantized together, are gathered in their own dtype).
 
     Args:
         model: the module tree (``model`` itself may be a covered layer).
@@ -682,11 +688,11 @@ def enable_fp8_all_gather(model: torch.nn.Module, *,
         raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
     if filter is not None and not callable(filter):
         raise TypeError(f"{where}: filter must be a callable (fqn, module) -> bool, got {type(filter).__name__}")
-    selected = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, (Linear, LayerNormLinear, LayerNormMLP))
-                and m.recipe is not None and (filter is None or filter(fqn, m))]
+    selected = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, (Linear, LayerNormLinear, LayerNormMLP,
+                TransformerLayer)) and m.recipe is not None and (filter is None or filter(fqn, m))]
     if not selected:
-        raise ValueError(f"{where}: found no fp8ops.nn.Linear, LayerNormLinear or LayerNormMLP with a recipe to "
-                         f"all-gather in FP8 in the {type(model).__name__} given (or the filter selected none); "
-                         f"TransformerLayer all-gathers its weights in their own dtype")
+        raise ValueError(f"{where}: found no fp8ops.nn.Linear, LayerNormLinear, LayerNormMLP or TransformerLayer "
+                         f"with a recipe to all-gather in FP8 in the {type(model).__name__} given (or the filter "
+                         f"selected none)")
     wrap_weights(model, selected, where)
     return [fqn for fqn, _ in selected]

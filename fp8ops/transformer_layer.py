@@ -41,11 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._parallel import copy_to_tp, tp_config, transformer_shard_shapes
-from ._checks import FLOAT_DTYPES, NORMALIZATIONS, check_float_tensor, check_recipe
+from ._checks import NORMALIZATIONS, check_float_tensor, check_recipe
+from ._transformer_checks import check_params, check_state, check_weight_caches, qkv_weight_cache
 from .activation import ACTIVATIONS, GATED
 from .attention import BlockMask, MaskMod, attention, modmath
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
-from .fp8_linear import LinearState, fp8_linear
+from .fp8_linear import LinearState, WeightCache, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
 from .norm import layer_norm, rms_norm
 
@@ -60,7 +61,6 @@ __all__ = [
 NORM_POSITIONS = ("pre", "post")
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
 LAYOUTS = ("sbh", "bsh")
-STATE_KEYS = ("qkv", "proj", "mlp")
 
 
 def _positive_int(inst: Any, attribute: Any, value: Any) -> None:
@@ -397,49 +397,6 @@ def init_transformer_state(
 # The layer
 
 
-def _check_params(params: Any, cfg: TransformerConfig, x: Tensor, where: str,
-                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-    if not isinstance(params, Mapping):
-        raise TypeError(f"{where}: params must be a dict[str, Tensor] (init_transformer_params), got {type(params).__name__}")
-    shapes = cfg.param_shapes() if shapes is None else shapes  # or those of a tensor-parallel shard
-    if len(params) == len(shapes) and all(  # the valid case in one pass; the checks below name a fault
-            isinstance(t := params.get(k), Tensor) and t.dtype in FLOAT_DTYPES and t.shape == s and t.device == x.device
-            for k, s in shapes.items()):
-        return
-    missing = [k for k in shapes if k not in params]
-    extra = [k for k in params if k not in shapes]
-    if missing or extra:
-        raise ValueError(
-            f"{where}: params do not match the config: missing {missing}, unexpected {extra} "
-            f"(expected keys {list(shapes)}; see TransformerConfig.param_shapes())"
-        )
-    for key, shape in shapes.items():
-        t = check_float_tensor(params[key], f"params[{key!r}]", where)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{where}: params[{key!r}] must have shape {shape}, got {tuple(t.shape)}")
-        if t.device != x.device:
-            raise ValueError(f"{where}: params[{key!r}] is on {t.device} but x is on {x.device}")
-
-
-def _check_state(state: Any, probes: Any, recipe: Any, where: str) -> None:
-    if recipe is None:
-        if state is not None:
-            raise ValueError(f"{where}: state given with recipe=None; pass the recipe the state was built with, "
-                             f"or state=None to run without FP8")
-        return
-    check_recipe(recipe, where)
-    types = {"qkv": LayerNormLinearState, "proj": LinearState, "mlp": LayerNormMLPState}
-    if not isinstance(state, Mapping) or set(state) != set(STATE_KEYS):
-        got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-        raise ValueError(f"{where}: state must be the dict {{'qkv', 'proj', 'mlp'}} of init_transformer_state, got {got}")
-    for key, cls in types.items():
-        if not isinstance(state[key], cls):
-            raise TypeError(f"{where}: state[{key!r}] must be a {cls.__name__}, got {type(state[key]).__name__}")
-    if probes is not None and (not isinstance(probes, Mapping) or set(probes) != set(STATE_KEYS)):
-        got = sorted(probes) if isinstance(probes, Mapping) else type(probes).__name__
-        raise ValueError(f"{where}: probes must be fp8ops.make_probes(state) (keys 'qkv', 'proj', 'mlp'), got {got}")
-
-
 def _padding_mask_mod(attention_mask: Tensor) -> MaskMod:
     """A mask mod that hides padded keys: ``attention_mask`` (B, S) is True at valid tokens."""
     valid = attention_mask.to(torch.int32).contiguous()
@@ -483,6 +440,7 @@ def transformer_layer(
     layout: str = "sbh",
     tp_group: Any = None,
     sequence_parallel: bool = False,
+    weight_cache: Mapping[str, WeightCache] | None = None,
 ) -> tuple[Tensor, dict[str, Any] | None]:
     """One transformer encoder layer (the seed's GPT layer, generalised) with FP8 GEMMs.
 
@@ -534,6 +492,14 @@ def transformer_layer(
         sequence_parallel: with ``tp_group``, x and y are this rank's contiguous slice of the
             sequence (S/w rows of (S, B, H)); dropout, residuals and the post-norm norms run on
             the slice. See ``docs/parallel.md``.
+        weight_cache: FP8 weights quantized once per optimizer step, reused by every micro-batch:
+            a dict from GEMM weight key ("qkv.weight", or "q.weight" / "k.weight" / "v.weight"
+            unfused; "proj.weight", "fc1.weight", "fc2.weight"), any subset, to
+            ``quantize_weight(params[key], role, recipe=recipe)`` with the state's role of that
+            weight: ``state["qkv"].weight`` (also for q, k, v), ``state["proj"].weight``,
+            ``state["mlp"].fc1_weight``, ``state["mlp"].fc2_weight``; pass the state
+            ``quantize_weight`` returns (it holds amax(W)). Unfused q, k, v caches are used together
+            under a calibrated delayed scale; otherwise the op quantizes their concatenation.
 
     Returns:
         ``(y, new_state)``: y like x; ``new_state`` with this call's forward amaxes recorded
@@ -542,7 +508,8 @@ def transformer_layer(
 
     Raises:
         TypeError, ValueError: bad config, params (missing keys, wrong shapes: the key and the
-            expected shape are named), state, x shape or mask arguments.
+            expected shape are named), state, x shape, mask arguments or ``weight_cache``
+            (unknown key, not a WeightCache, no recipe, stale or from another weight).
 
     Example:
         >>> import torch, fp8ops
@@ -584,7 +551,7 @@ def transformer_layer(
             params, x.transpose(0, 1), state, config=cfg, recipe=recipe, probes=probes,
             attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=None, max_seqlen=max_seqlen,
             training=training, dropout_seed=dropout_seed, layout="sbh", tp_group=tp_group,
-            sequence_parallel=sequence_parallel)
+            sequence_parallel=sequence_parallel, weight_cache=weight_cache)
         return y.transpose(0, 1), new_state
     if packed:
         if x.dim() != 2 or x.shape[1] != H:
@@ -594,8 +561,9 @@ def transformer_layer(
             f"{where}: x must be (S, B, H) = (S, B, {H}) (sequence first, as the seed), got {tuple(x.shape)}; "
             f"pass layout='bsh' for batch-first (B, S, H), or cu_seqlens for packed (T, H) tokens"
         )
-    _check_params(params, cfg, x, where, shard[1])
-    _check_state(state, probes, recipe, where)
+    check_params(params, cfg, x, where, shard[1])
+    check_state(state, probes, recipe, where)
+    caches = check_weight_caches(weight_cache, params, state, recipe, where)
     if recipe is None and probes is not None:
         raise ValueError(f"{where}: probes given with recipe=None (there is no FP8 state to observe into)")
     mask_mod = None
@@ -636,6 +604,7 @@ def transformer_layer(
     else:
         w_qkv = torch.cat([p["q.weight"], p["k.weight"], p["v.weight"]])
         b_qkv = torch.cat([p["q.bias"], p["k.bias"], p["v.bias"]]) if cfg.bias else None
+    c_qkv = qkv_weight_cache(caches, w_qkv, state, recipe) if caches else None
     new_state: dict[str, Any] = {}
     col = row = mlp_tp = {}
     pn = p  # the post-norms' parameters: with SP a rank normalises its slice, their gradients are partial sums
@@ -648,9 +617,10 @@ def transformer_layer(
     if cfg.norm_position == "pre":
         qkv, new_state["qkv"] = layernorm_linear(
             x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
-            grad_probe=pr["qkv"], **norm_kw, **col)
+            grad_probe=pr["qkv"], weight_cache=c_qkv, **norm_kw, **col)
     elif fp8 or tp:  # post-norm: the QKV input is x itself (a LayerNormLinearState is a LinearState)
-        qkv, new_state["qkv"] = fp8_linear(x, w_qkv, b_qkv, st.get("qkv"), recipe=recipe, grad_probe=pr["qkv"], **col)
+        qkv, new_state["qkv"] = fp8_linear(x, w_qkv, b_qkv, st.get("qkv"), recipe=recipe, grad_probe=pr["qkv"],
+                                           weight_cache=c_qkv, **col)
     else:
         qkv = _hp_linear(x, w_qkv, b_qkv)
 
@@ -670,7 +640,7 @@ def transformer_layer(
     # Step 4: the output projection, hidden dropout and the first residual.
     if fp8 or tp:
         out, new_state["proj"] = fp8_linear(ctx, p["proj.weight"], p.get("proj.bias"), st.get("proj"), recipe=recipe,
-                                            grad_probe=pr["proj"], **row)
+                                            grad_probe=pr["proj"], weight_cache=caches.get("proj.weight"), **row)
     else:
         out = _hp_linear(ctx, p["proj.weight"], p.get("proj.bias"))
     if training and cfg.hidden_dropout > 0:
@@ -678,7 +648,8 @@ def transformer_layer(
     mlp_drop = cfg.mlp_hidden_dropout if training else 0.0
 
     # Step 5: the MLP (fused with its norm) and the second residual.
-    mlp_kw = {"activation": cfg.activation, "grad_probe": pr["mlp"], **norm_kw, **mlp_tp}
+    mlp_kw = {"activation": cfg.activation, "grad_probe": pr["mlp"], **norm_kw, **mlp_tp,
+              "weight_cache": (caches.get("fc1.weight"), caches.get("fc2.weight")) if caches else None}
     mlp_params = (p["fc1.weight"], p.get("fc1.bias"), p["fc2.weight"], p.get("fc2.bias"))
     if cfg.norm_position == "pre":
         s = x + out

@@ -2,8 +2,8 @@
 on CPU with gloo, 2 and 4 ranks, each rank on its part of the batch.
 
 A model of fp8ops.nn modules (Linear -> LayerNormLinear -> LayerNormMLP (swiglu, fc1 with 42 rows)
--> Linear with 33 rows -> Linear without bias; the 42 and 33 rows are sharded unevenly over 4
-ranks) trains 3 SGD steps under ``fully_shard`` with the weights of every layer gathered in FP8
+-> Linear with 33 rows -> Linear without bias -> TransformerLayer (fused QKV; its qkv, proj, fc1
+and fc2 weights gathered in FP8); the 42 and 33 rows are sharded unevenly over 4 ranks) trains 3 SGD steps under ``fully_shard`` with the weights of every layer gathered in FP8
 (the norms and biases in their own dtype), for DelayedScaling and CurrentScaling, next to the same
 model under ``fully_shard`` without it and the single-process model on the whole batch. After each
 run:
@@ -55,7 +55,7 @@ S, B = 8, 4  # (S, B, 16) batches; each of the w ranks takes B/w sequences
 STEPS, LR = 3, 0.5
 # layer -> its weights gathered in FP8 (the norms' parameters and the biases gather in their own dtype)
 GATHERED = {"0": ("weight",), "1": ("weight",), "2": ("fc1_weight", "fc2_weight"), "3": ("weight",),
-            "4": ("weight",)}
+            "4": ("weight",), "5": ("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight")}
 
 
 def _model(recipe) -> torch.nn.Sequential:
@@ -68,6 +68,8 @@ def _model(recipe) -> torch.nn.Sequential:
         fp8ops.nn.LayerNormMLP(48, 21, activation="swiglu", recipe=recipe),
         fp8ops.nn.Linear(48, 33, recipe=recipe),
         fp8ops.nn.Linear(33, 16, bias=False, recipe=recipe),
+        fp8ops.nn.TransformerLayer(16, 24, 4, recipe=recipe, hidden_dropout=0.0, attention_dropout=0.0,
+                                   self_attn_mask_type="causal"),
     )
 
 
@@ -187,7 +189,7 @@ def _full_params(model, tag: str, bad: list[str], fp8_gather: bool) -> dict[str,
         if type(v).__name__ != "DTensor":
             bad.append(f"{tag}: parameter {k} is a {type(v).__name__}, not a DTensor shard")
             continue
-        layer, name = k.split(".")
+        layer, name = k.split(".", 1)
         gathered = fp8_gather and name in GATHERED[layer]
         if gathered != isinstance(v._local_tensor, _fsdp.FP8AllGatherWeight):
             bad.append(f"{tag}: the shard of {k} is a {type(v._local_tensor).__name__}")
@@ -224,7 +226,8 @@ def _check_traffic(tag: str, spy: _Spy, plain: _Spy, world: int, param_dtype: to
         bad.append(f"{tag}: {n_pre} pre-all-gather hook calls, expected {2 * n_weights * STEPS}, as many "
                    f"post-all-gather calls")
     posts = {h[2] for h in spy.hooks if h[0] == "post"}
-    expected = {(-(-n // world) * world, k) for n, k in ((32, 16), (48, 32), (42, 48), (48, 21), (33, 48), (16, 33))}
+    expected = {(-(-n // world) * world, k) for n, k in ((32, 16), (48, 32), (42, 48), (48, 21), (33, 48), (16, 33),
+                                                         (48, 16), (16, 16), (24, 16), (16, 24))}
     if posts != expected:
         bad.append(f"{tag}: the all-gather outputs were {sorted(posts)}, expected {sorted(expected)} (padded rows)")
     got = sorted(n for _, n in spy.gathers)
@@ -285,7 +288,7 @@ def _case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
             bad.append(f"{tag}: state {k} differs across ranks")
         if param_dtype is None:
             same = torch.equal(v, plain_sd[k])
-        elif k.split(".")[1] in GATHERED[k.split(".")[0]] and "amax_history" in k:
+        elif any(k.startswith(f"{i}.{w}") for i, ws in GATHERED.items() for w in ws) and "amax_history" in k:
             # the FP32 weight's amax, not its bfloat16 cast's
             same = torch.allclose(v, plain_sd[k], rtol=1e-2, atol=0)
         else:
@@ -372,14 +375,17 @@ def test_enable_fp8_all_gather_argument_errors():
         fp8ops.nn.enable_fp8_all_gather({"w": torch.zeros(2, 2)})
     with pytest.raises(TypeError, match="enable_fp8_all_gather: filter must be a callable"):
         fp8ops.nn.enable_fp8_all_gather(fp8ops.nn.Linear(16, 16, recipe=r), filter="0")
-    layer = fp8ops.nn.TransformerLayer(32, 64, 4, recipe=r)
-    none = "found no fp8ops.nn.Linear, LayerNormLinear or LayerNormMLP with a recipe"
-    with pytest.raises(ValueError, match=f"{none}.*TransformerLayer"):
-        fp8ops.nn.enable_fp8_all_gather(layer)
+    none = "found no fp8ops.nn.Linear, LayerNormLinear, LayerNormMLP or TransformerLayer with a recipe"
     with pytest.raises(ValueError, match=none):
         fp8ops.nn.enable_fp8_all_gather(torch.nn.Sequential(  # no recipe: nothing of theirs is FP8
             fp8ops.nn.Linear(16, 16), fp8ops.nn.LayerNormLinear(16, 16), fp8ops.nn.LayerNormMLP(16, 16),
-            torch.nn.Linear(16, 16)))
+            fp8ops.nn.TransformerLayer(32, 64, 4), torch.nn.Linear(16, 16)))
+    # a TransformerLayer's GEMM weights; separate q, k, v weights (quantized together) are not gathered in FP8
+    for fuse, names in ((True, {"qkv.weight", "proj.weight", "fc1.weight", "fc2.weight"}),
+                        (False, {"proj.weight", "fc1.weight", "fc2.weight"})):
+        layer = fp8ops.nn.TransformerLayer(32, 64, 4, recipe=r, fuse_qkv_params=fuse)
+        assert fp8ops.nn.enable_fp8_all_gather(layer) == [""]
+        assert {k for k, p in layer.named_parameters() if isinstance(p, _fsdp.FP8AllGatherWeight)} == names
     with pytest.raises(ValueError, match=none):
         fp8ops.nn.enable_fp8_all_gather(fp8ops.nn.Linear(16, 16, recipe=r), filter=lambda fqn, m: False)
 

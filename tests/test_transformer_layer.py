@@ -590,3 +590,143 @@ def test_training_loop_with_updates_learns():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(torch.isfinite(t).all() for t in torch.utils._pytree.tree_leaves(st))
+
+
+# ------------------------------------------------------------------------------------------------
+# weight_cache: FP8 weights quantized once per optimizer step
+
+CACHE_CFGS = {
+    "fused": TransformerConfig(hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, hidden_dropout=0.0,
+                               attention_dropout=0.0, self_attn_mask_type="causal"),
+    "unfused_swiglu": TransformerConfig(hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_gqa_groups=2,
+                                        hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=False,
+                                        activation="swiglu"),
+}
+CACHE_ROLES = {"qkv.weight": ("qkv", "weight"), "q.weight": ("qkv", "weight"), "k.weight": ("qkv", "weight"),
+               "v.weight": ("qkv", "weight"), "proj.weight": ("proj", "weight"),
+               "fc1.weight": ("mlp", "fc1_weight"), "fc2.weight": ("mlp", "fc2_weight")}
+
+
+def _cache_setup(cfg, recipe, calibrated):
+    """Parameters, a (calibrated: after one step and an update) state, and two micro-batches (x, dy)."""
+    params = init_transformer_params(cfg, generator=torch.Generator().manual_seed(0))
+    state = init_transformer_state(cfg, recipe)
+    data = [_data((6, 2, cfg.hidden_size), seed=s) for s in (3, 4)]
+    if calibrated:
+        probes = fp8ops.make_probes(state)
+        y, state = transformer_layer({k: _leaf(v) for k, v in params.items()}, data[0][0], state, config=cfg,
+                                     recipe=recipe, probes=probes)
+        y.backward(data[0][1])
+        state = fp8ops.update(state, recipe=recipe, grad_amax={k: p.grad for k, p in probes.items()})
+    return params, state, data
+
+
+def _cache_run(cfg, recipe, calibrated, *, cache, micro=1, keys=None):
+    """``micro`` micro-batches with the same parameter leaves and the state threaded through; with
+    ``cache`` the weights (``keys``: all GEMM weights by default) are quantized once, first. Returns
+    the outputs, dx, probe gradients and parameter gradients, and the flat new state."""
+    params, state, data = _cache_setup(cfg, recipe, calibrated)
+    params = {k: _leaf(v) for k, v in params.items()}
+    caches = {}
+    if cache:
+        for key in keys or [k for k in CACHE_ROLES if k in params]:
+            skey, role = CACHE_ROLES[key]
+            caches[key], ws = fp8ops.quantize_weight(params[key], getattr(state[skey], role), recipe=recipe)
+            state = {**state, skey: state[skey].replace(**{role: ws})}
+    out = []
+    for x, dy in data[:micro]:
+        x = _leaf(x)
+        probes = fp8ops.make_probes(state)
+        y, state = transformer_layer(params, x, state, config=cfg, recipe=recipe, probes=probes,
+                                     weight_cache=caches if cache else None)
+        y.backward(dy)
+        out += [y, x.grad, *(probes[k].grad for k in sorted(probes))]
+    out += [params[k].grad for k in sorted(params)]
+    return out, fp8ops.state_dict(state)
+
+
+def _assert_same(got, ref):
+    (g, g_st), (r, r_st) = got, ref
+    assert len(g) == len(r)
+    for i, (a, b) in enumerate(zip(g, r)):
+        assert a is not None and b is not None and torch.equal(a, b), f"output/gradient {i} differs"
+    assert g_st.keys() == r_st.keys()
+    for k in r_st:
+        assert torch.equal(g_st[k], r_st[k]), f"state {k} differs"
+
+
+CACHE_RECIPES = {"delayed": (DelayedScaling(amax_history_len=4), True),
+                 "delayed_first_step": (DelayedScaling(amax_history_len=4), False),
+                 "current": (CurrentScaling(), False)}
+
+
+@pytest.mark.parametrize("case", list(CACHE_RECIPES))
+@pytest.mark.parametrize("cfg", list(CACHE_CFGS))
+def test_weight_cache_gives_the_same_bits(cfg, case):
+    """With caches: the same outputs, dx, every parameter and probe gradient and the same new state
+    (amax(W) recorded by quantize_weight instead of the ops) as without."""
+    recipe, calibrated = CACHE_RECIPES[case]
+    _assert_same(_cache_run(CACHE_CFGS[cfg], recipe, calibrated, cache=True),
+                 _cache_run(CACHE_CFGS[cfg], recipe, calibrated, cache=False))
+
+
+@pytest.mark.parametrize("keys", [["proj.weight", "fc2.weight"], ["q.weight", "fc1.weight"]], ids=["proj_fc2", "q_fc1"])
+def test_weight_cache_subset_reused_over_two_micro_batches(keys):
+    cfg = CACHE_CFGS["unfused_swiglu"]
+    recipe = DelayedScaling(amax_history_len=4)
+    _assert_same(_cache_run(cfg, recipe, True, cache=True, micro=2, keys=keys),
+                 _cache_run(cfg, recipe, True, cache=False, micro=2))
+    _assert_same(_cache_run(CACHE_CFGS["fused"], CurrentScaling(), False, cache=True, micro=2),
+                 _cache_run(CACHE_CFGS["fused"], CurrentScaling(), False, cache=False, micro=2))
+
+
+def test_weight_cache_is_what_the_gemms_read():
+    """The caches are used (not re-quantized from the weights): caches of other weights change y."""
+    cfg = CACHE_CFGS["unfused_swiglu"]
+    recipe = DelayedScaling(amax_history_len=4)
+    params, state, data = _cache_setup(cfg, recipe, True)
+    y_ref, _ = transformer_layer(params, data[0][0], state, config=cfg, recipe=recipe)
+    for key in ("q.weight", "proj.weight", "fc1.weight", "fc2.weight"):
+        skey, role = CACHE_ROLES[key]
+        other = dict(params)
+        other[key] = params[key] * 2
+        qw, _ = fp8ops.quantize_weight(other[key], getattr(state[skey], role), recipe=recipe)
+        caches = {key: fp8ops.WeightCache(qw.value, qw.inv_scale_t, qw.scale, recipe, params[key])}
+        if key == "q.weight":  # q, k and v are used together
+            caches.update({k: fp8ops.quantize_weight(params[k], state["qkv"].weight, recipe=recipe)[0]
+                           for k in ("k.weight", "v.weight")})
+        y, _ = transformer_layer(params, data[0][0], state, config=cfg, recipe=recipe, weight_cache=caches)
+        assert not torch.equal(y, y_ref), key
+
+
+def test_weight_cache_errors_name_the_function_and_argument():
+    cfg = CACHE_CFGS["fused"]
+    recipe = DelayedScaling(amax_history_len=4)
+    params, state, data = _cache_setup(cfg, recipe, False)
+    x = data[0][0]
+    qw, _ = fp8ops.quantize_weight(params["proj.weight"], state["proj"].weight, recipe=recipe)
+
+    def call(wc, **kw):
+        kw = {"state": state, "recipe": recipe, **kw}
+        return transformer_layer(params, x, kw["state"], config=cfg, recipe=kw["recipe"], weight_cache=wc)
+
+    with pytest.raises(ValueError, match=r"transformer_layer: weight_cache has unknown keys \['q.weight'\]"):
+        call({"q.weight": qw})
+    with pytest.raises(ValueError, match=r"transformer_layer: weight_cache has unknown keys \['ln1.weight'\]"):
+        call({"ln1.weight": qw})
+    with pytest.raises(TypeError, match=r"transformer_layer: weight_cache\['proj.weight'\] must be a WeightCache"):
+        call({"proj.weight": params["proj.weight"]})
+    with pytest.raises(TypeError, match=r"transformer_layer: weight_cache must be a dict"):
+        call([qw])
+    with pytest.raises(ValueError, match=r"transformer_layer: weight_cache is only meaningful with FP8"):
+        call({"proj.weight": qw}, state=None, recipe=None)
+    with pytest.raises(ValueError, match=r"transformer_layer: weight_cache\['fc1.weight'\] was built with another "
+                                         r"weight state.*quantize_weight\(params\['fc1.weight'\], "
+                                         r"state\['mlp'\].fc1_weight"):
+        call({"fc1.weight": qw})
+    with pytest.raises(ValueError, match=r"transformer_layer: weight_cache\['proj.weight'\] was built with another "
+                                         r"weight state"):
+        call({"proj.weight": fp8ops.quantize_weight(params["proj.weight"], state["qkv"].weight, recipe=recipe)[0]})
+    with pytest.raises(ValueError, match=r"transformer_layer: weight_cache\['proj.weight'\] was built from another"):
+        call({"proj.weight": fp8ops.quantize_weight(params["proj.weight"].clone(), state["proj"].weight,
+                                                    recipe=recipe)[0]})
