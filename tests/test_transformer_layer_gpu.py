@@ -124,3 +124,54 @@ def test_gqa_padding_causal_and_packed_match_reference():
     yp, _ = transformer_layer(params, packed, None, config=cfg, recipe=None, cu_seqlens=cu, max_seqlen=max(lens))
     for i, n in enumerate(lens):
         torch.testing.assert_close(yp[cu[i]:cu[i + 1]], y[:n, i], rtol=1e-3, atol=1e-3)
+
+
+_CACHE_ROLES = {"qkv.weight": ("qkv", "weight"), "q.weight": ("qkv", "weight"), "k.weight": ("qkv", "weight"),
+                "v.weight": ("qkv", "weight"), "proj.weight": ("proj", "weight"),
+                "fc1.weight": ("mlp", "fc1_weight"), "fc2.weight": ("mlp", "fc2_weight")}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_qkv", "unfused_qkv"])
+@pytest.mark.parametrize("rname", ["delayed", "current"])
+def test_weight_cache_gives_the_same_bits_on_the_gpu(fused, rname):
+    """Every GEMM weight quantized once (``quantize_weight``) gives the bits of the layer quantizing
+    them: output, dx, every parameter and probe gradient and the new state, over 2 micro-batches."""
+    dev = "cuda"
+    cfg = TransformerConfig(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, hidden_dropout=0.0,
+                            attention_dropout=0.0, self_attn_mask_type="causal", fuse_qkv_params=fused)
+    recipe = DelayedScaling() if rname == "delayed" else CurrentScaling()
+    g = torch.Generator(device=dev).manual_seed(0)
+    params = {k: v.to(dev, torch.bfloat16) for k, v in init_transformer_params(cfg).items()}
+    data = [(torch.randn(64, 2, 256, device=dev, generator=g).bfloat16(),
+             torch.randn(64, 2, 256, device=dev, generator=g).bfloat16()) for _ in range(3)]
+    state0 = init_transformer_state(cfg, recipe, device=dev)
+    if rname == "delayed":  # calibrate: one step and an update
+        probes = fp8ops.make_probes(state0)
+        y, state0 = transformer_layer({k: v.clone().requires_grad_() for k, v in params.items()}, data[2][0],
+                                      state0, config=cfg, recipe=recipe, probes=probes)
+        y.backward(data[2][1])
+        state0 = fp8ops.update(state0, recipe=recipe, grad_amax={k: p.grad for k, p in probes.items()})
+    runs = []
+    for cached in (False, True):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        state, caches = dict(state0), {}
+        if cached:
+            for key in (k for k in _CACHE_ROLES if k in leaves):
+                skey, role = _CACHE_ROLES[key]
+                caches[key], ws = fp8ops.quantize_weight(leaves[key], getattr(state[skey], role), recipe=recipe)
+                state[skey] = state[skey].replace(**{role: ws})
+        got = []
+        for x, dy in data[:2]:
+            x = x.clone().requires_grad_()
+            probes = fp8ops.make_probes(state)
+            y, state = transformer_layer(leaves, x, state, config=cfg, recipe=recipe, probes=probes,
+                                         weight_cache=caches or None)
+            y.backward(dy)
+            got += [y.detach(), x.grad, *(probes[k].grad for k in sorted(probes))]
+        got += [leaves[k].grad for k in sorted(leaves)]
+        runs.append((got, fp8ops.state_dict(state)))
+    (a, sa), (b, sb) = runs
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"{rname} fused={fused}: output/gradient {i} differs with weight caches"
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"{rname} fused={fused}: state {k} differs with weight caches"
