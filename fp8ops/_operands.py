@@ -21,7 +21,6 @@ from torch import Tensor
 from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
 from ._glue import cast
 from .gemm import scaled_mm
-from .kernels._library import ops as _ops
 from .quantize import QuantSpec, quantize_2d
 from .recipes import GemmSpec
 
@@ -39,6 +38,8 @@ __all__ = [
     "quantize_pair",
     "quantize_weight_operands",
 ]
+
+_ops = torch.ops.fp8ops
 
 
 def hp_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

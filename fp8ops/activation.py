@@ -25,7 +25,6 @@ from ._glue import apply, refuse_compiled_transform
 from ._checks import check_float_tensor
 from .kernels import activation as _K
 from .kernels._library import define as _define
-from .kernels._library import ops as _ops
 from .quantize import QuantSpec, _loop_vmap
 from .reference import activation as _ref
 
@@ -45,6 +44,8 @@ ACTIVATIONS: tuple[str, ...] = _ref.ACTIVATIONS
 
 GATED: tuple[str, ...] = _ref.GATED
 """The gated activations: ``h = [a | b]`` (..., 2F), output ``act(a) * b`` (..., F)."""
+
+_ops = torch.ops.fp8ops
 
 
 def check_activation(name: Any, where: str) -> str:
@@ -340,4 +341,4 @@ _define(_K.act_bwd, cpu=_ref.act_bwd)
 _define(_K.act_bwd_amax, cpu=_ref.act_bwd_amax)
 
 for _name in ("act_fwd", "act_amax", "act_bwd", "act_bwd_amax"):
-    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(torch.ops.fp8ops, _name)))
+    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))

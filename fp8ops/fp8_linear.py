@@ -35,7 +35,6 @@ from ._operands import (
     quantize_weight_operands,
 )
 from .formats import Role
-from .kernels._library import ops as _ops
 from .quantize import Float8Value, QuantSpec
 from .recipes import GemmSpec, Recipe
 from .state import OpState, ScalingState, validate_state
@@ -179,7 +178,7 @@ class _FP8Linear(torch.autograd.Function):
             xq, x_inv, xq_t, x_inv_t, x_amax = quantize_pair(x, x_scale, cfg.x_spec, need_xt)
         else:
             xq = x_inv = xq_t = x_inv_t = None
-            x_amax = _ops.amax(x)
+            x_amax = torch.ops.fp8ops.amax(x)
         # Step 2: the weight, from the cache or quantized now (with its transpose for dgrad).
         if cfg.use_cache:
             # the cached operands are saved from the inputs in setup_context

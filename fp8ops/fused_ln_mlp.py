@@ -44,7 +44,6 @@ from ._parallel import copy_to_tp, row_output, sequence_norm, tp_config
 from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_float_tensor, check_norm_args, check_probe, check_state_recipe, check_weight
 from .formats import Role
-from .kernels._library import ops as _ops
 from ._operands import (
     HIGH,
     NormCfg,
@@ -65,6 +64,8 @@ from .layernorm_linear import check_weight_cache
 from .state import OpState, ScalingState
 
 __all__ = ["LayerNormMLPState", "fused_ln_mlp"]
+
+_ops = torch.ops.fp8ops
 
 
 class LayerNormMLPState(OpState):
@@ -183,6 +184,16 @@ class _Cfg(NamedTuple):
         return self.need_dx or self.need_dw1 or self.need_db1
 
 
+def _weight_operands(cached: bool, c_data: Tensor | None, c_inv: Tensor | None, w: Tensor, s_w: Tensor | None,
+                     sp_w: Any, fp8_fwd: bool, need_t: bool) -> tuple[Any, ...]:
+    """(q, inv, q_t, inv_t, amax) of a weight: the cached FP8 weight as it is (its transposed copy
+    is saved in setup_context; its amax was recorded by quantize_weight, a zero here), or the
+    weight quantized now."""
+    if cached:
+        return c_data, c_inv, None, None, torch.zeros((), dtype=torch.float32, device=w.device)
+    return quantize_weight_operands(w, s_w, sp_w, fp8_fwd, need_t)
+
+
 class _FusedLNMLP(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -223,12 +234,8 @@ class _FusedLNMLP(torch.autograd.Function):
         )
         # Step 2: fc1, its weight from the cache (its transposed copy is saved in setup_context) or
         # quantized now.
-        if cfg.cache1:
-            w1q, w1_inv, w1q_t, w1_inv_t = c1_data, c1_inv, None, None
-            w1_amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        else:
-            w1q, w1_inv, w1q_t, w1_inv_t, w1_amax = quantize_weight_operands(
-                w1, s_w1, sp_w1, fp8_fwd, cfg.need_dx and fp8_dgrad)
+        w1q, w1_inv, w1q_t, w1_inv_t, w1_amax = _weight_operands(
+            cfg.cache1, c1_data, c1_inv, w1, s_w1, sp_w1, fp8_fwd, cfg.need_dx and fp8_dgrad)
         h = gemm_fprop(lnq, ln_inv, ln, w1q, w1_inv, w1, b1, cfg.fprop, x.dtype)  # (M, C)
         h_inv = h_amax = None
         if cfg.recompute and cfg.fp8:
@@ -243,12 +250,8 @@ class _FusedLNMLP(torch.autograd.Function):
             h_inv=h_inv, hp_dtype=x.dtype,
         )
         # Step 4: fc2, its weight as fc1's.
-        if cfg.cache2:
-            w2q, w2_inv, w2q_t, w2_inv_t = c2_data, c2_inv, None, None
-            w2_amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        else:
-            w2q, w2_inv, w2q_t, w2_inv_t, w2_amax = quantize_weight_operands(
-                w2, s_w2, sp_w2, fp8_fwd, cfg.need_dh and fp8_dgrad)
+        w2q, w2_inv, w2q_t, w2_inv_t, w2_amax = _weight_operands(
+            cfg.cache2, c2_data, c2_inv, w2, s_w2, sp_w2, fp8_fwd, cfg.need_dh and fp8_dgrad)
         y = gemm_fprop(aq, a_inv, a, w2q, w2_inv, w2, b2, cfg.fprop, x.dtype)
         if not (cfg.need_dx and fp8_dgrad):
             w1q_t = w1_inv_t = None

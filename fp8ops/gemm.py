@@ -12,7 +12,6 @@ from torch import Tensor
 
 from .kernels import gemm as _K
 from .kernels._library import define as _define
-from .kernels._library import ops as _ops
 from ._glue import cast
 from .reference import gemm as _ref
 
@@ -124,4 +123,4 @@ def scaled_mm(
     if which == "cublas":
         return _cublas(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
     sb = scale_b.reshape(1, -1) if scale_b.dim() == 2 else scale_b
-    return _ops.scaled_mm(a, b, scale_a, sb, bias, out_dtype, fast_accum)
+    return torch.ops.fp8ops.scaled_mm(a, b, scale_a, sb, bias, out_dtype, fast_accum)

@@ -19,7 +19,6 @@ from ._checks import check_device, check_eps, check_float_tensor, check_zero_cen
 from ._glue import apply, autocast_dtype, refuse_compiled_transform
 from .kernels import norm as _K
 from .kernels._library import define as _define
-from .kernels._library import ops as _ops
 from .quantize import _loop_vmap
 from .reference import norm as _ref
 
@@ -29,6 +28,8 @@ __all__ = ["layer_norm", "rms_norm"]
 # no state) with a DeprecationWarning; ``state=None`` gets the calling convention's
 # ``(outputs, None)``.
 _OLD_RETURN: Any = type("_OldReturn", (), {"__repr__": lambda self: "<not given>"})()
+
+_ops = torch.ops.fp8ops
 
 
 class _Norm(torch.autograd.Function):
@@ -280,4 +281,4 @@ _define(_K.norm_amax, cpu=_ref.norm_amax)
 _define(_K.norm_bwd, cpu=_ref.norm_bwd)
 
 for _name in ("norm_fwd", "norm_amax", "norm_bwd"):
-    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(torch.ops.fp8ops, _name)))
+    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))

@@ -17,7 +17,6 @@ from torch.utils import _pytree as pytree
 
 from .kernels import quantize as _K
 from .kernels._library import define as _define
-from .kernels._library import ops as _ops
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_recipe
 from .formats import Role, check_role
 from .recipes import Recipe
@@ -25,6 +24,8 @@ from .reference import quantize as _ref
 from .state import ScalingState, validate_state
 
 __all__ = ["Float8Value", "dequantize", "quantize"]
+
+_ops = torch.ops.fp8ops
 
 
 @attrs.frozen(init=False, eq=False, repr=False)
@@ -263,5 +264,5 @@ def _loop_vmap(op: Any) -> Any:
 
 
 for _name in ("amax", "cast", "cast_transpose", "cast_rowwise"):
-    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(torch.ops.fp8ops, _name)))
+    torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))
 

@@ -7,9 +7,6 @@ guard) that cost on the order of 100 µs per call on the host, more than the ker
 small layer. Ops defined here with ``Library.define`` + ``Library.impl`` reach their Python kernel
 straight from the dispatcher. They are still opaque to ``torch.compile`` (a fake kernel gives the
 output shapes) and have no autograd kernel: fp8ops calls them inside its autograd.Functions.
-
-fp8ops calls the ops through :data:`ops` (``ops.<name>(...)``), the same op packets as
-``torch.ops.fp8ops``.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["OpSpec", "contiguous_args", "define", "merge_config", "ops"]
+__all__ = ["OpSpec", "contiguous_args", "define", "merge_config"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -38,25 +35,14 @@ def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
     """Define ``fp8ops::<name>`` with every kernel side by side: the CUDA and fake kernels of
     ``spec`` and the CPU kernel ``cpu`` (the FP32 reference math).
 
-    Returns the op overload packet ``torch.ops.fp8ops.<name>``; ``ops.<name>`` is its entry point
-    for fp8ops's own calls.
+    Returns the op overload packet ``torch.ops.fp8ops.<name>``.
     """
     name = spec.schema.split("(", 1)[0]
     _LIB.define(spec.schema, tags=(torch.Tag.pt2_compliant_tag,))
     _LIB.impl(name, spec.cuda, "CUDA")
     _LIB.impl(name, cpu, "CPU")
     torch.library.register_fake(f"fp8ops::{name}", spec.fake, lib=_LIB)
-    packet = getattr(torch.ops.fp8ops, name)
-    setattr(ops, name, packet)
-    return packet
-
-
-class _Ops:
-    """The ops defined by :func:`define`, by name (see :data:`ops`)."""
-
-
-ops: Any = _Ops()
-"""``ops.<name>``: the op packet ``torch.ops.fp8ops.<name>``; fp8ops calls its library ops through it."""
+    return getattr(torch.ops.fp8ops, name)
 
 
 def contiguous_args(
