@@ -56,6 +56,7 @@ __all__ = [
     "cast_launch",
     "cast_rowwise_launch",
     "cast_transpose_launch",
+    "transpose_bytes_launch",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -185,6 +186,22 @@ def _amax_fwd_kernel(
     atomic_amax(amax_ptr, tl.max(abs_bits(x), axis=0))
 
 
+@triton.jit
+def _transpose_bytes_kernel(
+    x_ptr,  # (M, K) one-byte elements (uint8 view), contiguous
+    y_ptr,  # (K, M) output, contiguous
+    M,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # A tile read along K and written along M: both sides coalesced (the swap goes through shared memory).
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K))
+    tl.store(y_ptr + rk[:, None] * M + rm[None, :], tl.trans(x), mask=(rk[:, None] < K) & (rm[None, :] < M))
+
+
 # ------------------------------------------------------------------------------------------------
 # Launchers: they alone know grids and block sizes, and they validate what the kernels assume.
 
@@ -193,6 +210,7 @@ _CAST_CFG = {"BLOCK": 8192, "num_warps": 8}
 _CAST_T_CFG = {"BLOCK_M": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4}
 _ROWWISE_CFG = {"BLOCK_M": 1, "BLOCK_K": 2048, "num_warps": 8}
 _AMAX_CFG = {"BLOCK": 16384, "num_warps": 4}
+_TRANSPOSE_CFG = {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8}
 
 
 def _check_input(name: str, x: torch.Tensor, *, flat: bool) -> None:
@@ -256,6 +274,22 @@ def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> tor
         grid = (triton.cdiv(n, cfg["BLOCK"]),)
         _amax_fwd_kernel[grid](x, amax, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return amax
+
+
+def transpose_bytes_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """The (K, M) contiguous transpose of a 2-D (M, K) tensor of one-byte elements (uint8, an FP8
+    dtype), contiguous; the K-major operand of a GEMM from FP8 bytes that arrived untransposed."""
+    if x.dim() != 2 or x.element_size() != 1:
+        raise ValueError(f"transpose_bytes: x must be a 2-D tensor of one-byte elements, got {x.dtype} "
+                         f"of shape {tuple(x.shape)}")
+    cfg = merge_config(_TRANSPOSE_CFG, config, name="transpose_bytes")
+    M, K = x.shape
+    y = torch.empty((K, M), dtype=torch.uint8, device=x.device)
+    if x.numel():
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(K, cfg["BLOCK_K"]))
+        _transpose_bytes_kernel[grid](x.view(torch.uint8), y, M, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+                                      num_warps=cfg["num_warps"])
+    return y.view(x.dtype)
 
 
 def cast_launch(
@@ -393,6 +427,10 @@ _CAST_SCHEMA = "Tensor x, Tensor scale, Tensor? amax_in, int margin, bool power_
 
 amax = OpSpec("amax(Tensor x) -> Tensor", cuda=contiguous_args(amax_launch), fake=_amax_fake)
 """``fp8ops::amax``: max |x| over every element, float32, NaN-propagating."""
+
+transpose_bytes = OpSpec("transpose_bytes(Tensor x) -> Tensor", cuda=contiguous_args(transpose_bytes_launch),
+                         fake=lambda x: x.new_empty((x.shape[1], x.shape[0])))
+"""``fp8ops::transpose_bytes``: the contiguous transpose of a 2-D tensor of one-byte elements."""
 
 cast = OpSpec(
     f"cast({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor)", cuda=contiguous_args(cast_launch), fake=_cast_fake

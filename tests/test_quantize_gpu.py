@@ -572,3 +572,14 @@ def test_ops_cuda_match_cpu_reference_ops(out_dtype: torch.dtype) -> None:
     assert_fp8_equal(got[1].cpu(), want[1], x.t(), "cast_transpose data_t vs CPU reference")
     assert_f32_bits_equal(got[2].cpu(), want[2], "cast_transpose amax vs CPU reference")
     assert_f32_bits_equal(got[3].cpu(), want[3], "cast_transpose inv_scale vs CPU reference")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (100, 333), (8192, 4096), (4096, 24576)], ids=_id)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2], ids=["u8", "e4m3", "e5m2"])
+def test_transpose_bytes_equals_torch(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """fp8ops::transpose_bytes on the GPU gives the bytes of torch's transposed copy."""
+    g = torch.Generator(device="cuda").manual_seed(shape[0] + shape[1])
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g).view(dtype)
+    y = torch.ops.fp8ops.transpose_bytes(x)
+    assert y.dtype == dtype and y.shape == (shape[1], shape[0]) and y.is_contiguous()
+    assert torch.equal(y.view(torch.uint8), x.view(torch.uint8).t().contiguous())

@@ -197,3 +197,22 @@ def test_launchers_validate():
         K.amax_launch(x.double())
     with pytest.raises(ValueError, match="unknown launch config"):
         K.cast_launch(x, torch.tensor(1.0), None, 0, False, torch.float8_e4m3fn, config={"BLOK": 4})
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (130, 37), (64, 256)])
+@pytest.mark.parametrize("dtype", [torch.uint8, *FP8])
+def test_transpose_bytes_launcher(shape, dtype):
+    """Every byte lands at its transposed place (tiles smaller than the tensor: edges masked)."""
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(dtype)
+    y = K.transpose_bytes_launch(x, config={"BLOCK_M": 32, "BLOCK_K": 16})
+    assert y.dtype == dtype and y.shape == (shape[1], shape[0]) and y.is_contiguous()
+    assert torch.equal(_u8(y), _u8(x).t())
+    assert torch.equal(_u8(R.transpose_bytes(x)), _u8(y))
+
+
+def test_transpose_bytes_rejects_wider_elements():
+    with pytest.raises(ValueError, match="transpose_bytes: x must be a 2-D tensor of one-byte elements"):
+        K.transpose_bytes_launch(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="one-byte elements"):
+        R.transpose_bytes(torch.zeros(2, 3, dtype=torch.uint8)[None])

@@ -23,6 +23,7 @@ __all__ = [
     "dequantize",
     "quantize",
     "saturating_cast",
+    "transpose_bytes",
 ]
 
 
@@ -37,6 +38,14 @@ def amax(x: Tensor) -> Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.detach().abs().amax().to(torch.float32)
+
+
+def transpose_bytes(x: Tensor) -> Tensor:
+    """The (K, M) contiguous transpose of a 2-D (M, K) tensor of one-byte elements (uint8, FP8)."""
+    if x.dim() != 2 or x.element_size() != 1:
+        raise ValueError(f"transpose_bytes: x must be a 2-D tensor of one-byte elements, got {x.dtype} "
+                         f"of shape {tuple(x.shape)}")
+    return x.view(torch.uint8).t().contiguous().view(x.dtype)
 
 
 def _scale(scale: Tensor, amax_in: Tensor | None, margin: int, power_2: bool, dtype: torch.dtype) -> Tensor:
