@@ -152,10 +152,10 @@ class FP8AllGatherWeight(torch.Tensor):
                                 f"this hook made, got {type(out).__name__}")
             # the same (K, N) tensor the forward may have saved for the backward: refilled in place
             with torch.autograd._unsafe_preserve_version_counter(out._data_t):
-                out._data_t.copy_(data.t())
+                out._data_t.copy_(torch.ops.fp8ops.transpose_bytes(data))
             out._data, out._inv, out._amax = data, inv, amax
             return None
-        data_t = data.t().contiguous()  # (K, N): the dgrad GEMM's K-major operand
+        data_t = torch.ops.fp8ops.transpose_bytes(data)  # (K, N): the dgrad GEMM's K-major operand
         w = GatheredFP8Weight(data, data_t, inv, amax, fp8_dtype, param_dtype)
         return w, (data_t,)
 

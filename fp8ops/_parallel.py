@@ -40,6 +40,7 @@ from .recipes import compute_scale
 
 __all__ = [
     "TP",
+    "all_gather",
     "check_divisible",
     "column_input",
     "copy_to_tp",
@@ -50,6 +51,8 @@ __all__ = [
     "gather_seq_fp8",
     "probe_sink",
     "reduce_from_tp",
+    "reduce_scatter",
+    "reduce_scatter_async",
     "row_output",
     "scatter_seq",
     "scatter_seq_fp8",
@@ -57,6 +60,7 @@ __all__ = [
     "tp_config",
     "transformer_shard_shapes",
     "transformer_split",
+    "wait",
 ]
 
 PARALLEL_MODES = ("column", "row")
@@ -86,6 +90,17 @@ def _all_gather(t: Tensor, group: Any) -> Tensor:
 
 def _reduce_scatter(t: Tensor, group: Any) -> Tensor:
     return _done(_fc().reduce_scatter_tensor(t.contiguous(), "sum", 0, group))
+
+
+def reduce_scatter_async(t: Tensor, group: Any) -> Tensor:
+    """The sum of t over the group, this rank's dim-0 slice, still in flight: pass it to
+    :func:`wait` before use (the work issued in between overlaps the communication)."""
+    return _fc().reduce_scatter_tensor(t.contiguous(), "sum", 0, group)
+
+
+wait = _done
+all_gather = _all_gather
+reduce_scatter = _reduce_scatter
 
 
 def _conjugate(name: str, fwd: Any, bwd: Any) -> Any:

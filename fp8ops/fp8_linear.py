@@ -21,7 +21,21 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ._parallel import PARALLEL_MODES, column_input, gather_seq_fp8, probe_sink, row_output, tp_config
+from ._parallel import (
+    PARALLEL_MODES,
+    all_gather,
+    check_divisible,
+    column_input,
+    copy_to_tp,
+    fp8_group_quantize,
+    gather_seq_fp8,
+    probe_sink,
+    reduce_scatter,
+    reduce_scatter_async,
+    row_output,
+    tp_config,
+    wait,
+)
 from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
 from ._operands import (
@@ -149,6 +163,17 @@ class _Cfg(NamedTuple):
     need_db: bool
     wgrad_dtype: torch.dtype
     use_cache: bool
+    # Sequence parallelism fused into the op (None: x and y are whole). "column": x is this rank's
+    # (M/w, K) slice, quantized with the group's scale and all-gathered as FP8 bytes that feed the
+    # GEMMs as they are; dx is reduce-scattered. "row": y is reduce-scattered to (M/w, N); dy (M/w, N)
+    # is quantized with the group's scale and all-gathered as FP8 bytes for dgrad and wgrad.
+    sp: str | None = None
+
+
+def _gather_fp8(data: Tensor, dtype: torch.dtype, group: Any, need_t: bool) -> tuple[Tensor, Tensor | None]:
+    """(the ranks' FP8 slices gathered along dim 0, its K-major transpose or None)."""
+    full = all_gather(data, group).view(dtype)  # (M, C)
+    return full, (torch.ops.fp8ops.transpose_bytes(full) if need_t else None)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -168,13 +193,19 @@ class _FP8Linear(torch.autograd.Function):
         c_inv: Tensor | None,
         c_inv_t: Tensor | None,  # row-wise (K, 1) scales of c_data_t, else None
         cfg: _Cfg,
+        group: Any = None,  # the tensor-parallel group when cfg.sp
     ) -> tuple[Tensor, ...]:
 
         fp8_fwd = cfg.fprop.precision == "fp8"
         need_xt = cfg.need_dw and cfg.wgrad.precision == "fp8"
         need_wt = cfg.need_dx and cfg.dgrad.precision == "fp8" and not cfg.use_cache
-        # Step 1: quantize x (and its transpose for wgrad) in one pass.
-        if fp8_fwd or need_xt:
+        # Step 1: quantize x (and its transpose for wgrad) in one pass; column-parallel SP: this
+        # rank's slice with the group's scale, the FP8 bytes gathered (all three GEMMs are FP8).
+        if cfg.sp == "column":
+            data, x_inv, x_amax = fp8_group_quantize(x, x_scale, cfg.x_spec, group)
+            xq, xq_t = _gather_fp8(data, cfg.x_spec.dtype, group, need_xt)
+            x_inv_t = x_inv
+        elif fp8_fwd or need_xt:
             xq, x_inv, xq_t, x_inv_t, x_amax = quantize_pair(x, x_scale, cfg.x_spec, need_xt)
         else:
             xq = x_inv = xq_t = x_inv_t = None
@@ -186,8 +217,10 @@ class _FP8Linear(torch.autograd.Function):
             w_amax = torch.zeros((), dtype=torch.float32, device=x.device)
         else:
             wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
-        # Step 3: the forward GEMM.
+        # Step 3: the forward GEMM; row-parallel SP: the partial sums reduce-scattered to this rank's rows.
         y = gemm_fprop(xq, x_inv, x, wq, w_inv, w, bias, cfg.fprop, x.dtype)
+        if cfg.sp == "row":
+            y = reduce_scatter(y, group)
         if not need_xt:
             xq_t = x_inv_t = None
         if not need_wt:
@@ -197,7 +230,8 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg = inputs
+        x, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg, *rest = inputs
+        ctx.group = rest[0] if rest else None
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)  # no zero gradients for the outputs that never get one
         _, _, _, xq_t, x_inv_t, wq_t, w_inv_t = output
@@ -221,19 +255,29 @@ class _FP8Linear(torch.autograd.Function):
             fp8_dgrad = cfg.need_dx and cfg.dgrad.precision == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
             # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
-            dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
-                dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
-            )
-            # Step 2: dgrad and wgrad.
+            # Row-parallel SP: this rank's (M/w, N) slice with the group's scale, the FP8 bytes gathered.
+            if cfg.sp == "row":
+                data, dy_inv, dy_amax = fp8_group_quantize(dy, g_scale, cfg.g_spec, ctx.group)
+                dyq, dyq_t = _gather_fp8(data, cfg.g_spec.dtype, ctx.group, fp8_wgrad)
+                dy_inv_t = dy_inv
+            else:
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
+                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
+                )
+            # Step 2: dgrad, then (column-parallel SP) its reduce-scatter in flight while wgrad runs.
             dx = dw = db = None
             if cfg.need_dx:
                 dx = gemm_dgrad(dyq, dy_inv, dy, wq_t, w_inv_t, w, cfg.dgrad, ctx.x_dtype)
+                if cfg.sp == "column":
+                    dx = reduce_scatter_async(dx, ctx.group)
             if cfg.need_dw:
                 dw = gemm_wgrad(dyq_t, dy_inv_t, dy, xq_t, x_inv_t, x, cfg.wgrad, cfg.wgrad_dtype)
             if cfg.need_db:
                 db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            if cfg.sp == "column" and dx is not None:
+                dx = wait(dx)
         probe_grad = dy_amax if cfg.has_probe else None
-        return dx, dw, db, None, None, None, probe_grad, None, None, None, None, None
+        return dx, dw, db, None, None, None, probe_grad, None, None, None, None, None, None
 
 
 # Under torch.compile and torch.func, autograd.Function.apply binds the arguments with
@@ -387,6 +431,25 @@ def fp8_linear(
     if tp is not None:
         kw = {"recipe": recipe, "grad_probe": grad_probe, "weight_cache": weight_cache, "wgrad_dtype": wgrad_dtype}
         fp8_comm = tp.sp and check_state_recipe(state, recipe, LinearState, x, where) and recipe.mode != "rowwise"
+        if fp8_comm and _fused_sp(recipe, x):
+            # The collectives inside the op: FP8 bytes straight into the GEMMs (no dequantized copy),
+            # dx's reduce-scatter overlapping the wgrad GEMM.
+            if parallel_mode == "row":
+                check_divisible(where, "the sequence length (dim 0 of x)", x.shape[0], tp.world)
+                if bias is not None:
+                    check_float_tensor(bias, "bias", where)
+                    if tuple(bias.shape) != (weight.shape[0],):
+                        raise ValueError(f"{where}: bias must have shape (N,) = ({weight.shape[0]},), "
+                                         f"got {tuple(bias.shape)}")
+                y, new_state = _fp8_linear(x, weight, None, state, recipe, grad_probe, weight_cache, wgrad_dtype,
+                                           where, ("row", tp.group, tp.world))
+                if bias is not None:
+                    y = y + copy_to_tp(bias, tp.group).to(y.dtype)  # type: ignore[union-attr]
+                return y, new_state
+            if x.dim() < 2:
+                raise ValueError(f"{where}: with sequence_parallel, x must be (S/w, ..., K), got shape {tuple(x.shape)}")
+            return _fp8_linear(x, weight, bias, state, recipe, grad_probe, weight_cache, wgrad_dtype, where,
+                               ("column", tp.group, tp.world))
         if parallel_mode == "column":
             if fp8_comm:
                 # FP8 all-gather: x is quantized on the slice with the group's scale; the op quantizes
@@ -426,6 +489,21 @@ def fp8_linear(
         with torch.autocast(x.device.type, enabled=False):
             return fp8_linear(x, weight, bias, state, recipe=recipe, grad_probe=grad_probe,
                               weight_cache=weight_cache, wgrad_dtype=wgrad_dtype)
+    return _fp8_linear(x, weight, bias, state, recipe, grad_probe, weight_cache, wgrad_dtype, where, None)
+
+
+def _fused_sp(recipe: Recipe, x: Tensor) -> bool:
+    """Whether a sequence-parallel FP8 linear runs its collectives inside the op: all three GEMMs
+    in FP8 (the gathered bytes feed them as they are), outside torch.autocast."""
+    return (recipe.fprop.precision == recipe.dgrad.precision == recipe.wgrad.precision == "fp8"
+            and autocast_dtype(x.device.type) is None and x.dim() >= 1 and x.shape[-1] > 0)
+
+
+def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearState | None, recipe: Recipe | None,
+                grad_probe: Tensor | None, weight_cache: WeightCache | None, wgrad_dtype: torch.dtype | None,
+                where: str, sp: tuple[str, Any, int] | None) -> tuple[Tensor, LinearState | None]:
+    """fp8_linear after the tensor-parallel and autocast dispatch; ``sp`` = (mode, group, world)
+    runs the sequence-parallel collectives inside the op (FP8 states only)."""
     if x.dim() < 1:
         raise ValueError(f"{where}: x must be (..., K), got a 0-d tensor")
     if weight.dim() != 2:
@@ -494,6 +572,12 @@ def fp8_linear(
         use_cache=use_cache,
     )
     lead = x.shape[:-1]
+    if sp is not None:
+        # column: x is (S/w, ..., K) and y (S, ..., N); row: x is (S, ..., K) and y (S/w, ..., N)
+        lead = (x.shape[0] * sp[2] if sp[0] == "column" else x.shape[0] // sp[2], *x.shape[1:-1])
+        if sp[0] == "row":  # dy is gathered with the group's scale: a recorded one needs a probe
+            cfg = cfg._replace(g_spec=QuantSpec.of(recipe, "backward", state.grad_output.calibrated and cfg.has_probe))
+        cfg = cfg._replace(sp=sp[0])
     x2 = x.reshape(-1, K)
     x_scale, w_scale, g_scale = state.input.scale, state.weight.scale, state.grad_output.scale
     # autograd.Function under torch.compile rejects one tensor passed twice.
@@ -510,6 +594,7 @@ def fp8_linear(
         c.inv_scale if c is not None else None,
         weight_cache.inv_scale_t if use_cache else None,
         cfg,
+        None if sp is None else sp[1],
     )
     new_state = state.replace(
         input=state.input._observe_amax(x_amax),
