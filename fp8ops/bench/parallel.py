@@ -18,7 +18,8 @@ step = fresh probes, forward, backward, AdamW and (FP8) :func:`fp8ops.update` ov
 
 FSDP2 (``fully_shard`` of each Linear and of the root over both GPUs, data parallel, bf16 compute
 with float32 master weights):
-a GPT (4 layers, hidden 2048, 16 heads, seq 1024, 4 sequences per GPU, vocabulary 32768) in plain
+a GPT (4 layers, hidden 2048 with 16 heads and hidden 4096 with 32 heads, seq 1024, 4 sequences per
+GPU, vocabulary 32768) in plain
 bf16, and the same with its block Linears converted to :class:`fp8ops.nn.Linear` (delayed
 scaling), all-gathering the weights in bf16 or in FP8 (:func:`fp8ops.nn.enable_fp8_all_gather`).
 
@@ -53,8 +54,9 @@ __all__ = ["add_arguments", "run"]
 
 SEED = {"hidden": 4096, "ffn": 16384, "heads": 32, "seq": 2048, "batch": 4}
 SEED_QUICK = {"hidden": 512, "ffn": 2048, "heads": 8, "seq": 256, "batch": 2}
-GPT = {"layers": 4, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 4, "vocab": 32768}
-GPT_QUICK = {"layers": 2, "hidden": 256, "heads": 4, "seq": 128, "batch": 2, "vocab": 1024}
+GPTS = [{"layers": 4, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 4, "vocab": 32768},
+        {"layers": 4, "hidden": 4096, "heads": 32, "seq": 1024, "batch": 4, "vocab": 32768}]
+GPTS_QUICK = [{"layers": 2, "hidden": 256, "heads": 4, "seq": 128, "batch": 2, "vocab": 1024}]
 TARGETS = {"tp_over_1gpu": 0.6, "vs_torchao_tp": 1.3, "vs_bf16_tp": 1.5}
 
 _DTYPE_BYTES = {"unsigned char": 1, "signed char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
@@ -68,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao float8 TP peer")
     parser.add_argument("--no-compile", action="store_true", help="run the DTensor peers without torch.compile")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 GPT")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the eager fp8ops steps (1 GPU and TP=2+SP) on rank 0: kernel time by kind "
+                             "and the top kernels per step")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -76,32 +81,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _collective_bytes(prof: Any, steps: int) -> dict[str, float]:
     """Bytes per step this rank gave to each kind of collective (all_gather, reduce_scatter,
-    all_reduce), from the profiler's records of the functional collectives and of the c10d ops
-    that FSDP2 calls directly."""
+    all_reduce), from the profiler's records (shapes and dtypes) of the functional collectives and
+    of the c10d ops that FSDP2 calls directly; a c10d op inside a functional one is not counted twice."""
+    events = [(e.name(), e.shapes(), e.dtypes(), e.start_thread_id(), e.start_ns(), e.start_ns() + e.duration_ns())
+              for e in prof.profiler.kineto_results.events() if "c10d" in e.name()]
+    functional = [(t, s, f) for name, _, _, t, s, f in events if name.startswith("_c10d_functional::")]
     out: dict[str, float] = {}
-    for e in prof.events():
-        name = e.name
+    for name, shapes, dtypes, thread, start, end in events:
         if name.startswith("_c10d_functional::"):
-            op = name.split("::", 1)[1]
-        elif name in ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_",
-                      "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced_"):
-            op = name.split("::", 1)[1]
-            if e.cpu_parent is not None and "_c10d_functional" in e.cpu_parent.name:
+            op, i = name.split("::", 1)[1], 0
+        elif name in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "c10d::allreduce_"):
+            if any(t == thread and s <= start and end <= f for t, s, f in functional):
                 continue  # counted at its functional caller
+            # _allgather_base_ / _reduce_scatter_base_ take (output, input): the input is the second
+            op, i = name.split("::", 1)[1], 0 if name == "c10d::allreduce_" else 1
         else:
             continue
-        if "wait" in op or "wrap" in op or not e.input_shapes:
+        if "wait" in op or "wrap" in op or i >= len(shapes) or not shapes[i]:
             continue
         kind = ("all_gather" if "gather" in op else "reduce_scatter" if "reduce_scatter" in op
                 else "all_reduce" if "reduce" in op else op)
-        # a gather / reduce-scatter of FSDP2 takes (output, input): its input is the second tensor
-        i = 1 if name.startswith("c10d::") else 0
-        shapes, dtypes = e.input_shapes, e.input_dtypes
-        if i >= len(shapes) or not shapes[i]:
-            continue
         n = 1
-        for s in shapes[i]:
-            n *= s
+        for d in shapes[i]:
+            n *= d
         out[kind] = out.get(kind, 0.0) + n * _DTYPE_BYTES.get(dtypes[i], 0) / steps
     return out
 
@@ -250,6 +252,36 @@ def _fsdp_gpt(size: dict[str, int], rank: int, world: int, kind: str, device: st
 # The processes
 
 
+def _kernel_profile(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps: int = 2
+                    ) -> tuple[Any, dict[str, Any]]:
+    """(carry, profile) of ``steps`` steps on this rank: device time per step by kind of kernel
+    (communication = NCCL kernels), the span from the first kernel's start to the last one's end,
+    and the 15 kernels with the most time."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            carry, _ = step(carry, *batch)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return carry, {}
+    by_name: dict[str, float] = {}
+    kinds = {"communication": 0.0, "gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for e in kernels:
+        us = e.time_range.elapsed_us() / steps
+        by_name[e.name] = by_name.get(e.name, 0.0) + us
+        low = e.name.lower()
+        kind = ("communication" if "nccl" in low else
+                "gemm" if any(k in low for k in ("gemm", "matmul", "sm90_xmma", "cutlass", "nvjet")) else
+                "attention" if any(k in low for k in ("attn", "attention", "flash", "fmha")) else "other")
+        kinds[kind] += us
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return carry, {"kernels_per_step": len(kernels) / steps, "span_ms": span / 1e3,
+                   "kernel_ms": {k: v / 1e3 for k, v in kinds.items()},
+                   "top": [(name[:90], us / 1e3) for name, us in top]}
+
+
 def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps: int) -> dict[str, Any]:
     for _ in range(4):  # warm-up: compilation, calibration, a graph's capture
         carry, loss = step(carry, *batch)
@@ -271,7 +303,7 @@ def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps
 def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[tuple[str, str, Callable[[], Any]]]:
     """(suite part, name, build) in run order; a name containing "graph" is run through graph_step."""
     seed = SEED_QUICK if opts["quick"] else SEED
-    gpt = GPT_QUICK if opts["quick"] else GPT
+    gpts = GPTS_QUICK if opts["quick"] else GPTS
     compiled = not opts["no_compile"]
     suffix = " + compile" if compiled else ""
     from .step import _variant
@@ -286,8 +318,10 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[t
     if not opts["no_torchao"]:
         out.append(("seed", f"torchao float8, TP=2+SP{suffix}", lambda: _dtensor_tp(seed, rank, world, True, compiled)))
     if not opts["no_fsdp"]:
-        for kind in ("bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather"):
-            out.append(("fsdp2 gpt", f"FSDP2 {kind}", lambda k=kind: _fsdp_gpt(gpt, rank, world, k)))
+        for gpt in gpts:
+            for kind in ("bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather"):
+                out.append((f"fsdp2 gpt {gpt['hidden']}", f"FSDP2 {kind}, hidden {gpt['hidden']}",
+                            lambda k=kind, size=gpt: _fsdp_gpt(size, rank, world, k)))
     return out
 
 
@@ -325,6 +359,8 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
                     r = _measure(fn, carry, batch, opts["steps"])
                 if "graph" in name:
                     r["graph_stats"] = dict(fn.stats)  # type: ignore[union-attr]
+                if opts.get("profile"):
+                    carry, r["profile"] = _kernel_profile(fn, carry, batch)
                 rows.append({"part": part, "variant": name, "peak_mib": torch.cuda.max_memory_allocated() / 2**20, **r})
                 del step, carry, batch, fn
         except Exception as exc:  # noqa: BLE001  (one failing variant must not hide the others)
@@ -360,12 +396,13 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     bf_tp = next((v for k, v in gathers.items() if k.startswith("torch bf16")), None)
     if fp8_tp and bf_tp:
         out["tp_all_gather_bytes_fp8_over_bf16"] = fp8_tp / bf_tp
-    f8, f16 = gathers.get("FSDP2 FP8, FP8 all-gather"), gathers.get("FSDP2 FP8, bf16 all-gather")
-    if f8 and f16:
-        out["fsdp_all_gather_bytes_fp8_over_bf16"] = f8 / f16
-    a, b = by.get("FSDP2 FP8, FP8 all-gather"), by.get("FSDP2 bf16")
-    if a and b:
-        out["fsdp_fp8_over_bf16_ms"] = a["ms"] / b["ms"]
+    for size in sorted({r["part"].rsplit(" ", 1)[1] for r in rows if r["part"].startswith("fsdp2")}):
+        f8, f16 = gathers.get(f"FSDP2 FP8, FP8 all-gather, hidden {size}"), gathers.get(f"FSDP2 FP8, bf16 all-gather, hidden {size}")
+        if f8 and f16:
+            out[f"fsdp_all_gather_bytes_fp8_over_bf16_h{size}"] = f8 / f16
+        a, b = by.get(f"FSDP2 FP8, FP8 all-gather, hidden {size}"), by.get(f"FSDP2 bf16, hidden {size}")
+        if a and b:
+            out[f"fsdp_fp8_over_bf16_ms_h{size}"] = a["ms"] / b["ms"]
     return out
 
 
@@ -380,7 +417,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     opts = {"quick": args.quick, "steps": 3 if args.quick else args.steps, "no_torchao": args.no_torchao,
-            "no_compile": args.no_compile, "no_fsdp": args.no_fsdp}
+            "no_compile": args.no_compile, "no_fsdp": args.no_fsdp,
+            "profile": args.profile}
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d, opts), nprocs=2, join=True)
         with open(os.path.join(d, "rows.json")) as f:
@@ -402,12 +440,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ok = value <= target if key == "tp_over_1gpu" else value >= target
             verdict = f" (target {'<=' if key == 'tp_over_1gpu' else '>='} {target}: {'met' if ok else 'MISSED'})"
         print(f"{key}: {value:.3f}{verdict}")
+    for r in rows:
+        prof = r.get("profile")
+        if prof:
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in prof["kernel_ms"].items())
+            print(f"\nprofile of {r['variant']!r} (rank 0, per step): {prof['kernels_per_step']:.0f} kernels, span "
+                  f"{prof['span_ms']:.2f} ms; kernel ms: {kinds}")
+            for kname, ms in prof["top"]:
+                print(f"  {ms:7.3f} ms  {kname}")
     record.update(rows=rows, ratios=ratios, failed_checks=failed, sizes={"seed": SEED_QUICK if args.quick else SEED,
-                                                                         "gpt": GPT_QUICK if args.quick else GPT})
+                                                                         "gpt": GPTS_QUICK if args.quick else GPTS})
     out = Path(args.out)
     write_json(out / "parallel.json", record)
     panels = []
-    for part in ("seed", "fsdp2 gpt"):
+    for part in dict.fromkeys(r["part"] for r in rows):
         mine = [r for r in rows if r["part"] == part]
         if mine:
             panels.append({"title": f"{part}: ms per step (per GPU)", "groups": [r["variant"] for r in mine],
