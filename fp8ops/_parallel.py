@@ -41,6 +41,7 @@ from .recipes import compute_scale
 __all__ = [
     "TP",
     "all_gather",
+    "all_gather_async",
     "check_divisible",
     "column_input",
     "copy_to_tp",
@@ -96,6 +97,11 @@ def reduce_scatter_async(t: Tensor, group: Any) -> Tensor:
     """The sum of t over the group, this rank's dim-0 slice, still in flight: pass it to
     :func:`wait` before use (the work issued in between overlaps the communication)."""
     return _fc().reduce_scatter_tensor(t.contiguous(), "sum", 0, group)
+
+
+def all_gather_async(t: Tensor, group: Any) -> Tensor:
+    """The ranks' dim-0 slices of t concatenated in rank order, still in flight (see :func:`wait`)."""
+    return _fc().all_gather_tensor(t.contiguous(), 0, group)
 
 
 wait = _done

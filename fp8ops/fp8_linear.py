@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from ._parallel import (
     PARALLEL_MODES,
-    all_gather,
+    all_gather_async,
     check_divisible,
     column_input,
     copy_to_tp,
@@ -170,9 +170,9 @@ class _Cfg(NamedTuple):
     sp: str | None = None
 
 
-def _gather_fp8(data: Tensor, dtype: torch.dtype, group: Any, need_t: bool) -> tuple[Tensor, Tensor | None]:
-    """(the ranks' FP8 slices gathered along dim 0, its K-major transpose or None)."""
-    full = all_gather(data, group).view(dtype)  # (M, C)
+def _gathered_fp8(full: Tensor, dtype: torch.dtype, need_t: bool) -> tuple[Tensor, Tensor | None]:
+    """(the ranks' FP8 slices gathered along dim 0 as ``dtype``, its K-major transpose or None)."""
+    full = wait(full).view(dtype)  # (M, C)
     return full, (torch.ops.fp8ops.transpose_bytes(full) if need_t else None)
 
 
@@ -203,7 +203,7 @@ class _FP8Linear(torch.autograd.Function):
         # rank's slice with the group's scale, the FP8 bytes gathered (all three GEMMs are FP8).
         if cfg.sp == "column":
             data, x_inv, x_amax = fp8_group_quantize(x, x_scale, cfg.x_spec, group)
-            xq, xq_t = _gather_fp8(data, cfg.x_spec.dtype, group, need_xt)
+            xq = all_gather_async(data, group)  # in flight while the weight is quantized
             x_inv_t = x_inv
         elif fp8_fwd or need_xt:
             xq, x_inv, xq_t, x_inv_t, x_amax = quantize_pair(x, x_scale, cfg.x_spec, need_xt)
@@ -217,6 +217,8 @@ class _FP8Linear(torch.autograd.Function):
             w_amax = torch.zeros((), dtype=torch.float32, device=x.device)
         else:
             wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
+        if cfg.sp == "column":
+            xq, xq_t = _gathered_fp8(xq, cfg.x_spec.dtype, need_xt)
         # Step 3: the forward GEMM; row-parallel SP: the partial sums reduce-scattered to this rank's rows.
         y = gemm_fprop(xq, x_inv, x, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if cfg.sp == "row":
@@ -258,7 +260,7 @@ class _FP8Linear(torch.autograd.Function):
             # Row-parallel SP: this rank's (M/w, N) slice with the group's scale, the FP8 bytes gathered.
             if cfg.sp == "row":
                 data, dy_inv, dy_amax = fp8_group_quantize(dy, g_scale, cfg.g_spec, ctx.group)
-                dyq, dyq_t = _gather_fp8(data, cfg.g_spec.dtype, ctx.group, fp8_wgrad)
+                dyq, dyq_t = _gathered_fp8(all_gather_async(data, ctx.group), cfg.g_spec.dtype, fp8_wgrad)
                 dy_inv_t = dy_inv
             else:
                 dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
