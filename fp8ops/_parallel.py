@@ -45,6 +45,9 @@ __all__ = [
     "check_divisible",
     "column_input",
     "copy_to_tp",
+    "copy_to_tp_many",
+    "enter_replicated",
+    "exit_replicated",
     "check_fp8_gather_recipe",
     "fp8_all_gather_bytes",
     "fp8_group_quantize",
@@ -262,9 +265,62 @@ def gather_seq_fp8(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Ten
     return _GatherSeqFP8.apply(x, scale, spec, group)
 
 
+# Inside enter_replicated() / exit_replicated() (a layer whose replicated parameters went through
+# copy_to_tp_many), copy_to_tp leaves tensors as they are.
+_REPLICATED = [0]
+
+
+def enter_replicated() -> None:
+    _REPLICATED[0] += 1
+
+
+def exit_replicated() -> None:
+    _REPLICATED[0] -= 1
+
+
 def copy_to_tp(x: Tensor | None, group: Any) -> Tensor | None:
     """x as it is; its gradient is summed over the group (a replicated input of a sharded op)."""
-    return None if x is None else _CopyToTP.apply(x, group)
+    if x is None or _REPLICATED[0]:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+class _CopyToTPMany(torch.autograd.Function):
+    @staticmethod
+    def forward(group: Any, *xs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[0]
+        ctx.meta = [(x.shape, x.dtype) for x in inputs[1:]]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        with torch.no_grad():
+            dev = next((g.device for g in grads if g is not None), None)
+            if dev is None:
+                return (None, *grads)
+            flat = torch.cat([(g if g is not None else torch.zeros(shape, dtype=dtype, device=dev))
+                              .reshape(-1).to(torch.float32) for g, (shape, dtype) in zip(grads, ctx.meta)])
+            flat = _all_reduce(flat, ctx.group)
+            out, i = [], 0
+            for shape, dtype in ctx.meta:
+                n = shape.numel()
+                out.append(flat[i:i + n].view(shape).to(dtype))
+                i += n
+        return (None, *out)
+
+
+def copy_to_tp_many(tensors: dict[str, Tensor], group: Any) -> dict[str, Tensor]:
+    """:func:`copy_to_tp` of every tensor of ``tensors`` through one autograd node: their gradients
+    are summed over the group in one float32 all-reduce, once the last of them is known."""
+    if not tensors:
+        return {}
+    keys = list(tensors)
+    outs = _CopyToTPMany.apply(group, *(tensors[k] for k in keys))
+    return dict(zip(keys, outs))
 
 
 def reduce_from_tp(x: Tensor, group: Any) -> Tensor:

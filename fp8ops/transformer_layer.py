@@ -40,7 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._parallel import copy_to_tp, tp_config, transformer_shard_shapes
+from ._parallel import (
+    copy_to_tp,
+    copy_to_tp_many,
+    enter_replicated,
+    exit_replicated,
+    tp_config,
+    transformer_shard_shapes,
+    transformer_split,
+)
 from ._checks import NORMALIZATIONS, check_float_tensor, check_recipe
 from ._transformer_checks import check_params, check_state, check_weight_caches, qkv_weight_cache
 from .activation import ACTIVATIONS, GATED
@@ -594,77 +602,89 @@ def transformer_layer(
 
     fp8 = recipe is not None
     p = params
-    st: dict[str, Any] = dict(state) if fp8 else {}  # type: ignore[arg-type]
-    pr: Mapping[str, Any] = probes if probes is not None else {"qkv": None, "proj": None, "mlp": None}
-    hq, hkv, d = cfg.num_attention_heads // shard[0], cfg.num_kv_heads // shard[0], cfg.head_dim
-    norm_kw = {"normalization": cfg.normalization, "eps": cfg.layernorm_epsilon,
-               "zero_centered_gamma": cfg.zero_centered_gamma}
-    if cfg.fuse_qkv_params:
-        w_qkv, b_qkv = p["qkv.weight"], p.get("qkv.bias")
-    else:
-        w_qkv = torch.cat([p["q.weight"], p["k.weight"], p["v.weight"]])
-        b_qkv = torch.cat([p["q.bias"], p["k.bias"], p["v.bias"]]) if cfg.bias else None
-    c_qkv = qkv_weight_cache(caches, w_qkv, state, recipe) if caches else None
-    new_state: dict[str, Any] = {}
-    col = row = mlp_tp = {}
-    pn = p  # the post-norms' parameters: with SP a rank normalises its slice, their gradients are partial sums
-    if tp is not None:
-        mlp_tp = {"tp_group": tp_group, "sequence_parallel": tp.sp}
-        col, row = {**mlp_tp, "parallel_mode": "column"}, {**mlp_tp, "parallel_mode": "row"}
-        pn = {k: copy_to_tp(v, tp.group) for k, v in p.items() if k.startswith("ln")} if tp.sp else p
+    if tp is not None and tp.sp:
+        # The replicated parameters (norms, row-parallel biases) enter through one autograd node
+        # whose backward sums all their gradients over the group in one all-reduce; inside, the
+        # ops leave them as they are.
+        tp_split = transformer_split(cfg, cfg.activation in GATED)
+        p = {**p, **copy_to_tp_many({k: v for k, v in p.items() if v is not None and k in tp_split
+                                     and tp_split[k] is None}, tp.group)}
+        enter_replicated()
+    try:
+        st: dict[str, Any] = dict(state) if fp8 else {}  # type: ignore[arg-type]
+        pr: Mapping[str, Any] = probes if probes is not None else {"qkv": None, "proj": None, "mlp": None}
+        hq, hkv, d = cfg.num_attention_heads // shard[0], cfg.num_kv_heads // shard[0], cfg.head_dim
+        norm_kw = {"normalization": cfg.normalization, "eps": cfg.layernorm_epsilon,
+                   "zero_centered_gamma": cfg.zero_centered_gamma}
+        if cfg.fuse_qkv_params:
+            w_qkv, b_qkv = p["qkv.weight"], p.get("qkv.bias")
+        else:
+            w_qkv = torch.cat([p["q.weight"], p["k.weight"], p["v.weight"]])
+            b_qkv = torch.cat([p["q.bias"], p["k.bias"], p["v.bias"]]) if cfg.bias else None
+        c_qkv = qkv_weight_cache(caches, w_qkv, state, recipe) if caches else None
+        new_state: dict[str, Any] = {}
+        col = row = mlp_tp = {}
+        pn = p  # the post-norms' parameters: with SP a rank normalises its slice, their gradients are partial sums
+        if tp is not None:
+            mlp_tp = {"tp_group": tp_group, "sequence_parallel": tp.sp}
+            col, row = {**mlp_tp, "parallel_mode": "column"}, {**mlp_tp, "parallel_mode": "row"}
+            pn = {k: copy_to_tp(v, tp.group) for k, v in p.items() if k.startswith("ln")} if tp.sp else p
 
-    # Step 2: the QKV projection (fused with LN1 in pre-norm).
-    if cfg.norm_position == "pre":
-        qkv, new_state["qkv"] = layernorm_linear(
-            x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
-            grad_probe=pr["qkv"], weight_cache=c_qkv, **norm_kw, **col)
-    elif fp8 or tp:  # post-norm: the QKV input is x itself (a LayerNormLinearState is a LinearState)
-        qkv, new_state["qkv"] = fp8_linear(x, w_qkv, b_qkv, st.get("qkv"), recipe=recipe, grad_probe=pr["qkv"],
-                                           weight_cache=c_qkv, **col)
-    else:
-        qkv = _hp_linear(x, w_qkv, b_qkv)
+        # Step 2: the QKV projection (fused with LN1 in pre-norm).
+        if cfg.norm_position == "pre":
+            qkv, new_state["qkv"] = layernorm_linear(
+                x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
+                grad_probe=pr["qkv"], weight_cache=c_qkv, **norm_kw, **col)
+        elif fp8 or tp:  # post-norm: the QKV input is x itself (a LayerNormLinearState is a LinearState)
+            qkv, new_state["qkv"] = fp8_linear(x, w_qkv, b_qkv, st.get("qkv"), recipe=recipe, grad_probe=pr["qkv"],
+                                               weight_cache=c_qkv, **col)
+        else:
+            qkv = _hp_linear(x, w_qkv, b_qkv)
 
-    # Step 3: attention on per-head views of the projection, (S, B, h, d) or packed (T, h, d).
-    lead = qkv.shape[:-1]
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q, k, v = q.reshape(*lead, hq, d), k.reshape(*lead, hkv, d), v.reshape(*lead, hkv, d)
-    attn_kw: dict[str, Any] = {}
-    if packed:
-        attn_kw = {"cu_seqlens_q": cu_seqlens, "max_seqlen_q": max_seqlen}
-    else:
-        attn_kw = {"layout": "sbhd"}
-    ctx, _ = attention(q, k, v, causal=cfg.causal, mask_mod=mask_mod, block_mask=block_mask,
-                       dropout_p=cfg.attention_dropout if training else 0.0, dropout_seed=dropout_seed, **attn_kw)
-    ctx = ctx.reshape(*lead, hq * d)
+        # Step 3: attention on per-head views of the projection, (S, B, h, d) or packed (T, h, d).
+        lead = qkv.shape[:-1]
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.reshape(*lead, hq, d), k.reshape(*lead, hkv, d), v.reshape(*lead, hkv, d)
+        attn_kw: dict[str, Any] = {}
+        if packed:
+            attn_kw = {"cu_seqlens_q": cu_seqlens, "max_seqlen_q": max_seqlen}
+        else:
+            attn_kw = {"layout": "sbhd"}
+        ctx, _ = attention(q, k, v, causal=cfg.causal, mask_mod=mask_mod, block_mask=block_mask,
+                           dropout_p=cfg.attention_dropout if training else 0.0, dropout_seed=dropout_seed, **attn_kw)
+        ctx = ctx.reshape(*lead, hq * d)
 
-    # Step 4: the output projection, hidden dropout and the first residual.
-    if fp8 or tp:
-        out, new_state["proj"] = fp8_linear(ctx, p["proj.weight"], p.get("proj.bias"), st.get("proj"), recipe=recipe,
-                                            grad_probe=pr["proj"], weight_cache=caches.get("proj.weight"), **row)
-    else:
-        out = _hp_linear(ctx, p["proj.weight"], p.get("proj.bias"))
-    if training and cfg.hidden_dropout > 0:
-        out = F.dropout(out, cfg.hidden_dropout, training=True)
-    mlp_drop = cfg.mlp_hidden_dropout if training else 0.0
+        # Step 4: the output projection, hidden dropout and the first residual.
+        if fp8 or tp:
+            out, new_state["proj"] = fp8_linear(ctx, p["proj.weight"], p.get("proj.bias"), st.get("proj"), recipe=recipe,
+                                                grad_probe=pr["proj"], weight_cache=caches.get("proj.weight"), **row)
+        else:
+            out = _hp_linear(ctx, p["proj.weight"], p.get("proj.bias"))
+        if training and cfg.hidden_dropout > 0:
+            out = F.dropout(out, cfg.hidden_dropout, training=True)
+        mlp_drop = cfg.mlp_hidden_dropout if training else 0.0
 
-    # Step 5: the MLP (fused with its norm) and the second residual.
-    mlp_kw = {"activation": cfg.activation, "grad_probe": pr["mlp"], **norm_kw, **mlp_tp,
-              "weight_cache": (caches.get("fc1.weight"), caches.get("fc2.weight")) if caches else None}
-    mlp_params = (p["fc1.weight"], p.get("fc1.bias"), p["fc2.weight"], p.get("fc2.bias"))
-    if cfg.norm_position == "pre":
-        s = x + out
-        m, new_state["mlp"] = fused_ln_mlp(s, p["ln2.weight"], p.get("ln2.bias"), *mlp_params, st.get("mlp"),
-                                           recipe=recipe, **mlp_kw)
-        if mlp_drop > 0:
-            m = F.dropout(m, mlp_drop, training=True)
-        y = s + m
-    else:
-        # h = LN1(x + out) is both the MLP input (normalised again inside the fused op, which
-        # quantizes its own LN output) and the residual.
-        h, s = _norm(out, pn, "ln1", cfg, residual=x)
-        m, new_state["mlp"] = fused_ln_mlp(s, p["ln1.weight"], p.get("ln1.bias"), *mlp_params, st.get("mlp"),
-                                           recipe=recipe, **mlp_kw)
-        if mlp_drop > 0:
-            m = F.dropout(m, mlp_drop, training=True)
-        y, _ = _norm(m, pn, "ln2", cfg, residual=h)
-    return y, (new_state if fp8 else None)
+        # Step 5: the MLP (fused with its norm) and the second residual.
+        mlp_kw = {"activation": cfg.activation, "grad_probe": pr["mlp"], **norm_kw, **mlp_tp,
+                  "weight_cache": (caches.get("fc1.weight"), caches.get("fc2.weight")) if caches else None}
+        mlp_params = (p["fc1.weight"], p.get("fc1.bias"), p["fc2.weight"], p.get("fc2.bias"))
+        if cfg.norm_position == "pre":
+            s = x + out
+            m, new_state["mlp"] = fused_ln_mlp(s, p["ln2.weight"], p.get("ln2.bias"), *mlp_params, st.get("mlp"),
+                                               recipe=recipe, **mlp_kw)
+            if mlp_drop > 0:
+                m = F.dropout(m, mlp_drop, training=True)
+            y = s + m
+        else:
+            # h = LN1(x + out) is both the MLP input (normalised again inside the fused op, which
+            # quantizes its own LN output) and the residual.
+            h, s = _norm(out, pn, "ln1", cfg, residual=x)
+            m, new_state["mlp"] = fused_ln_mlp(s, p["ln1.weight"], p.get("ln1.bias"), *mlp_params, st.get("mlp"),
+                                               recipe=recipe, **mlp_kw)
+            if mlp_drop > 0:
+                m = F.dropout(m, mlp_drop, training=True)
+            y, _ = _norm(m, pn, "ln2", cfg, residual=h)
+        return y, (new_state if fp8 else None)
+    finally:
+        if tp is not None and tp.sp:
+            exit_replicated()
