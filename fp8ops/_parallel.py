@@ -266,7 +266,8 @@ def gather_seq_fp8(x: Tensor, scale: Tensor, spec: Any, group: Any) -> tuple[Ten
 
 
 # Inside enter_replicated() / exit_replicated() (a layer whose replicated parameters went through
-# copy_to_tp_many), copy_to_tp leaves tensors as they are.
+# copy_to_tp_many), copy_to_tp leaves tensors as they are. A plain counter that torch.compile traces:
+# the forward of one tensor-parallel layer runs on one thread (one process per rank).
 _REPLICATED = [0]
 
 

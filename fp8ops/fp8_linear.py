@@ -443,6 +443,7 @@ def fp8_linear(
                     if tuple(bias.shape) != (weight.shape[0],):
                         raise ValueError(f"{where}: bias must have shape (N,) = ({weight.shape[0]},), "
                                          f"got {tuple(bias.shape)}")
+                    check_device(bias, "bias", x, where)
                 y, new_state = _fp8_linear(x, weight, None, state, recipe, grad_probe, weight_cache, wgrad_dtype,
                                            where, ("row", tp.group, tp.world))
                 if bias is not None:

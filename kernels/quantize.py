@@ -24,6 +24,8 @@ Kernels (one launch each):
 - ``_cast_rowwise_fwd_kernel``: one scale per row; each program owns ``BLOCK_M`` rows and sweeps K
   twice (amax, then cast); the second sweep mostly hits L2.
 - ``_amax_fwd_kernel``: the first launch of current scaling (reads ``x`` once).
+- ``_transpose_bytes_kernel``: the K-major copy of FP8 bytes that arrived untransposed (an
+  all-gathered operand): 2-D tiles read along rows and written along columns, both coalesced.
 
 Delayed scaling is a single launch (3 bytes moved per bf16 element, the roofline); current scaling
 is amax + cast (5 bytes per element). The kernels are memory-bound; they are fast when the tensor
@@ -34,7 +36,7 @@ References: Micikevicius et al., "FP8 Formats for Deep Learning" (2022); NVIDIA 
 cast/transpose kernels (amax reduced per block, one atomic per block).
 
 The ops are registered as opaque ``torch.library`` ops (``fp8ops::amax``, ``fp8ops::cast``,
-``fp8ops::cast_transpose``, ``fp8ops::cast_rowwise``; see ``_library.py``) with a CUDA kernel (the
+``fp8ops::cast_transpose``, ``fp8ops::cast_rowwise``, ``fp8ops::transpose_bytes``; see ``_library.py``) with a CUDA kernel (the
 launchers below) and a fake kernel; the CPU kernel, the FP32 reference math, is registered by
 ``fp8ops``.
 """
