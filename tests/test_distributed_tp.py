@@ -335,6 +335,49 @@ def _mesh(rank, bad):
                     bad.append(f"{tag}: state {k} differs across the 4 ranks")
 
 
+def _replicated(rank, world, group, bad):
+    """The replicated parameters of a sequence-parallel transformer_layer (norms, row-parallel
+    biases: six in the "pre" config) have their gradients summed in one all-reduce per backward;
+    copy_to_tp_many sums over the group, keeps each gradient's dtype and counts an unused output
+    as zeros."""
+    import torch.distributed._functional_collectives as fc
+
+    from fp8ops._parallel import copy_to_tp_many
+
+    cfg = fp8ops.TransformerConfig(**CONFIGS["pre"])
+    params = fp8ops.init_transformer_params(cfg, generator=torch.Generator().manual_seed(0))
+    shard = {k: v.requires_grad_() for k, v in fp8ops.shard_transformer_params(params, cfg, rank=rank,
+                                                                               world_size=world).items()}
+    x = torch.randn(S // world, B, cfg.hidden_size, generator=torch.Generator().manual_seed(1 + rank))
+    calls = []
+    orig = fc.all_reduce
+
+    def spy(t, *args, **kwargs):
+        calls.append(tuple(t.shape))
+        return orig(t, *args, **kwargs)
+
+    fc.all_reduce = spy
+    try:
+        y, _ = fp8ops.transformer_layer(shard, x, None, config=cfg, recipe=None, tp_group=group,
+                                        sequence_parallel=True)
+        y.sum().backward()
+    finally:
+        fc.all_reduce = orig
+    n = sum(shard[k].numel() for k in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias"))
+    if calls != [(n,)]:
+        bad.append(f"replicated: the backward all-reduced {calls}, expected one all-reduce of {n} elements")
+    a = torch.full((3,), float(rank + 1), requires_grad=True)
+    b = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    c = torch.ones(4, requires_grad=True)
+    out = copy_to_tp_many({"a": a, "b": b, "c": c}, group)
+    (out["a"] * out["a"]).sum().add((out["b"] * 3).sum()).backward()  # c unused
+    total = sum(2.0 * (r + 1) for r in range(world))
+    if not (torch.equal(a.grad, torch.full((3,), total)) and b.grad.dtype == torch.bfloat16
+            and torch.equal(b.grad, torch.full((2,), 3.0 * world, dtype=torch.bfloat16)) and c.grad is not None
+            and torch.equal(c.grad, torch.zeros(4))):
+        bad.append(f"replicated: copy_to_tp_many gave {a.grad}, {b.grad}, {c.grad}")
+
+
 def _worker(rank, world, init_file, out_dir, cases):
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -347,6 +390,7 @@ def _worker(rank, world, init_file, out_dir, cases):
             _case(name, CONFIGS[name], recipe_name, sp, rank, world, group, bad)
         _errors(rank, world, group, bad)
         _fp8_comm(rank, world, group, bad)
+        _replicated(rank, world, group, bad)
         if world == 4:
             _mesh(rank, bad)
     finally:
