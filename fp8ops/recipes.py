@@ -266,16 +266,18 @@ class Recipe:
         if uncal:
             flags = seen[uncal].tolist()
             skip |= {j for j, f in zip(uncal, flags) if not f}
-        # every cleared pending amax is a view of one zero vector: one kernel, not one per state
-        zeros = torch.zeros(S, dtype=torch.float32, device=hist.device)
+        # every cleared pending amax is a view of one zero vector: one kernel, not one per state;
+        # the per-state rows come from one unbind each (one dispatcher call, not one per state)
+        zeros = torch.zeros(S, dtype=torch.float32, device=hist.device).unbind(0)
         cleared = [zeros[j] if s.pending_amax.dim() == 0 and s.pending_amax.device == hist.device
                    else torch.zeros_like(s.pending_amax) for j, s in enumerate(states)]
+        hist_rows, scale_rows = hist.unbind(0), new_scale.unbind(0)
         return [
             s.replace(pending_amax=cleared[j], observed=False)
             if j in skip
             else s.replace(
-                amax_history=hist[j],
-                scale=new_scale[j],
+                amax_history=hist_rows[j],
+                scale=scale_rows[j],
                 pending_amax=cleared[j],
                 calibrated=True,
                 observed=False,

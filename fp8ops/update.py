@@ -143,12 +143,21 @@ def update(
     pending, grads = [], []
     for s, g, key in flat:
         _check_built_for(s, recipe, where=f"update: {key}")
-        p = s.pending_amax.reshape(())
+        p = s.pending_amax
+        if p.dim():
+            p = p.reshape(())
         if g is not None and g.device != p.device:  # e.g. a CPU scalar: merged on its own
             p = torch.maximum(p, g.detach().to(torch.float32)).reshape(())
             g = None
         pending.append(p)
-        grads.append(p if g is None else g.detach().to(torch.float32).reshape(()))
+        if g is not None:
+            if g.requires_grad:
+                g = g.detach()
+            if g.dtype != torch.float32:
+                g = g.to(torch.float32)
+            if g.dim():
+                g = g.reshape(())
+        grads.append(p if g is None else g)
     to_update = [s if g is None else s.replace(observed=True) for s, g, _ in flat]
     obs_t = torch.maximum(torch.stack(pending), torch.stack(grads))
     if group is not None:
