@@ -40,7 +40,6 @@ from .recipes import compute_scale
 
 __all__ = [
     "TP",
-    "all_gather",
     "all_gather_async",
     "check_divisible",
     "column_input",
@@ -108,7 +107,6 @@ def all_gather_async(t: Tensor, group: Any) -> Tensor:
 
 
 wait = _done
-all_gather = _all_gather
 reduce_scatter = _reduce_scatter
 
 

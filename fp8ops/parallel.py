@@ -205,7 +205,7 @@ class _GatherWeightFP8(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         # every rank quantizes its rows with the group's scale, as the full weight would be
         full, inv, amax = fp8_all_gather_bytes(shard.contiguous(), scale, spec, group)  # (N, K) FP8 bytes
-        full_t = full.t().contiguous()  # (K, N): the dgrad GEMM's K-major operand
+        full_t = torch.ops.fp8ops.transpose_bytes(full)  # (K, N): the dgrad GEMM's K-major operand
         N, K = full.shape
         stand_in = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(N, K)
         return stand_in, full.view(spec.dtype), full_t.view(spec.dtype), inv, amax

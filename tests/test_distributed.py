@@ -17,6 +17,7 @@ pytestmark = [
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import fp8ops
     from fp8ops import DelayedScaling, FakeQuantState
+    from fp8ops.testing.distributed import count_all_reduces
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -26,18 +27,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         st["a"] = st["a"].replace(input=st["a"].input.observe(torch.tensor(2.0 + 5.0 * rank)))
         st["b"] = st["b"].observe(torch.tensor([float("nan"), 3.0][rank]))
         grads = {"a": torch.tensor([8.0, 1.0][rank]), "b": None}
-        calls = []
-        orig = dist.all_reduce
-
-        def counting_all_reduce(*args, **kwargs):
-            calls.append(1)
-            return orig(*args, **kwargs)
-
-        dist.all_reduce = counting_all_reduce
-        try:
+        with count_all_reduces() as calls:
             new = fp8ops.update(st, recipe=r, grad_amax=grads, group=dist.group.WORLD)
-        finally:
-            dist.all_reduce = orig
         torch.save(
             {
                 "calls": len(calls),

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fp8ops
+from fp8ops.testing.distributed import Chain, OpModule, TPLayer
 
 pytestmark = [
     pytest.mark.distributed,
@@ -83,21 +84,6 @@ def _run_worker(body, rank: int, world: int, init_file: str, out_dir: str) -> No
 # 1. DP x TP with FSDP2 over "dp"
 
 
-class _TPLayer(torch.nn.Module):
-    """A TP+SP transformer_layer's shard as a module (for fully_shard over the data-parallel
-    dimension): forward(x, state, probes) -> (y, new_state), the state staying outside."""
-
-    def __init__(self, shard, cfg, recipe, tp_group) -> None:
-        super().__init__()
-        self.cfg, self.recipe, self.tp_group, self.names = cfg, recipe, tp_group, list(shard)
-        self.p = torch.nn.ParameterList([torch.nn.Parameter(v.detach().clone()) for v in shard.values()])
-
-    def forward(self, x, state, probes):
-        return fp8ops.transformer_layer(dict(zip(self.names, self.p)), x, state, config=self.cfg,
-                                        recipe=self.recipe, probes=probes, tp_group=self.tp_group,
-                                        sequence_parallel=True)
-
-
 def _train_reference(params, data, cfg, recipe):
     """Single process, full layer, whole batch; the loss halved, as FSDP2 averages the gradients of
     the two replicas (each of which sums over its half). One update per step, SGD."""
@@ -134,8 +120,8 @@ def _dp_tp(rank: int, bad: list[str]) -> None:
 
     for recipe_name, recipe in RECIPES.items():
         tag = f"dp x tp fsdp2/{recipe_name}"
-        layer = _TPLayer(fp8ops.shard_transformer_params(params, cfg, rank=tp_rank, world_size=2), cfg, recipe,
-                         tp_group)
+        layer = TPLayer(fp8ops.shard_transformer_params(params, cfg, rank=tp_rank, world_size=2), cfg, recipe,
+                        tp_group)
         fully_shard(layer, mesh=mesh["dp"])
         opt = torch.optim.SGD(layer.parameters(), lr=LR)  # after fully_shard: over the DTensor shards
         state = fp8ops.init_transformer_state(cfg, recipe) if recipe is not None else None
@@ -208,33 +194,6 @@ def test_dp_tp_fsdp2_mesh_equals_single_process():
 # 2. torch.compile under FSDP2
 
 
-class _Op(torch.nn.Module):
-    """One pure op's parameters; forward(x, state, probe) -> (y, new_state)."""
-
-    def __init__(self, op, params: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.op, self.names = op, list(params)
-        self.p = torch.nn.ParameterList([torch.nn.Parameter(v.detach().clone()) for v in params.values()])
-
-    def forward(self, x, state, probe):
-        return self.op(dict(zip(self.names, self.p)), x, state, probe)
-
-
-class _Chain(torch.nn.Module):
-    """The root: the ops in sequence, a state and a probe per op, a list of new states out."""
-
-    def __init__(self, ops: list[_Op]) -> None:
-        super().__init__()
-        self.ops = torch.nn.ModuleList(ops)
-
-    def forward(self, x, states, probes):
-        new = []
-        for op, state, probe in zip(self.ops, states, probes):
-            x, state = op(x, state, probe)
-            new.append(state)
-        return x, new
-
-
 def _compile_fsdp(rank: int, bad: list[str]) -> None:
     from torch._dynamo.backends.debugging import aot_eager
     from torch.distributed.device_mesh import init_device_mesh
@@ -255,7 +214,7 @@ def _compile_fsdp(rank: int, bad: list[str]) -> None:
         results = {}
         for how in ("eager", "layers fullgraph", "root"):
             tag = f"compile under fsdp2/{recipe_name}/{how}"
-            model = _Chain([_Op(linear, w) for w in weights])
+            model = Chain([OpModule(linear, w) for w in weights])
             for op in model.ops:
                 fully_shard(op, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -296,7 +255,7 @@ def _compile_fsdp(rank: int, bad: list[str]) -> None:
                     bad.append(f"{tag}: {k} differs from the eager FSDP2 run by {diff:.3g}")
 
         # the root compiled with fullgraph=True meets the nested layers' hooks and raises
-        model = _Chain([_Op(linear, w) for w in weights])
+        model = Chain([OpModule(linear, w) for w in weights])
         for op in model.ops:
             fully_shard(op, mesh=mesh)
         fully_shard(model, mesh=mesh)

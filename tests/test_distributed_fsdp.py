@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fp8ops
+from fp8ops.testing.distributed import Chain, OpModule, count_all_reduces
 
 pytestmark = [
     pytest.mark.distributed,
@@ -65,37 +66,8 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-class _Op(torch.nn.Module):
-    """The functional equivalent of an fp8ops.nn module for fully_shard (docs/parallel.md): it
-    holds one pure op's parameters; forward(x, state, probe) -> (y, new_state), the state
-    staying outside."""
-
-    def __init__(self, op, params: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.op, self.names = op, list(params)
-        self.p = torch.nn.ParameterList([torch.nn.Parameter(v.detach().clone()) for v in params.values()])
-
-    def forward(self, x, state, probe):
-        return self.op(dict(zip(self.names, self.p)), x, state, probe)
-
-
-class _Chain(torch.nn.Module):
-    """The root: the ops in sequence, a state and a probe per op, a list of new states out."""
-
-    def __init__(self, ops: list[_Op]) -> None:
-        super().__init__()
-        self.ops = torch.nn.ModuleList(ops)
-
-    def forward(self, x, states, probes):
-        new = []
-        for op, state, probe in zip(self.ops, states, probes):
-            x, state = op(x, state, probe)
-            new.append(state)
-        return x, new
-
-
-def _functional(recipe) -> tuple[_Chain, list]:
-    """_model(recipe)'s parameters and initial states, as pure ops in a _Chain."""
+def _functional(recipe) -> tuple[Chain, list]:
+    """_model(recipe)'s parameters and initial states, as pure ops in a Chain."""
     model = _model(recipe)
     cfg = model[1].config
 
@@ -105,8 +77,8 @@ def _functional(recipe) -> tuple[_Chain, list]:
     def layer(p, x, state, probes):
         return fp8ops.transformer_layer(p, x, state, config=cfg, recipe=recipe, probes=probes)
 
-    ops = [_Op(fn, dict(m.named_parameters())) for fn, m in zip((linear, layer, linear), model)]
-    return _Chain(ops), [m.fp8_state for m in model]
+    ops = [OpModule(fn, dict(m.named_parameters())) for fn, m in zip((linear, layer, linear), model)]
+    return Chain(ops), [m.fp8_state for m in model]
 
 
 def _train_dp(kind, model, states, data, recipe, group, calls, per_step):
@@ -164,19 +136,9 @@ def _case(kind, recipe_name, rank, world, group, bad):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         trained = model
-    calls: list[int] = []
     per_step: list[int] = []
-    orig = dist.all_reduce
-
-    def counting_all_reduce(*args, **kwargs):
-        calls.append(1)
-        return orig(*args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
-    try:
+    with count_all_reduces() as calls:
         states = _train_dp(kind, trained, states, local, recipe, group, calls, per_step)
-    finally:
-        dist.all_reduce = orig
     if recipe is not None and per_step != [1] * STEPS:
         bad.append(f"{tag}: the update made {per_step} all_reduce calls per step, expected one each")
     params = {}

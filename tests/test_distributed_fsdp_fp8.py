@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fp8ops
+from fp8ops.testing.distributed import count_all_reduces
 from fp8ops import _fsdp
 
 pytestmark = [
@@ -164,20 +165,9 @@ def _fsdp_run(recipe, local, world, group, fp8_gather: bool, tag: str, bad: list
     for layer in model:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    calls: list[int] = []
     per_step: list[int] = []
-    orig = dist.all_reduce
-
-    def counting_all_reduce(*args, **kwargs):
-        calls.append(1)
-        return orig(*args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
-    try:
-        with _Spy() as spy:
-            _train(model, local, recipe, group, calls, per_step)
-    finally:
-        dist.all_reduce = orig
+    with count_all_reduces() as calls, _Spy() as spy:
+        _train(model, local, recipe, group, calls, per_step)
     if per_step != [1] * STEPS:
         bad.append(f"{tag}: the update made {per_step} all_reduce calls per step, expected one each")
     return model, spy

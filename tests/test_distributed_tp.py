@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 
 import fp8ops
+from fp8ops.testing.distributed import TPLayer
 
 pytestmark = [
     pytest.mark.distributed,
@@ -233,21 +234,6 @@ def _errors(rank, world, group, bad):
                 bad.append(f"error check {i}: {exc.__name__} without {text!r}: {e}")
 
 
-class _TPLayer(torch.nn.Module):
-    """A TP+SP transformer_layer's shard as a module (for DDP over the data-parallel dimension):
-    forward(x, state, probes) -> (y, new_state), the state staying outside."""
-
-    def __init__(self, shard, cfg, recipe, tp_group) -> None:
-        super().__init__()
-        self.cfg, self.recipe, self.tp_group, self.names = cfg, recipe, tp_group, list(shard)
-        self.p = torch.nn.ParameterList([torch.nn.Parameter(v.detach().clone()) for v in shard.values()])
-
-    def forward(self, x, state, probes):
-        return fp8ops.transformer_layer(dict(zip(self.names, self.p)), x, state, config=self.cfg,
-                                        recipe=self.recipe, probes=probes, tp_group=self.tp_group,
-                                        sequence_parallel=True)
-
-
 MESH_STEPS, MESH_LR = 3, 0.1
 
 
@@ -295,8 +281,8 @@ def _mesh(rank, bad):
     for recipe_name, compiled in (("none", False), ("delayed", False), ("delayed", True)):
         recipe = RECIPES[recipe_name]
         tag = f"mesh/{recipe_name}" + (" compiled" if compiled else "")
-        layer = _TPLayer(fp8ops.shard_transformer_params(params, cfg, rank=tp_rank, world_size=2), cfg, recipe,
-                         tp_group)
+        layer = TPLayer(fp8ops.shard_transformer_params(params, cfg, rank=tp_rank, world_size=2), cfg, recipe,
+                        tp_group)
         ddp = torch.nn.parallel.DistributedDataParallel(layer, process_group=dp_group)
         opt = torch.optim.SGD(ddp.parameters(), lr=MESH_LR)
         if compiled:  # torch.compile of the DDP-wrapped TP layer (aot_eager: no C++ compiler needed)

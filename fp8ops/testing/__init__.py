@@ -7,6 +7,8 @@ Public, so that tests of code built on fp8ops can use the same rules as fp8ops' 
   bitwise equality and SQNR. Needs only torch; its names are re-exported here.
 - :mod:`fp8ops.testing.states`: :func:`~fp8ops.testing.states.calibrate`, an op's state with
   chosen calibrated scales.
+- :mod:`fp8ops.testing.distributed`: modules over pure ops and a tensor-parallel layer shard for
+  ``fully_shard`` / DDP, and :func:`~fp8ops.testing.distributed.count_all_reduces`.
 - :mod:`fp8ops.testing.strategies`: hypothesis strategies for shapes, tensors, recipes, scales,
   amax observations and scaling states. Needs ``hypothesis`` (the ``test`` extra); import it
   explicitly: ``from fp8ops.testing import strategies``.
