@@ -258,7 +258,8 @@ def test_atomic_dq_variant_and_determinism():
 
 
 def test_public_op_dq_scheme_and_deterministic_flag():
-    q, k, v = _qkv(2, 8, 2, 768, 768, 128, BF16)
+    # head dim 256: the only one where a masked attention defaults to the atomic dQ scheme
+    q, k, v = _qkv(2, 8, 2, 768, 768, 256, BF16)
     runs = {}
     for det in (True, True, False):
         out = A.attention(q, k, v, causal=True, deterministic=det, backend="triton")[0]
@@ -267,8 +268,9 @@ def test_public_op_dq_scheme_and_deterministic_flag():
         assert torch.equal(x, y)
     for x, y in zip(runs[True][0], runs[False][0]):
         assert (x.float() - y.float()).abs().max() <= 2e-2 * float(x.abs().max())
-    assert A._dq_mode(False, masked=True) == "atomic" and A._dq_mode(True, masked=True) == "separate"
-    assert A._dq_mode(False, masked=False) == "separate"
+    assert A._dq_mode(False, masked=True, head_dim=256) == "atomic"
+    assert A._dq_mode(True, masked=True, head_dim=256) == "separate"
+    assert A._dq_mode(False, masked=False, head_dim=128) == "separate"
 
 
 def test_compile_fullgraph_backward_equals_eager():
