@@ -143,6 +143,14 @@ def _doc_block_mask():
     return dict(block_mask=A.create_block_mask(mm, None, None, 37, 37, block_size=16))
 
 
+def _doc_block_mask_wide():
+    # 64-key blocks: two kernel tiles per block under the interpreter (tiles of 32), the last block
+    # running past the sequence end (100 keys)
+    docs = torch.arange(100) // 30
+    mm = A.and_masks(A.causal_mask(), A.document_mask(docs))
+    return dict(block_mask=A.create_block_mask(mm, None, None, 100, 100, block_size=64))
+
+
 def _bh_block_mask():
     def shifted(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + 5 * (b + h)
@@ -172,6 +180,9 @@ DENSE = [
     ("user_mod_prefix", (2, 2, 1, 21, 21, 16, None), "bhsd", torch.float32, _user_mod_prefix),
     ("block_mask_docs", (1, 2, 2, 37, 37, 16, None), "bhsd", torch.float32, _doc_block_mask),
     ("block_mask_bh", (2, 4, 2, 37, 37, 16, None), "bhsd", torch.float32, _bh_block_mask),
+    ("block_mask_wide_blocks", (1, 2, 1, 100, 100, 16, None), "bhsd", torch.float32, _doc_block_mask_wide),
+    ("block_mask_wide_blocks_atomic", (1, 2, 1, 100, 100, 16, None), "bhsd", torch.float32,
+     lambda: dict(_doc_block_mask_wide(), dq_mode="atomic")),
     ("dropout", (1, 2, 2, 33, 33, 16, None), "bhsd", torch.float32, lambda: dict(causal=True, dropout_p=0.2)),
     ("fp16_causal_gqa", (1, 4, 2, 40, 40, 32, None), "bhsd", torch.float16, lambda: dict(causal=True)),
     ("atomic_dq_everything", (1, 2, 2, 37, 37, 16, None), "bhsd", torch.float32, _atomic_everything),
