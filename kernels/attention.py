@@ -70,6 +70,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ._library import merge_config
 
@@ -1174,15 +1175,39 @@ def _is_interpreter(kernel: Any) -> bool:
     return _INTERPRETED
 
 
+# Pipeline depths that fit in shared memory, per (kernel, depth asked, launch signature): the
+# tuned depths leave little headroom, and a mod's extra tiles (a captured tensor's gradient, say)
+# can push a kernel over the limit; it then runs one stage shallower, decided once.
+_STAGES_THAT_FIT: dict[Any, int] = {}
+
+
 def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
     # fp8ops launches from inside its opaque library ops (fp8ops::attention_fwd / attention_bwd),
     # which torch.compile never traces: the kernel is called directly (no wrap_triton dispatch on
     # the host path). A launcher traced by torch.compile itself goes through wrap_triton;
     # interpreted kernels (TRITON_INTERPRET=1, CPU tensors) are always called directly.
-    if _is_interpreter(kernel) or not torch.compiler.is_compiling():
+    if _is_interpreter(kernel):
         kernel[grid](*args, **kwargs)
-    else:
+        return
+    if torch.compiler.is_compiling():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        return
+    if "num_stages" not in kwargs:
+        kernel[grid](*args, **kwargs)
+        return
+    asked = kwargs["num_stages"]
+    key = (kernel, asked, tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int)))),
+           tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args))
+    kwargs["num_stages"] = _STAGES_THAT_FIT.get(key, asked)
+    while True:
+        try:
+            kernel[grid](*args, **kwargs)
+            return
+        except OutOfResources:
+            if kwargs["num_stages"] <= 1:
+                raise
+            kwargs["num_stages"] -= 1
+            _STAGES_THAT_FIT[key] = kwargs["num_stages"]
 
 
 def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool) -> dict[str, int]:

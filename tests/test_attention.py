@@ -783,3 +783,33 @@ def test_backend_argument_is_validated():
                               left=None, right=0, return_lse=False, deterministic=False, dropout_p=0.0,
                               dropout_seed=None)
     assert why == "not on CUDA"
+
+
+def test_launch_drops_a_pipeline_stage_when_shared_memory_runs_out(monkeypatch):
+    # A launch whose depth does not fit runs one stage shallower, and the depth that fits is
+    # remembered per launch signature (no second failing compile); a kernel that does not fit at
+    # one stage raises. (Compiled kernels: the interpreter has no shared memory to run out of.)
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(K, "_INTERPRETED", False)
+    class FakeKernel:
+        def __init__(self, fits):
+            self.fits, self.tried = fits, []
+
+        def __getitem__(self, grid):
+            def run(*args, num_stages, **kw):
+                self.tried.append(num_stages)
+                if num_stages > self.fits:
+                    raise OutOfResources(1000 * num_stages, 1000 * self.fits, "shared memory")
+            return run
+
+    kern = FakeKernel(fits=2)
+    x = torch.zeros(2)
+    K._launch(kern, (1,), x, None, BLOCK_M=64, num_warps=8, num_stages=3)
+    assert kern.tried == [3, 2]
+    K._launch(kern, (1,), x, None, BLOCK_M=64, num_warps=8, num_stages=3)
+    assert kern.tried == [3, 2, 2]
+    K._launch(kern, (1,), x, None, BLOCK_M=32, num_warps=8, num_stages=3)  # another signature
+    assert kern.tried == [3, 2, 2, 3, 2]
+    with pytest.raises(OutOfResources):
+        K._launch(FakeKernel(fits=0), (1,), x, BLOCK_M=64, num_stages=2)
