@@ -106,15 +106,22 @@ def main() -> int:
     p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (causal variant only)")
     p.add_argument("--modes", nargs="+", default=["separate", "atomic"], choices=["separate", "atomic"])
     a = p.parse_args()
+    reason = common.cuda_unavailable_reason()
+    if reason is not None:
+        p.error(reason)
     t0 = time.time()
     fwd_list = [tuple(int(x) for x in c.split(",")) for c in a.fwd] if a.fwd is not None else FWD
     bwd_list = [tuple(int(x) for x in c.split(",")) for c in a.bwd] if a.bwd is not None else BWD
     S, D, B, H = a.seqlen, a.head_dim, a.batch, a.heads
     sets = BA._inputs(B, H, H, S, D, 2)
-    if a.dropout > 0.0:
-        if a.variants != ["causal"]:
-            p.error("--dropout runs the causal variant only")
-        BA._fp8ops_fn = lambda variant, S, H, docs, **kw: _dropout_fn(a.dropout, **kw)  # noqa: E731
+    if a.dropout > 0.0 and a.variants != ["causal"]:
+        p.error("--dropout runs the causal variant only")
+
+    def make(variant: str, S: int, H: int, docs: Any, **kw: Any) -> Any:
+        """The attention function of a variant (with configs), through the fused kernels."""
+        if a.dropout > 0.0:
+            return _dropout_fn(a.dropout, **kw)
+        return BA._fp8ops_fn(variant, S, H, docs, **kw)
     print(f"S={S} D={D} B={B} H={H}", flush=True)
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
@@ -129,7 +136,7 @@ def main() -> int:
         causal_flops = BA._flops(B, H, S, D, True, False)
         # effective TFLOP/s as in the issue's table: causal flops for every masked case
         base = causal_flops if variant != "none" else BA._flops(B, H, S, D, False, False)
-        default = BA._fp8ops_fn(variant, S, H, docs)
+        default = make(variant, S, H, docs)
         profiles[variant] = {"fwd+bwd": _kernel_times(BA._fwd_bwd(default), sets), "visible": frac}
         us = BA._time(BA._fwd_bwd(default), sets, a.samples, notes, "default").median_us
         rows.append({"variant": variant, "kind": "default fwd+bwd", "config": "default", "us": us,
@@ -145,7 +152,7 @@ def main() -> int:
                     break
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
                 try:
-                    fn = BA._fp8ops_fn(variant, S, H, docs, fwd_config=cfg)
+                    fn = make(variant, S, H, docs, fwd_config=cfg)
                     us = BA._time(fn, [s_[:3] for s_ in sets], a.samples, notes, "fwd").median_us
                     rows.append({"variant": variant, "kind": "fwd", "config": str(cfg), "us": us,
                                  "tflops": base / us / 1e6})
@@ -160,7 +167,7 @@ def main() -> int:
                     notes.append("budget reached")
                     break
                 try:
-                    fn = BA._fwd_bwd(BA._fp8ops_fn(variant, S, H, docs, dq_mode=mode, bwd_config=cfg))
+                    fn = BA._fwd_bwd(make(variant, S, H, docs, dq_mode=mode, bwd_config=cfg))
                     us = BA._time(fn, sets, a.samples, notes, "bwd").median_us
                     rows.append({"variant": variant, "kind": f"fwd+bwd {mode}", "config": str(cfg), "us": us,
                                  "tflops": base * 3.5 / us / 1e6})
