@@ -1196,9 +1196,10 @@ def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> No
         kernel[grid](*args, **kwargs)
         return
     asked = kwargs["num_stages"]
-    key = (kernel, asked, tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int)))),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args))
-    kwargs["num_stages"] = _STAGES_THAT_FIT.get(key, asked)
+    key = None
+    if _STAGES_THAT_FIT:  # the signature is built only once some launch has needed a fallback
+        key = _launch_key(kernel, args, kwargs)
+        kwargs["num_stages"] = _STAGES_THAT_FIT.get(key, asked)
     while True:
         try:
             kernel[grid](*args, **kwargs)
@@ -1207,7 +1208,16 @@ def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> No
             if kwargs["num_stages"] <= 1:
                 raise
             kwargs["num_stages"] -= 1
+            if key is None:
+                key = _launch_key(kernel, args, dict(kwargs, num_stages=asked))
             _STAGES_THAT_FIT[key] = kwargs["num_stages"]
+
+
+def _launch_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # What decides a compiled kernel's shared memory: the constexprs and launch options, and which
+    # arguments are absent (None) and of which dtype.
+    return (kernel, tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int)))),
+            tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args))
 
 
 def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool) -> dict[str, int]:

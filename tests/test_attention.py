@@ -792,6 +792,7 @@ def test_launch_drops_a_pipeline_stage_when_shared_memory_runs_out(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
     monkeypatch.setattr(K, "_INTERPRETED", False)
+    monkeypatch.setattr(K, "_STAGES_THAT_FIT", {})
     class FakeKernel:
         def __init__(self, fits):
             self.fits, self.tried = fits, []
