@@ -30,7 +30,8 @@ reduce-scatters, read from torch.profiler with their shapes and dtypes).
 Targets (seed layer): TP=2+SP step <= 0.6x fp8ops on one GPU, >= 1.3x faster than torchao float8
 TP + compile, >= 1.5x faster than bf16 DTensor TP + compile; FP8 all-gather bytes half of bf16's;
 FSDP2 with FP8 all-gather moves half the weight bytes of bf16 and is no slower.
-``--quick``: small sizes (a smoke run).
+``--quick``: small sizes (a smoke run). ``--no-seed`` / ``--no-fsdp`` run one part;
+``--fsdp-batch N``: N sequences per GPU in the FSDP2 GPT (4 by default).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao float8 TP peer")
     parser.add_argument("--no-compile", action="store_true", help="run the DTensor peers without torch.compile")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 GPT")
+    parser.add_argument("--no-seed", action="store_true", help="skip the seed layer (run only the FSDP2 GPT)")
+    parser.add_argument("--fsdp-batch", type=int, default=None, metavar="N",
+                        help="sequences of 1024 tokens per GPU in the FSDP2 GPT (default 4)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the eager fp8ops steps (1 GPU and TP=2+SP) on rank 0: kernel time by kind "
                              "and the top kernels per step")
@@ -300,22 +304,30 @@ def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps
     return {"ms": float(ms), "loss": float(loss), "comm_bytes": _collective_bytes(prof, 2)}
 
 
+def _gpts(opts: dict[str, Any]) -> list[dict[str, int]]:
+    """The FSDP2 GPT sizes of a run (``--fsdp-batch`` sequences per GPU, if given)."""
+    gpts = GPTS_QUICK if opts["quick"] else GPTS
+    if opts.get("fsdp_batch"):
+        gpts = [dict(g, batch=opts["fsdp_batch"]) for g in gpts]
+    return gpts
+
+
 def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[tuple[str, str, Callable[[], Any]]]:
     """(suite part, name, build) in run order; a name containing "graph" is run through graph_step."""
     seed = SEED_QUICK if opts["quick"] else SEED
-    gpts = GPTS_QUICK if opts["quick"] else GPTS
+    gpts = _gpts(opts)
     compiled = not opts["no_compile"]
     suffix = " + compile" if compiled else ""
     from .step import _variant
 
-    out = [
+    out = [] if opts["no_seed"] else [
         ("seed", "fp8ops FP8, 1 GPU", lambda: _variant("seed", "fp8ops FP8", "eager", seed)),
         ("seed", "fp8ops FP8, 1 GPU, graph", lambda: _variant("seed", "fp8ops FP8", "eager", seed)),
         ("seed", "fp8ops FP8, TP=2+SP", lambda: _fp8ops_tp(seed, rank, world, group)),
         ("seed", "fp8ops FP8, TP=2+SP, graph", lambda: _fp8ops_tp(seed, rank, world, group)),
         ("seed", f"torch bf16, DTensor TP=2+SP{suffix}", lambda: _dtensor_tp(seed, rank, world, False, compiled)),
     ]
-    if not opts["no_torchao"]:
+    if not opts["no_torchao"] and not opts["no_seed"]:
         out.append(("seed", f"torchao float8, TP=2+SP{suffix}", lambda: _dtensor_tp(seed, rank, world, True, compiled)))
     if not opts["no_fsdp"]:
         for gpt in gpts:
@@ -409,6 +421,12 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Spawn one process per GPU (2), run every variant, print the table and the ratios, write
     parallel.json and parallel.png."""
+    fsdp_batch = getattr(args, "fsdp_batch", None)
+    if fsdp_batch is not None and fsdp_batch < 1:
+        raise ValueError(f"fp8ops.bench parallel: --fsdp-batch must be a positive number of sequences per GPU, "
+                         f"got {fsdp_batch}")
+    if getattr(args, "no_seed", False) and args.no_fsdp:
+        raise ValueError("fp8ops.bench parallel: --no-seed and --no-fsdp together leave nothing to run")
     n = torch.cuda.device_count()
     record: dict[str, Any] = {"suite": "parallel", "environment": environment(), "rows": [], "failed_checks": []}
     if n < 2 or not dist.is_nccl_available():
@@ -417,8 +435,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     opts = {"quick": args.quick, "steps": 3 if args.quick else args.steps, "no_torchao": args.no_torchao,
-            "no_compile": args.no_compile, "no_fsdp": args.no_fsdp,
-            "profile": args.profile}
+            "no_compile": args.no_compile, "no_fsdp": args.no_fsdp, "no_seed": getattr(args, "no_seed", False),
+            "fsdp_batch": fsdp_batch, "profile": args.profile}
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d, opts), nprocs=2, join=True)
         with open(os.path.join(d, "rows.json")) as f:
@@ -449,7 +467,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for kname, ms in prof["top"]:
                 print(f"  {ms:7.3f} ms  {kname}")
     record.update(rows=rows, ratios=ratios, failed_checks=failed, sizes={"seed": SEED_QUICK if args.quick else SEED,
-                                                                         "gpt": GPTS_QUICK if args.quick else GPTS})
+                                                                         "gpt": _gpts(opts)})
     out = Path(args.out)
     write_json(out / "parallel.json", record)
     panels = []

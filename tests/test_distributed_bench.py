@@ -1,0 +1,43 @@
+"""The distributed benchmark suite (`fp8ops.bench parallel`): its options, checked without GPUs: which variants a run builds and the errors
+for options that leave nothing to run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+P = importlib.import_module("fp8ops.bench.parallel")
+
+
+def _opts(**kw):
+    base = {"quick": False, "steps": 10, "no_torchao": False, "no_compile": False, "no_fsdp": False,
+            "no_seed": False, "fsdp_batch": None, "profile": False}
+    base.update(kw)
+    return base
+
+
+def test_variants_by_part_and_fsdp_batch():
+    every = P._variants(_opts(), 0, 2, None)
+    parts = [part for part, _, _ in every]
+    assert parts.count("seed") == 6 and sum(p.startswith("fsdp2") for p in parts) == 6
+    fsdp_only = P._variants(_opts(no_seed=True), 0, 2, None)
+    assert [name for _, name, _ in fsdp_only] == [name for part, name, _ in every if part != "seed"]
+    seed_only = P._variants(_opts(no_fsdp=True, no_torchao=True), 0, 2, None)
+    assert {part for part, _, _ in seed_only} == {"seed"} and len(seed_only) == 5
+    assert [g["batch"] for g in P._gpts(_opts())] == [4, 4]
+    assert [g["batch"] for g in P._gpts(_opts(fsdp_batch=8))] == [8, 8]
+    assert [g["hidden"] for g in P._gpts(_opts(fsdp_batch=8))] == [2048, 4096]
+    assert P.GPTS[0]["batch"] == 4  # the defaults are not modified
+
+
+def test_options_that_leave_nothing_or_no_batch_raise():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="x")
+    parser.add_argument("--quick", action="store_true")
+    P.add_arguments(parser)
+    with pytest.raises(ValueError, match="--no-seed and --no-fsdp"):
+        P.run(parser.parse_args(["--no-seed", "--no-fsdp"]))
+    with pytest.raises(ValueError, match="--fsdp-batch must be a positive"):
+        P.run(parser.parse_args(["--fsdp-batch", "0"]))
