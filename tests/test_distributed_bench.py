@@ -1,5 +1,5 @@
-"""The distributed benchmark suite (`fp8ops.bench parallel`): its options, checked without GPUs: which variants a run builds and the errors
-for options that leave nothing to run."""
+"""The distributed benchmark suite (``fp8ops.bench parallel``) checked without GPUs: which variants
+a run builds, and the errors for options that leave nothing to run."""
 
 from __future__ import annotations
 
