@@ -373,71 +373,12 @@ def _visible(q_rows, kv_cols, q_len, kv_len, b, h, win_left, win_right,
 
 
 @triton.jit
-def _attn_fwd_tile(
-    m_i, l_i, acc, q, k_base, v_base,
-    start_n,  # first key of the tile
-    q_len, kv_len, offs_m, offs_d, offs_dv,
-    stride_ks, stride_kd, stride_vs, stride_vd,
-    qk_scale, sm_scale, b, h, win_left, win_right,
-    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
-    drop_key, drop_thresh, kds_base, vds_base,
-    SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
-    HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr,
-    CHECK_BAND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DESCALE: tl.constexpr, DESCALE_KV: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # One key tile of one query tile: scores, online softmax, P V.
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    kv_ok = offs_n < kv_len
-    # Step 1: K tile (BLOCK_N, D) and the scores (BLOCK_M, BLOCK_N), fp32.
-    k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    k = _load_tile(k_ptrs, kv_ok, offs_d < HEAD_DIM, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if HAS_DESCALE:
-        qk = qk * tl.load(kds_base + start_n // DESCALE_KV)
-    # Step 2: score_mod in natural units, then base-2 units.
-    if HAS_SCORE_MOD:
-        s = qk * sm_scale
-        qc = tl.minimum(offs_m, q_len - 1)[:, None]
-        kc = tl.minimum(offs_n, kv_len - 1)[None, :]
-        s = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32)
-        s2 = s * _LOG2E
-    else:
-        s2 = qk * qk_scale
-    # Step 3: visibility (edge tiles only).
-    if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
-        vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
-                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=False, CHECK_KV=CHECK_KV,
-                       CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
-        s2 = tl.where(vis, s2, float("-inf"))
-    # Step 4: online softmax update; a row with no visible key so far keeps m = -inf, l = 0.
-    m_new = tl.maximum(m_i, tl.max(s2, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s2 - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if DROPOUT:
-        keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
-        p = tl.where(keep, p, 0.0)
-    # Step 5: P V, with P in V's dtype (bf16/fp16 now, FP8 later).
-    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
-    v = _load_tile(v_ptrs, kv_ok, offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
-    if HAS_DESCALE:
-        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * tl.load(vds_base + start_n // DESCALE_KV)
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attn_fwd_tiles(
     m_i, l_i, acc,  # running row max (base 2), row sum and output accumulator of the query tile
     q,
     k_base,  # pointer to k[b, hk, seq_start]; rows at stride_ks
     v_base,  # pointer to v[b, hk, seq_start]
-    start, stop,  # key range [start, stop) visited in BLOCK_N tiles, or (LIST) [0, count) of list tiles
+    start, stop,  # [start, stop) in BLOCK_N steps, or (LIST) tiles [start, stop) of the listed blocks
     idx_ptr,  # LIST: the block-mask list of key blocks (SPARSE_KV keys each)
     q_len, kv_len, offs_m, offs_d, offs_dv,
     stride_ks, stride_kd, stride_vs, stride_vd,
@@ -448,33 +389,57 @@ def _attn_fwd_tiles(
     HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr,
     CHECK_BAND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DESCALE: tl.constexpr, DESCALE_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1,
 ):
-    # The key tiles of one query tile, in order. LIST: one loop over every tile of the listed
-    # blocks (SPARSE_KV // BLOCK_N tiles per block), so that the loads of the next block's first
-    # tile are pipelined like those of a dense range instead of a short loop per block.
-    if LIST:
-        per_block = SPARSE_KV // BLOCK_N
-        for j in range(start, stop):
+    # The key tiles of one query tile, in order: scores, online softmax, P V. LIST: tile j of the listed
+    # blocks (SPARSE_KV // BLOCK_N per block) in one loop, so the next block's loads pipeline as in a range.
+    per_block = SPARSE_KV // BLOCK_N
+    for j in range(start, stop, 1 if LIST else BLOCK_N):
+        start_n = j
+        if LIST:
             start_n = tl.load(idx_ptr + j // per_block) * SPARSE_KV + (j % per_block) * BLOCK_N
-            m_i, l_i, acc = _attn_fwd_tile(
-                m_i, l_i, acc, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                SCORE_FN=SCORE_FN, MASK_FN=MASK_FN, HAS_SCORE_MOD=HAS_SCORE_MOD, APPLY_MASK_MOD=APPLY_MASK_MOD,
-                CHECK_KV=CHECK_KV, CHECK_BAND=CHECK_BAND, DROPOUT=DROPOUT, HAS_DESCALE=HAS_DESCALE,
-                DESCALE_KV=DESCALE_KV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-                BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
-    else:
-        for start_n in range(start, stop, BLOCK_N):
-            m_i, l_i, acc = _attn_fwd_tile(
-                m_i, l_i, acc, q, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d, offs_dv,
-                stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                SCORE_FN=SCORE_FN, MASK_FN=MASK_FN, HAS_SCORE_MOD=HAS_SCORE_MOD, APPLY_MASK_MOD=APPLY_MASK_MOD,
-                CHECK_KV=CHECK_KV, CHECK_BAND=CHECK_BAND, DROPOUT=DROPOUT, HAS_DESCALE=HAS_DESCALE,
-                DESCALE_KV=DESCALE_KV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-                BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_ok = offs_n < kv_len
+        # Step 1: K tile (BLOCK_N, D) and the scores (BLOCK_M, BLOCK_N), fp32.
+        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        k = _load_tile(k_ptrs, kv_ok, offs_d < HEAD_DIM, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_DESCALE:
+            qk = qk * tl.load(kds_base + start_n // DESCALE_KV)
+        # Step 2: score_mod in natural units, then base-2 units.
+        if HAS_SCORE_MOD:
+            s = qk * sm_scale
+            qc = tl.minimum(offs_m, q_len - 1)[:, None]
+            kc = tl.minimum(offs_n, kv_len - 1)[None, :]
+            s = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32)
+            s2 = s * _LOG2E
+        else:
+            s2 = qk * qk_scale
+        # Step 3: visibility (edge tiles only).
+        if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
+            vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
+                           mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=False, CHECK_KV=CHECK_KV,
+                           CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
+            s2 = tl.where(vis, s2, float("-inf"))
+        # Step 4: online softmax update; a row with no visible key so far keeps m = -inf, l = 0.
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s2 - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
+            p = tl.where(keep, p, 0.0)
+        # Step 5: P V, with P in V's dtype (bf16/fp16 now, FP8 later).
+        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+        v = _load_tile(v_ptrs, kv_ok, offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        if HAS_DESCALE:
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * tl.load(vds_base + start_n // DESCALE_KV)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -643,81 +608,6 @@ def _attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _attn_bwd_dkdv_tile(
-    dk, dv, k, v,
-    q_base,  # pointer to q[b, hq, seq_start]
-    do_base,  # pointer to do[b, hq, seq_start]
-    l_base,  # pointer to lse[b, hq, seq_start]
-    e_base,  # pointer to delta[b, hq, seq_start]
-    dq_base,  # pointer to the fp32 dq accumulator [b, hq, seq_start] (ATOMIC_DQ)
-    start_m,  # first row of the tile
-    q_len, kv_len, offs_n, offs_d, offs_dv,
-    stride_qs, stride_qd, stride_gs, stride_gd, stride_ls, stride_as, stride_ad,
-    qk_scale, sm_scale, b, h, win_left, win_right,
-    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-    drop_key, drop_thresh, drop_scale,
-    SCORE_FN: tl.constexpr, GRAD_FN: tl.constexpr, MASK_FN: tl.constexpr,
-    HAS_SCORE_MOD: tl.constexpr, MASKED: tl.constexpr, CHECK_BAND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
-    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # One query tile against the program's key tile: dV, dK (and dQ with atomics).
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_ok = offs_m < q_len
-    # Step 1: Q and dO tiles, and the row statistics.
-    q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok, offs_d < HEAD_DIM,
-                   CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_D != HEAD_DIM)
-    do = _load_tile(do_base + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok,
-                    offs_dv < HEAD_DIM_V, CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
-    if MASKED:
-        lse2 = tl.load(l_base + offs_m * stride_ls, mask=q_ok, other=0.0) * _LOG2E
-        delta = tl.load(e_base + offs_m * stride_ls, mask=q_ok, other=0.0)
-    else:
-        lse2 = tl.load(l_base + offs_m * stride_ls) * _LOG2E
-        delta = tl.load(e_base + offs_m * stride_ls)
-    # Step 2: transposed scores s^T = K Q^T (BLOCK_N, BLOCK_M) and probabilities p^T.
-    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-    if HAS_SCORE_MOD:
-        sT = qkT * sm_scale
-        qc = tl.minimum(offs_m, q_len - 1)[None, :]
-        kc = tl.minimum(offs_n, kv_len - 1)[:, None]
-        s2 = SCORE_FN(sT, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
-    else:
-        s2 = qkT * qk_scale
-    if MASKED:
-        # Masking the exponent (not the result) keeps exp2 finite for rows that see nothing.
-        vis = _visible(offs_m[None, :], offs_n[:, None], q_len, kv_len, b, h, win_left, win_right,
-                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=True, CHECK_KV=True,
-                       CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
-        s2 = tl.where(vis, s2, float("-inf"))
-    else:
-        vis = (offs_m[None, :] >= 0) & (offs_n[:, None] >= 0)
-    pT = tl.math.exp2(s2 - lse2[None, :])
-    # Step 3: dV += P^T dO (dropout-scaled), dP^T = V dO^T.
-    if DROPOUT:
-        keep = _dropout_keep(drop_key, offs_m[None, :], offs_n[:, None], drop_thresh)
-        dv = tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    else:
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    if DROPOUT:
-        dpT = tl.where(keep, dpT * drop_scale, 0.0)
-    # Step 4: dS^T, through score_mod's derivative (captured-tensor gradients scatter here).
-    dsT = pT * (dpT - delta[None, :])
-    if HAS_SCORE_MOD:
-        dsT = GRAD_FN(dsT, sT, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, g0, g1, g2, g3).to(tl.float32)
-        dsT = tl.where(vis, dsT, 0.0)
-    # Step 5: dK += dS^T Q; optionally dQ^T += K^T dS^T with atomics (fp32 accumulator).
-    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    if ATOMIC_DQ:
-        dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION) * sm_scale
-        dq_ptrs = dq_base + offs_m[None, :] * stride_as + offs_d[:, None] * stride_ad
-        tl.atomic_add(dq_ptrs, dqT, mask=q_ok[None, :] & (offs_d < HEAD_DIM)[:, None], sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
 def _attn_bwd_dkdv_tiles(
     dk, dv, k, v,
     q_base,  # pointer to q[b, hq, seq_start]
@@ -725,7 +615,7 @@ def _attn_bwd_dkdv_tiles(
     l_base,  # pointer to lse[b, hq, seq_start]
     e_base,  # pointer to delta[b, hq, seq_start]
     dq_base,  # pointer to the fp32 dq accumulator [b, hq, seq_start] (ATOMIC_DQ)
-    start, stop,  # [start, stop) visited in BLOCK_M tiles, or (LIST) [0, count) of list tiles
+    start, stop,  # [start, stop) in BLOCK_M steps, or (LIST) tiles [start, stop) of the listed blocks
     idx_ptr,  # LIST: the block-mask list of query blocks (SPARSE_Q rows each)
     q_len, kv_len, offs_n, offs_d, offs_dv,
     stride_qs, stride_qd, stride_gs, stride_gd, stride_ls, stride_as, stride_ad,
@@ -739,32 +629,65 @@ def _attn_bwd_dkdv_tiles(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LIST: tl.constexpr = False, SPARSE_Q: tl.constexpr = 1,
 ):
-    # The query tiles that see one key tile, in order. LIST: one loop over every tile of the
-    # listed blocks (SPARSE_Q // BLOCK_M tiles per block), pipelined like a dense range.
-    if LIST:
-        per_block = SPARSE_Q // BLOCK_M
-        for j in range(start, stop):
+    # The query tiles that see one key tile, in order: dV, dK (and dQ with atomics). LIST: tile j of the
+    # listed blocks (SPARSE_Q // BLOCK_M per block) in one loop, so the next block's loads pipeline.
+    per_block = SPARSE_Q // BLOCK_M
+    for j in range(start, stop, 1 if LIST else BLOCK_M):
+        start_m = j
+        if LIST:
             start_m = tl.load(idx_ptr + j // per_block) * SPARSE_Q + (j % per_block) * BLOCK_M
-            dk, dv = _attn_bwd_dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len,
-                kv_len, offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls, stride_as,
-                stride_ad, qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1,
-                mm_t2, mm_t3, g0, g1, g2, g3, drop_key, drop_thresh, drop_scale, SCORE_FN=SCORE_FN, GRAD_FN=GRAD_FN,
-                MASK_FN=MASK_FN, HAS_SCORE_MOD=HAS_SCORE_MOD, MASKED=MASKED, CHECK_BAND=CHECK_BAND,
-                APPLY_MASK_MOD=APPLY_MASK_MOD, DROPOUT=DROPOUT, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
-                HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                DOT_PRECISION=DOT_PRECISION)
-    else:
-        for start_m in range(start, stop, BLOCK_M):
-            dk, dv = _attn_bwd_dkdv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, dq_base, start_m, q_len,
-                kv_len, offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd, stride_ls, stride_as,
-                stride_ad, qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1,
-                mm_t2, mm_t3, g0, g1, g2, g3, drop_key, drop_thresh, drop_scale, SCORE_FN=SCORE_FN, GRAD_FN=GRAD_FN,
-                MASK_FN=MASK_FN, HAS_SCORE_MOD=HAS_SCORE_MOD, MASKED=MASKED, CHECK_BAND=CHECK_BAND,
-                APPLY_MASK_MOD=APPLY_MASK_MOD, DROPOUT=DROPOUT, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM,
-                HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                DOT_PRECISION=DOT_PRECISION)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ok = offs_m < q_len
+        # Step 1: Q and dO tiles, and the row statistics.
+        q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok, offs_d < HEAD_DIM,
+                       CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_D != HEAD_DIM)
+        do = _load_tile(do_base + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok,
+                        offs_dv < HEAD_DIM_V, CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        if MASKED:
+            lse2 = tl.load(l_base + offs_m * stride_ls, mask=q_ok, other=0.0) * _LOG2E
+            delta = tl.load(e_base + offs_m * stride_ls, mask=q_ok, other=0.0)
+        else:
+            lse2 = tl.load(l_base + offs_m * stride_ls) * _LOG2E
+            delta = tl.load(e_base + offs_m * stride_ls)
+        # Step 2: transposed scores s^T = K Q^T (BLOCK_N, BLOCK_M) and probabilities p^T.
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if HAS_SCORE_MOD:
+            sT = qkT * sm_scale
+            qc = tl.minimum(offs_m, q_len - 1)[None, :]
+            kc = tl.minimum(offs_n, kv_len - 1)[:, None]
+            s2 = SCORE_FN(sT, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
+        else:
+            s2 = qkT * qk_scale
+        if MASKED:
+            # Masking the exponent (not the result) keeps exp2 finite for rows that see nothing.
+            vis = _visible(offs_m[None, :], offs_n[:, None], q_len, kv_len, b, h, win_left, win_right,
+                           mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=True, CHECK_KV=True,
+                           CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
+            s2 = tl.where(vis, s2, float("-inf"))
+        else:
+            vis = (offs_m[None, :] >= 0) & (offs_n[:, None] >= 0)
+        pT = tl.math.exp2(s2 - lse2[None, :])
+        # Step 3: dV += P^T dO (dropout-scaled), dP^T = V dO^T.
+        if DROPOUT:
+            keep = _dropout_keep(drop_key, offs_m[None, :], offs_n[:, None], drop_thresh)
+            dv = tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        # Step 4: dS^T, through score_mod's derivative (captured-tensor gradients scatter here).
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SCORE_MOD:
+            dsT = GRAD_FN(dsT, sT, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, g0, g1, g2, g3).to(tl.float32)
+            dsT = tl.where(vis, dsT, 0.0)
+        # Step 5: dK += dS^T Q; optionally dQ^T += K^T dS^T with atomics (fp32 accumulator).
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION) * sm_scale
+            dq_ptrs = dq_base + offs_m[None, :] * stride_as + offs_d[:, None] * stride_ad
+            tl.atomic_add(dq_ptrs, dqT, mask=q_ok[None, :] & (offs_d < HEAD_DIM)[:, None], sem="relaxed")
     return dk, dv
-
 
 
 def _attention_bwd_dkdv_kernel(
@@ -891,64 +814,10 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_tile(
-    dq, q, do, lse2, delta,
-    k_base, v_base,
-    start_n,  # first key of the tile
-    q_len, kv_len, offs_m, offs_d, offs_dv,
-    stride_ks, stride_kd, stride_vs, stride_vd,
-    qk_scale, sm_scale, b, h, win_left, win_right,
-    sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
-    drop_key, drop_thresh, drop_scale,
-    SCORE_FN: tl.constexpr, GRAD_FN: tl.constexpr, MASK_FN: tl.constexpr,
-    HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr, CHECK_BAND: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # One key tile seen by the program's query tile: dS, then dQ += dS K.
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    kv_ok = offs_n < kv_len
-    # Step 1: K, V tiles; scores and probabilities (BLOCK_M, BLOCK_N).
-    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok, offs_d < HEAD_DIM,
-                   CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
-    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
-                   offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if HAS_SCORE_MOD:
-        s = qk * sm_scale
-        qc = tl.minimum(offs_m, q_len - 1)[:, None]
-        kc = tl.minimum(offs_n, kv_len - 1)[None, :]
-        s2 = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
-    else:
-        s2 = qk * qk_scale
-    if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
-        vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
-                       mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=False, CHECK_KV=CHECK_KV,
-                       CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
-        s2 = tl.where(vis, s2, float("-inf"))
-    else:
-        vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)
-    p = tl.math.exp2(s2 - lse2[:, None])
-    # Step 2: dP = dO V^T, dS = P (dP - delta), through score_mod's derivative.
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    if DROPOUT:
-        keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
-        dp = tl.where(keep, dp * drop_scale, 0.0)
-    ds = p * (dp - delta[:, None])
-    if HAS_SCORE_MOD:
-        ds = GRAD_FN(ds, s, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, None, None, None, None).to(tl.float32)
-        ds = tl.where(vis, ds, 0.0)
-    # Step 3: dQ += dS K.
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
-
-
-@triton.jit
 def _attn_bwd_dq_tiles(
     dq, q, do, lse2, delta,
     k_base, v_base,
-    start, stop,  # [start, stop) visited in BLOCK_N tiles, or (LIST) [0, count) of list tiles
+    start, stop,  # [start, stop) in BLOCK_N steps, or (LIST) tiles [start, stop) of the listed blocks
     idx_ptr,  # LIST: the block-mask list of key blocks (SPARSE_KV keys each)
     q_len, kv_len, offs_m, offs_d, offs_dv,
     stride_ks, stride_kd, stride_vs, stride_vd,
@@ -959,30 +828,50 @@ def _attn_bwd_dq_tiles(
     HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr, CHECK_BAND: tl.constexpr,
     DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1,
 ):
-    # The key tiles seen by one query tile, in order. LIST: one loop over every tile of the listed
-    # blocks (SPARSE_KV // BLOCK_N tiles per block), pipelined like a dense range.
-    if LIST:
-        per_block = SPARSE_KV // BLOCK_N
-        for j in range(start, stop):
+    # The key tiles seen by one query tile, in order: dS, then dQ += dS K. LIST: tile j of the listed
+    # blocks (SPARSE_KV // BLOCK_N per block) in one loop, so the next block's loads pipeline.
+    per_block = SPARSE_KV // BLOCK_N
+    for j in range(start, stop, 1 if LIST else BLOCK_N):
+        start_n = j
+        if LIST:
             start_n = tl.load(idx_ptr + j // per_block) * SPARSE_KV + (j % per_block) * BLOCK_N
-            dq = _attn_bwd_dq_tile(dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d,
-                offs_dv, stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                SCORE_FN=SCORE_FN, GRAD_FN=GRAD_FN, MASK_FN=MASK_FN, HAS_SCORE_MOD=HAS_SCORE_MOD,
-                APPLY_MASK_MOD=APPLY_MASK_MOD, CHECK_KV=CHECK_KV, CHECK_BAND=CHECK_BAND, DROPOUT=DROPOUT,
-                HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N,
-                DOT_PRECISION=DOT_PRECISION)
-    else:
-        for start_n in range(start, stop, BLOCK_N):
-            dq = _attn_bwd_dq_tile(dq, q, do, lse2, delta, k_base, v_base, start_n, q_len, kv_len, offs_m, offs_d,
-                offs_dv, stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, sm_scale, b, h, win_left, win_right,
-                sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                SCORE_FN=SCORE_FN, GRAD_FN=GRAD_FN, MASK_FN=MASK_FN, HAS_SCORE_MOD=HAS_SCORE_MOD,
-                APPLY_MASK_MOD=APPLY_MASK_MOD, CHECK_KV=CHECK_KV, CHECK_BAND=CHECK_BAND, DROPOUT=DROPOUT,
-                HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N,
-                DOT_PRECISION=DOT_PRECISION)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_ok = offs_n < kv_len
+        # Step 1: K, V tiles; scores and probabilities (BLOCK_M, BLOCK_N).
+        k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok, offs_d < HEAD_DIM,
+                       CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
+                       offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SCORE_MOD:
+            s = qk * sm_scale
+            qc = tl.minimum(offs_m, q_len - 1)[:, None]
+            kc = tl.minimum(offs_n, kv_len - 1)[None, :]
+            s2 = SCORE_FN(s, b, h, qc, kc, sm_t0, sm_t1, sm_t2, sm_t3).to(tl.float32) * _LOG2E
+        else:
+            s2 = qk * qk_scale
+        if CHECK_KV or CHECK_BAND or APPLY_MASK_MOD:
+            vis = _visible(offs_m[:, None], offs_n[None, :], q_len, kv_len, b, h, win_left, win_right,
+                           mm_t0, mm_t1, mm_t2, mm_t3, MASK_FN=MASK_FN, CHECK_Q=False, CHECK_KV=CHECK_KV,
+                           CHECK_BAND=CHECK_BAND, APPLY_MASK_MOD=APPLY_MASK_MOD)
+            s2 = tl.where(vis, s2, float("-inf"))
+        else:
+            vis = (offs_m[:, None] >= 0) & (offs_n[None, :] >= 0)
+        p = tl.math.exp2(s2 - lse2[:, None])
+        # Step 2: dP = dO V^T, dS = P (dP - delta), through score_mod's derivative.
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SCORE_MOD:
+            ds = GRAD_FN(ds, s, b, h, qc, kc, vis, sm_t0, sm_t1, sm_t2, sm_t3, None, None, None, None).to(tl.float32)
+            ds = tl.where(vis, ds, 0.0)
+        # Step 3: dQ += dS K.
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
