@@ -24,11 +24,13 @@ FSDP2 all-gathers a parameter whose local shard defines ``fsdp_pre_all_gather`` 
 FSDP2 frees the all-gather output and the inner tensors returned by ``fsdp_post_all_gather``
 after the forward (storage resized to 0) and gathers again for the backward into the same tensor
 objects, so the backward reads the tensors the forward saved: the transposed copy is rewritten
-in place without a version bump, as FSDP2 does with its own outputs.
+in place (``fp8ops::transpose_bytes_into``, no new tensor) without a version bump, as FSDP2 does
+with its own outputs.
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -152,12 +154,18 @@ class FP8AllGatherWeight(torch.Tensor):
                                 f"this hook made, got {type(out).__name__}")
             # the same (K, N) tensor the forward may have saved for the backward: refilled in place
             with torch.autograd._unsafe_preserve_version_counter(out._data_t):
-                out._data_t.copy_(torch.ops.fp8ops.transpose_bytes(data))
+                torch.ops.fp8ops.transpose_bytes_into(data, out._data_t)
             out._data, out._inv, out._amax = data, inv, amax
             return None
         data_t = torch.ops.fp8ops.transpose_bytes(data)  # (K, N): the dgrad GEMM's K-major operand
         w = GatheredFP8Weight(data, data_t, inv, amax, fp8_dtype, param_dtype)
         return w, (data_t,)
+
+
+# FSDP2 reads inspect.signature(fsdp_pre_all_gather) at every all-gather of every parameter; a stored
+# signature makes that lookup immediate (about 19 -> 5 µs per call on a 2-core x86 host).
+FP8AllGatherWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    FP8AllGatherWeight.fsdp_pre_all_gather)
 
 
 class GatheredFP8Weight(torch.Tensor):

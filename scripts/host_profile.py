@@ -6,12 +6,14 @@ allocations, pytree work). On the CPU the kernels are the reference functions, w
 than a GPU launch; the glue measured here is common to both devices.
 
     python scripts/host_profile.py [--device cpu|cuda] [--profile] [--calls N] [--repeats R]
-                                   [--cpu-time] [--only NAME ...]
+                                   [--cpu-time] [--stub-kernels] [--only NAME ...]
 
 Each case prints the best of ``--repeats`` (3) loops of ``--calls`` (200) calls in µs per call;
 on CUDA a loop is launched without synchronization (one ``synchronize`` after it), so the number
 is the host's time. ``--profile`` also prints the cProfile top 25 functions of each case by
-tottime and by cumtime.
+tottime and by cumtime. ``--stub-kernels`` (CPU only) replaces the CPU kernel of every ``fp8ops::``
+library op by its fake kernel (outputs of the right shape, uninitialised, no arithmetic), so the time
+left is the glue alone: what a GPU host pays per call besides the launches themselves.
 """
 
 from __future__ import annotations
@@ -90,6 +92,22 @@ def cases(device: str) -> dict[str, Callable[[], None]]:
     }
 
 
+def stub_kernels() -> list[str]:
+    """Register each ``fp8ops::`` op's fake kernel as its CPU kernel (for this process); the op names."""
+    from torch._library.simple_registry import singleton
+
+    lib = torch.library.Library("fp8ops", "IMPL")
+    stubbed = []
+    for name in dir(torch.ops.fp8ops):
+        fake = getattr(singleton.find(f"fp8ops::{name}").fake_impl, "kernel", None)
+        if name.startswith("_") or fake is None:
+            continue
+        lib.impl(name, fake, "CPU")
+        stubbed.append(name)
+    stub_kernels.lib = lib  # type: ignore[attr-defined]  # keep the registrations alive
+    return stubbed
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -137,10 +155,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="time the calling thread's CPU time instead of wall time: steadier on a busy "
                              "machine; for --device cpu only (on CUDA the autograd engine runs the backward "
                              "on another thread)")
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="CPU only: run each fp8ops library op's fake kernel instead of its reference "
+                             "math, so the time is the glue around the kernels")
     parser.add_argument("--only", nargs="*", default=None, help="case names (substrings) to run")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    if args.stub_kernels:
+        if args.device != "cpu":
+            parser.error("--stub-kernels: only with --device cpu")
+        stub_kernels()
     todo = cases(args.device)
     if args.only:
         todo = {k: v for k, v in todo.items() if any(s in k for s in args.only)}

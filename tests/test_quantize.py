@@ -65,6 +65,20 @@ def test_transpose_copy():
     assert torch.equal(_u8(q.data_t), _u8(q.data.reshape(12, 5).t().contiguous()))
 
 
+def test_transpose_bytes_ops_hand_values():
+    """fp8ops::transpose_bytes and its out form on the CPU: hand-written bytes; the out form fills
+    the given tensor itself (an FP8 x into a uint8 out) and returns nothing."""
+    x = torch.tensor([[1, 2, 3], [4, 5, 0xFF]], dtype=torch.uint8)
+    want = torch.tensor([[1, 4], [2, 5], [3, 0xFF]], dtype=torch.uint8)
+    assert torch.equal(torch.ops.fp8ops.transpose_bytes(x), want)
+    out = torch.zeros(3, 2, dtype=torch.uint8)
+    ptr = out.data_ptr()
+    assert torch.ops.fp8ops.transpose_bytes_into(x.view(torch.float8_e4m3fn), out) is None
+    assert out.data_ptr() == ptr and torch.equal(out, want)
+    with pytest.raises(ValueError, match=r"transpose_bytes_into: out must be a contiguous \(3, 2\)"):
+        torch.ops.fp8ops.transpose_bytes_into(x, torch.zeros(2, 3, dtype=torch.uint8))
+
+
 def test_inputs_not_modified():
     r = DelayedScaling()
     x = torch.randn(4, 6)
