@@ -56,6 +56,7 @@ __all__ = [
     "reduce_from_tp",
     "reduce_scatter",
     "reduce_scatter_async",
+    "row_fprop_chunks",
     "row_output",
     "scatter_seq",
     "scatter_seq_fp8",
@@ -108,6 +109,20 @@ def all_gather_async(t: Tensor, group: Any) -> Tensor:
 
 wait = _done
 reduce_scatter = _reduce_scatter
+
+# Column chunks of the forward GEMM of a sequence-parallel, row-parallel FP8 linear (the fused path
+# of fp8_linear): each chunk's partial sums are reduce-scattered while the next chunk is computed,
+# and the chunks' slices are concatenated along the last dim. 1: one GEMM, then one reduce-scatter.
+# A plain list read when an op is called (torch.compile guards on its value).
+ROW_FPROP_CHUNKS = [1]
+
+
+def row_fprop_chunks(n_out: int) -> int:
+    """The column chunks for a row-parallel forward GEMM of ``n_out`` output columns: the setting of
+    :data:`ROW_FPROP_CHUNKS` when it divides ``n_out`` into chunks of a multiple of 16 columns (what
+    FP8 GEMMs take), else 1."""
+    c = ROW_FPROP_CHUNKS[0]
+    return c if c > 1 and n_out % c == 0 and (n_out // c) % 16 == 0 else 1
 
 
 def _conjugate(name: str, fwd: Any, bwd: Any) -> Any:

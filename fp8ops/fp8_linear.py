@@ -32,6 +32,7 @@ from ._parallel import (
     probe_sink,
     reduce_scatter,
     reduce_scatter_async,
+    row_fprop_chunks,
     row_output,
     tp_config,
     wait,
@@ -168,12 +169,31 @@ class _Cfg(NamedTuple):
     # GEMMs as they are; dx is reduce-scattered. "row": y is reduce-scattered to (M/w, N); dy (M/w, N)
     # is quantized with the group's scale and all-gathered as FP8 bytes for dgrad and wgrad.
     sp: str | None = None
+    # "row": the forward GEMM in this many column chunks, each reduce-scattered while the next one
+    # is computed (_parallel.ROW_FPROP_CHUNKS).
+    row_chunks: int = 1
 
 
 def _gathered_fp8(full: Tensor, dtype: torch.dtype, need_t: bool) -> tuple[Tensor, Tensor | None]:
     """(the ranks' FP8 slices gathered along dim 0 as ``dtype``, its K-major transpose or None)."""
     full = wait(full).view(dtype)  # (M, C)
     return full, (torch.ops.fp8ops.transpose_bytes(full) if need_t else None)
+
+
+def _row_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor, wq: Tensor | None, w_inv: Tensor | None,
+               w: Tensor, cfg: _Cfg, group: Any) -> Tensor:
+    """A row-parallel forward GEMM (no bias) reduce-scattered along dim 0: (M/w, N). In
+    ``cfg.row_chunks`` column chunks, each chunk's reduce-scatter runs while the next chunk's GEMM
+    does; the same sums either way (a column of y is one dot product over this rank's K)."""
+    if cfg.row_chunks == 1:
+        return reduce_scatter(gemm_fprop(xq, x_inv, x, wq, w_inv, w, None, cfg.fprop, x.dtype), group)
+    n = w.shape[0] // cfg.row_chunks
+    parts = [
+        reduce_scatter_async(gemm_fprop(xq, x_inv, x, None if wq is None else wq[c * n:(c + 1) * n], w_inv,
+                                        w[c * n:(c + 1) * n], None, cfg.fprop, x.dtype), group)
+        for c in range(cfg.row_chunks)
+    ]
+    return torch.cat([wait(p) for p in parts], dim=1)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -220,9 +240,10 @@ class _FP8Linear(torch.autograd.Function):
         if cfg.sp == "column":
             xq, xq_t = _gathered_fp8(xq, cfg.x_spec.dtype, need_xt)
         # Step 3: the forward GEMM; row-parallel SP: the partial sums reduce-scattered to this rank's rows.
-        y = gemm_fprop(xq, x_inv, x, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if cfg.sp == "row":
-            y = reduce_scatter(y, group)
+            y = _row_fprop(xq, x_inv, x, wq, w_inv, w, cfg, group)
+        else:
+            y = gemm_fprop(xq, x_inv, x, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if not need_xt:
             xq_t = x_inv_t = None
         if not need_wt:
@@ -579,7 +600,8 @@ def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearSta
         # column: x is (S/w, ..., K) and y (S, ..., N); row: x is (S, ..., K) and y (S/w, ..., N)
         lead = (x.shape[0] * sp[2] if sp[0] == "column" else x.shape[0] // sp[2], *x.shape[1:-1])
         if sp[0] == "row":  # dy is gathered with the group's scale: a recorded one needs a probe
-            cfg = cfg._replace(g_spec=QuantSpec.of(recipe, "backward", state.grad_output.calibrated and cfg.has_probe))
+            cfg = cfg._replace(g_spec=QuantSpec.of(recipe, "backward", state.grad_output.calibrated and cfg.has_probe),
+                               row_chunks=row_fprop_chunks(N))
         cfg = cfg._replace(sp=sp[0])
     x2 = x.reshape(-1, K)
     x_scale, w_scale, g_scale = state.input.scale, state.weight.scale, state.grad_output.scale

@@ -13,7 +13,7 @@ P = importlib.import_module("fp8ops.bench.parallel")
 
 def _opts(**kw):
     base = {"quick": False, "steps": 10, "no_torchao": False, "no_compile": False, "no_fsdp": False,
-            "no_seed": False, "fsdp_batch": None, "profile": False}
+            "no_seed": False, "fsdp_batch": None, "profile": False, "row_chunks": [2, 4]}
     base.update(kw)
     return base
 
@@ -21,11 +21,15 @@ def _opts(**kw):
 def test_variants_by_part_and_fsdp_batch():
     every = P._variants(_opts(), 0, 2, None)
     parts = [part for part, _, _ in every]
-    assert parts.count("seed") == 6 and sum(p.startswith("fsdp2") for p in parts) == 6
+    assert parts.count("seed") == 8 and sum(p.startswith("fsdp2") for p in parts) == 6
+    chunked = [name for _, name, _ in every if "row chunks" in name]
+    assert chunked == ["fp8ops FP8, TP=2+SP, graph, row chunks 2", "fp8ops FP8, TP=2+SP, graph, row chunks 4"]
+    assert [P._row_chunks_of(n) for n in ("fp8ops FP8, TP=2+SP, graph", *chunked)] == [1, 2, 4]
+    assert sum(part == "seed" for part, _, _ in P._variants(_opts(row_chunks=[]), 0, 2, None)) == 6
     fsdp_only = P._variants(_opts(no_seed=True), 0, 2, None)
     assert [name for _, name, _ in fsdp_only] == [name for part, name, _ in every if part != "seed"]
     seed_only = P._variants(_opts(no_fsdp=True, no_torchao=True), 0, 2, None)
-    assert {part for part, _, _ in seed_only} == {"seed"} and len(seed_only) == 5
+    assert {part for part, _, _ in seed_only} == {"seed"} and len(seed_only) == 7
     assert [g["batch"] for g in P._gpts(_opts())] == [4, 4]
     assert [g["batch"] for g in P._gpts(_opts(fsdp_batch=8))] == [8, 8]
     assert [g["hidden"] for g in P._gpts(_opts(fsdp_batch=8))] == [2048, 4096]
@@ -41,3 +45,16 @@ def test_options_that_leave_nothing_or_no_batch_raise():
         P.run(parser.parse_args(["--no-seed", "--no-fsdp"]))
     with pytest.raises(ValueError, match="--fsdp-batch must be a positive"):
         P.run(parser.parse_args(["--fsdp-batch", "0"]))
+    with pytest.raises(ValueError, match=r"--row-chunks takes chunk counts >= 2 .*got \[1\]"):
+        P.run(parser.parse_args(["--row-chunks", "2", "1"]))
+
+
+def test_ratios_use_the_default_variant_and_report_chunks():
+    """The targets' ratios come from the one-GEMM TP variants; each chunked variant is reported
+    against the one-GEMM graph step."""
+    rows = [{"variant": v, "part": "seed", "ms": ms, "comm_bytes": {}} for v, ms in [
+        ("fp8ops FP8, 1 GPU, graph", 13.0), ("fp8ops FP8, TP=2+SP, graph", 8.0),
+        ("fp8ops FP8, TP=2+SP, graph, row chunks 2", 6.0), ("torch bf16, DTensor TP=2+SP + compile", 12.0)]]
+    r = P._ratios(rows)
+    assert r["tp_over_1gpu"] == pytest.approx(8.0 / 13.0) and r["vs_bf16_tp"] == pytest.approx(1.5)
+    assert r["row_chunks_2_over_one"] == pytest.approx(0.75)

@@ -190,6 +190,70 @@ def _fp8_comm(rank, world, group, bad):
             gathered.clear()
 
 
+def _row_chunks(rank, world, group, bad):
+    """The row-parallel forward GEMMs of a TP+SP layer (proj, fc2) in column chunks, each chunk
+    reduce-scattered on its own (_parallel.ROW_FPROP_CHUNKS): the same outputs, gradients and
+    states as one GEMM and one reduce-scatter, with one more reduce-scatter per row-parallel linear
+    and chunk; a setting that does not split the columns into multiples of 16 runs one GEMM."""
+    import torch.distributed._functional_collectives as fc
+
+    from fp8ops import _parallel
+
+    cfg = fp8ops.TransformerConfig(**CONFIGS["pre"])  # hidden 32: proj and fc2 have N = 32
+    recipe = RECIPES["delayed"]
+    g = torch.Generator().manual_seed(5)
+    params = fp8ops.init_transformer_params(cfg, generator=g)
+    x, gy = torch.randn(S, B, cfg.hidden_size, generator=g), torch.randn(S, B, cfg.hidden_size, generator=g)
+    shard = fp8ops.shard_transformer_params(params, cfg, rank=rank, world_size=world)
+    sl = slice(rank * S // world, (rank + 1) * S // world)
+    tp = {"tp_group": group, "sequence_parallel": True}
+    calls = []
+    orig = fc.reduce_scatter_tensor
+
+    def spy(t, *args, **kwargs):
+        calls.append(tuple(t.shape))
+        return orig(t, *args, **kwargs)
+
+    def two_steps(chunks):
+        _parallel.ROW_FPROP_CHUNKS[0] = chunks
+        fc.reduce_scatter_tensor = spy
+        try:
+            st, outs = fp8ops.init_transformer_state(cfg, recipe), []
+            for _ in range(2):  # the second step runs with calibrated scales
+                out = _run(shard, x[sl], gy[sl], cfg, recipe, st, **tp)
+                st = fp8ops.update(out[4], recipe=recipe, grad_amax=out[3], group=group)
+                outs.append((out[:3], st))
+            n = len(calls)
+            calls.clear()
+            return outs, n
+        finally:
+            fc.reduce_scatter_tensor = orig
+            _parallel.ROW_FPROP_CHUNKS[0] = 1
+
+    ref, n_ref = two_steps(1)
+    for chunks, extra in ((2, 2), (4, 0)):  # 4 chunks of 8 columns: not a multiple of 16, one GEMM
+        got, n = two_steps(chunks)
+        tag = f"row chunks {chunks}"
+        if n - n_ref != 2 * extra:  # two steps, proj and fc2, (chunks - 1) more each
+            bad.append(f"{tag}: {n} reduce-scatters in two steps, expected {n_ref + 2 * extra}")
+        for (a, sa), (r, sr) in zip(got, ref):
+            for (ka, va), (_, vr) in zip(pytree.tree_flatten_with_path(a)[0], pytree.tree_flatten_with_path(r)[0]):
+                if not torch.allclose(va, vr, rtol=1e-5, atol=1e-6):
+                    bad.append(f"{tag}: {pytree.keystr(ka)} differs by {float((va - vr).abs().max()):.3g}")
+            for (ka, va), (_, vr) in zip(pytree.tree_flatten_with_path(sa)[0], pytree.tree_flatten_with_path(sr)[0]):
+                if not torch.equal(va, vr):
+                    bad.append(f"{tag}: state {pytree.keystr(ka)} differs")
+    if [_parallel.row_fprop_chunks(n) for n in (32, 48, 64)] != [1, 1, 1]:
+        bad.append("row_fprop_chunks: a setting of 1 must give 1 chunk")
+    _parallel.ROW_FPROP_CHUNKS[0] = 2
+    try:
+        got = [_parallel.row_fprop_chunks(n) for n in (32, 48, 64, 30)]
+    finally:
+        _parallel.ROW_FPROP_CHUNKS[0] = 1
+    if got != [2, 1, 2, 1]:
+        bad.append(f"row_fprop_chunks with 2: {got} for N = 32, 48, 64, 30, expected [2, 1, 2, 1]")
+
+
 def _errors(rank, world, group, bad):
     """Bad arguments raise before any collective (every rank raises the same)."""
     cfg = fp8ops.TransformerConfig(**CONFIGS["pre"])
@@ -377,6 +441,8 @@ def _worker(rank, world, init_file, out_dir, cases):
         _errors(rank, world, group, bad)
         _fp8_comm(rank, world, group, bad)
         _replicated(rank, world, group, bad)
+        if world == 2:
+            _row_chunks(rank, world, group, bad)
         if world == 4:
             _mesh(rank, bad)
     finally:
@@ -447,19 +513,23 @@ def _compile_worker(rank, world, init_file, out_dir):
             return fp8ops.transformer_layer(shard, x, state, config=cfg, recipe=recipe, probes=probes,
                                             tp_group=dist.group.WORLD, sequence_parallel=True)
 
-        results = []
-        for fn in (layer, torch.compile(layer, fullgraph=True)):
-            p = {k: v.detach().requires_grad_() for k, v in shard.items()}
-            xx = x.clone().requires_grad_()
-            probes = fp8ops.make_probes(state)
-            y, st = fn(p, xx, state, probes)
-            (y * gy).sum().backward()
-            results.append([y, xx.grad, *(v.grad for v in p.values()), *(q.grad for q in probes.values()),
-                            *fp8ops.state_dict(st).values()])
-        for i, (a, b) in enumerate(zip(*results)):
-            if not torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5):
-                diff = float((a.float() - b.float()).abs().max())
-                bad.append(f"compiled result {i} differs from eager by {diff:.3g}")
+        from fp8ops import _parallel
+
+        for chunks in (1, 2):  # 2: the row-parallel forward GEMMs in two column chunks
+            _parallel.ROW_FPROP_CHUNKS[0] = chunks
+            results = []
+            for fn in (layer, torch.compile(layer, fullgraph=True)):
+                p = {k: v.detach().requires_grad_() for k, v in shard.items()}
+                xx = x.clone().requires_grad_()
+                probes = fp8ops.make_probes(state)
+                y, st = fn(p, xx, state, probes)
+                (y * gy).sum().backward()
+                results.append([y, xx.grad, *(v.grad for v in p.values()), *(q.grad for q in probes.values()),
+                                *fp8ops.state_dict(st).values()])
+            for i, (a, b) in enumerate(zip(*results)):
+                if not torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5):
+                    diff = float((a.float() - b.float()).abs().max())
+                    bad.append(f"row chunks {chunks}: compiled result {i} differs from eager by {diff:.3g}")
     finally:
         torch.save(bad, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()

@@ -31,7 +31,10 @@ Targets (seed layer): TP=2+SP step <= 0.6x fp8ops on one GPU, >= 1.3x faster tha
 TP + compile, >= 1.5x faster than bf16 DTensor TP + compile; FP8 all-gather bytes half of bf16's;
 FSDP2 with FP8 all-gather moves half the weight bytes of bf16 and is no slower.
 ``--quick``: small sizes (a smoke run). ``--no-seed`` / ``--no-fsdp`` run one part;
-``--fsdp-batch N``: N sequences per GPU in the FSDP2 GPT (4 by default).
+``--fsdp-batch N``: N sequences per GPU in the FSDP2 GPT (4 by default). ``--row-chunks 2 4`` (the
+default) also times the TP=2+SP graph step with the row-parallel forward GEMMs (proj, fc2) split
+into that many column chunks, each chunk's reduce-scatter in flight while the next chunk is computed
+(reported as ``row_chunks_<n>_over_one``; the target ratios use the default, one GEMM).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-seed", action="store_true", help="skip the seed layer (run only the FSDP2 GPT)")
     parser.add_argument("--fsdp-batch", type=int, default=None, metavar="N",
                         help="sequences of 1024 tokens per GPU in the FSDP2 GPT (default 4)")
+    parser.add_argument("--row-chunks", type=int, nargs="*", default=[2, 4], metavar="N",
+                        help="also time the TP=2+SP graph step with the row-parallel forward GEMMs in N column "
+                             "chunks, each reduce-scattered while the next is computed (default: 2 4; none: skip)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the eager fp8ops steps (1 GPU and TP=2+SP) on rank 0: kernel time by kind "
                              "and the top kernels per step")
@@ -325,6 +331,8 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[t
         ("seed", "fp8ops FP8, 1 GPU, graph", lambda: _variant("seed", "fp8ops FP8", "eager", seed)),
         ("seed", "fp8ops FP8, TP=2+SP", lambda: _fp8ops_tp(seed, rank, world, group)),
         ("seed", "fp8ops FP8, TP=2+SP, graph", lambda: _fp8ops_tp(seed, rank, world, group)),
+        *[("seed", f"fp8ops FP8, TP=2+SP, graph, row chunks {c}", lambda: _fp8ops_tp(seed, rank, world, group))
+          for c in opts.get("row_chunks", ())],
         ("seed", f"torch bf16, DTensor TP=2+SP{suffix}", lambda: _dtensor_tp(seed, rank, world, False, compiled)),
     ]
     if not opts["no_torchao"] and not opts["no_seed"]:
@@ -337,8 +345,14 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[t
     return out
 
 
+def _row_chunks_of(name: str) -> int:
+    """The row-parallel forward chunks a variant runs with (1 unless its name says "row chunks N")."""
+    return int(name.rsplit("row chunks ", 1)[1]) if "row chunks " in name else 1
+
+
 def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
     import fp8ops
+    from fp8ops import _parallel
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{os.path.join(out_dir, 'init')}", rank=rank,
@@ -354,6 +368,7 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
         torch._dynamo.reset()
         torch.cuda.reset_peak_memory_stats()
         one_gpu = "1 GPU" in name
+        _parallel.ROW_FPROP_CHUNKS[0] = _row_chunks_of(name)
         try:
             if not one_gpu or rank == 0:
                 step, carry, batch = build()
@@ -379,6 +394,7 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
             failed.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
             if progress is not None:
                 progress.note(failed[-1])
+        _parallel.ROW_FPROP_CHUNKS[0] = 1
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         dist.barrier()
@@ -391,8 +407,8 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
 def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by = {r["variant"]: r for r in rows}
 
-    def ms(prefix: str) -> float | None:
-        got = [r["ms"] for name, r in by.items() if name.startswith(prefix)]
+    def ms(prefix: str) -> float | None:  # the fastest default variant (one GEMM per row-parallel linear)
+        got = [r["ms"] for name, r in by.items() if name.startswith(prefix) and _row_chunks_of(name) == 1]
         return min(got) if got else None
 
     tp, one, ao, bf = ms("fp8ops FP8, TP=2+SP"), ms("fp8ops FP8, 1 GPU"), ms("torchao float8"), ms("torch bf16")
@@ -403,6 +419,10 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["vs_torchao_tp"] = ao / tp
     if tp and bf:
         out["vs_bf16_tp"] = bf / tp
+    one_gemm = by.get("fp8ops FP8, TP=2+SP, graph")
+    for name, r in by.items():
+        if one_gemm and _row_chunks_of(name) > 1:
+            out[f"row_chunks_{_row_chunks_of(name)}_over_one"] = r["ms"] / one_gemm["ms"]
     gathers = {name: r["comm_bytes"].get("all_gather", 0.0) for name, r in by.items()}
     fp8_tp = gathers.get("fp8ops FP8, TP=2+SP")
     bf_tp = next((v for k, v in gathers.items() if k.startswith("torch bf16")), None)
@@ -425,6 +445,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if fsdp_batch is not None and fsdp_batch < 1:
         raise ValueError(f"fp8ops.bench parallel: --fsdp-batch must be a positive number of sequences per GPU, "
                          f"got {fsdp_batch}")
+    bad_chunks = [c for c in getattr(args, "row_chunks", []) if c < 2]
+    if bad_chunks:
+        raise ValueError(f"fp8ops.bench parallel: --row-chunks takes chunk counts >= 2 (1 is the default "
+                         f"variant), got {bad_chunks}")
     if getattr(args, "no_seed", False) and args.no_fsdp:
         raise ValueError("fp8ops.bench parallel: --no-seed and --no-fsdp together leave nothing to run")
     n = torch.cuda.device_count()
@@ -436,7 +460,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     opts = {"quick": args.quick, "steps": 3 if args.quick else args.steps, "no_torchao": args.no_torchao,
             "no_compile": args.no_compile, "no_fsdp": args.no_fsdp, "no_seed": getattr(args, "no_seed", False),
-            "fsdp_batch": fsdp_batch, "profile": args.profile}
+            "fsdp_batch": fsdp_batch, "profile": args.profile, "row_chunks": list(getattr(args, "row_chunks", []))}
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d, opts), nprocs=2, join=True)
         with open(os.path.join(d, "rows.json")) as f:
