@@ -52,8 +52,16 @@ FP8 hooks (not yet used by fp8ops): the forward takes per-block descales of Q, K
 (``HAS_DESCALE``: ``qk *= dq * dk`` per tile, ``pv *= dv``) and casts P to V's dtype before the PV
 GEMM, so FP8 operands need no kernel rewrite.
 
-Performance: pointer loads with cp.async pipelining (no TMA yet); fast for long sequences with
-head dims 64/128; masks cost only on edge tiles; a cheap score_mod (ALiBi, soft-cap) costs a few
+Loads. Pointer loads everywhere, or (config ``TMA=1``, forward only for now) Q, K and V tiles
+through 3-D (outer, sequence, columns) tensor descriptors (``_tma_view``): TMA copies into shared
+memory, waited on with mbarriers, rows past the sequence end read as zeros. Compiled for sm_90 with
+Triton 3.6, the forward's pointer loads do not become asynchronous copies (no ``cp.async`` in its
+PTX: global -> registers -> shared memory, 255 registers and spills at d = 128 with the bundled
+ptxas), while the TMA forward keeps its copies in flight in the pipeline (186 registers, no spills;
+d = 64 / 256: 124 / 203). The dK/dV kernel's pointer loads do become ``cp.async``; the dQ kernel's
+do not.
+
+Performance: fast for long sequences with head dims 64/128; masks cost only on edge tiles; a cheap score_mod (ALiBi, soft-cap) costs a few
 elementwise ops per score. Slow cases: short sequences with many heads (launch-bound), head dim
 256 in the backward (register pressure: smaller tiles), and fp32 inputs (IEEE dots).
 
@@ -71,6 +79,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._library import merge_config
 
@@ -269,6 +278,13 @@ def _head_ptr(ptr, b, h, row, stride_b, stride_h, stride_s):
 
 
 @triton.jit
+def _desc_tile(desc, outer, row, col, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # A (ROWS, COLS) tile of a 3-D (outer, sequence, columns) tensor descriptor (TMA on sm_90):
+    # sequence rows row.., columns col..; rows past the sequence read as zeros.
+    return desc.load([outer, row, col]).reshape(ROWS, COLS)
+
+
+@triton.jit
 def _block_lists(b, h, row, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im):
     # Offsets of the block-mask list of block row `row` of (b, h): (into the counts, into the indices).
     n_off = b * stride_nb + h * stride_nh + row * stride_nm
@@ -385,12 +401,13 @@ def _attn_fwd_tiles(
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
     drop_key, drop_thresh, kds_base, vds_base,
+    k_desc, v_desc, k_outer, k_col, v_outer, v_col,  # TMA: descriptors and this head's place in them
     SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr,
     CHECK_BAND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DESCALE: tl.constexpr, DESCALE_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1,
+    LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1, TMA: tl.constexpr = False,
 ):
     # The key tiles of one query tile, in order: scores, online softmax, P V. LIST: tile j of the listed
     # blocks (SPARSE_KV // BLOCK_N per block) in one loop, so the next block's loads pipeline as in a range.
@@ -402,8 +419,11 @@ def _attn_fwd_tiles(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < kv_len
         # Step 1: K tile (BLOCK_N, D) and the scores (BLOCK_M, BLOCK_N), fp32.
-        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
-        k = _load_tile(k_ptrs, kv_ok, offs_d < HEAD_DIM, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
+        if TMA:
+            k = _desc_tile(k_desc, k_outer, start_n, k_col, BLOCK_N, BLOCK_D)
+        else:
+            k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+            k = _load_tile(k_ptrs, kv_ok, offs_d < HEAD_DIM, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_DESCALE:
             qk = qk * tl.load(kds_base + start_n // DESCALE_KV)
@@ -433,8 +453,11 @@ def _attn_fwd_tiles(
             keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
             p = tl.where(keep, p, 0.0)
         # Step 5: P V, with P in V's dtype (bf16/fp16 now, FP8 later).
-        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
-        v = _load_tile(v_ptrs, kv_ok, offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        if TMA:
+            v = _desc_tile(v_desc, v_outer, start_n, v_col, BLOCK_N, BLOCK_DV)
+        else:
+            v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+            v = _load_tile(v_ptrs, kv_ok, offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
         if HAS_DESCALE:
             acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION) * tl.load(vds_base + start_n // DESCALE_KV)
         else:
@@ -471,12 +494,16 @@ def _attention_fwd_kernel(
     kds_ptr,  # (B, Hkv, ceil(Skv / DESCALE_KV)) fp32 descales of k
     vds_ptr,  # (B, Hkv, ceil(Skv / DESCALE_KV)) fp32 descales of v
     stride_dqb, stride_dqh, stride_dkb, stride_dkh,  # strides of the q / kv descales along (B, H)
+    q_desc, k_desc, v_desc,  # TMA: 3-D (outer, sequence, columns) tensor descriptors, or None
+    q_ob, q_oh, q_cb, q_ch,  # TMA: head (b, h) of q at outer index b*q_ob + h*q_oh, column b*q_cb + h*q_ch
+    k_ob, k_oh, k_cb, k_ch,  # the same for k
+    v_ob, v_oh, v_cb, v_ch,  # and v
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, BAND: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_DESCALE: tl.constexpr, DESCALE_Q: tl.constexpr, DESCALE_KV: tl.constexpr,
-    REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Step 1: program coordinates; causal-like bands run the longest query tiles first.
     b, h, m0, q_start, q_len, kv_start, kv_len = _query_program(cu_q_ptr, cu_kv_ptr, seq_q, seq_kv, REVERSE=REVERSE,
@@ -490,11 +517,16 @@ def _attention_fwd_kernel(
     q_ok = offs_m < q_len
 
     # Step 2: the query tile stays in registers.
-    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + m0).to(tl.int64) * stride_qs
-    q_ptrs = q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    q = _load_tile(q_ptrs, q_ok, offs_d < HEAD_DIM, CHECK_ROWS=True, CHECK_COLS=BLOCK_D != HEAD_DIM)
+    if TMA:
+        q = _desc_tile(q_desc, b * q_ob + h * q_oh, m0, b * q_cb + h * q_ch, BLOCK_M, BLOCK_D)
+    else:
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + m0).to(tl.int64) * stride_qs
+        q_ptrs = q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_d[None, :] * stride_qd
+        q = _load_tile(q_ptrs, q_ok, offs_d < HEAD_DIM, CHECK_ROWS=True, CHECK_COLS=BLOCK_D != HEAD_DIM)
     k_base = _head_ptr(k_ptr, b, hk, kv_start, stride_kb, stride_kh, stride_ks)
     v_base = _head_ptr(v_ptr, b, hk, kv_start, stride_vb, stride_vh, stride_vs)
+    k_outer, k_col = b * k_ob + hk * k_oh, b * k_cb + hk * k_ch
+    v_outer, v_col = b * v_ob + hk * v_oh, b * v_cb + hk * v_ch
 
     qk_scale = sm_scale * _LOG2E
     kds_base = kds_ptr
@@ -525,11 +557,12 @@ def _attention_fwd_kernel(
                 q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                k_desc, v_desc, k_outer, k_col, v_outer, v_col,
                 APPLY_MASK_MOD=HAS_MASK_MOD and not full, CHECK_KV=True, CHECK_BAND=BAND,
                 SCORE_FN=SCORE_MOD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD, DROPOUT=DROPOUT,
                 HAS_DESCALE=HAS_DESCALE, DESCALE_KV=DESCALE_KV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                 BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                LIST=True, SPARSE_KV=SPARSE_KV)
+                LIST=True, SPARSE_KV=SPARSE_KV, TMA=TMA)
     else:
         # Step 3b: the band's key range: masked edge tiles [lo, full_lo) and [full_hi, hi) around
         # the unmasked tiles [full_lo, full_hi), visited in that order.
@@ -544,10 +577,11 @@ def _attention_fwd_kernel(
                 q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
+                k_desc, v_desc, k_outer, k_col, v_outer, v_col,
                 APPLY_MASK_MOD=HAS_MASK_MOD, CHECK_KV=edge, CHECK_BAND=BAND and edge,
                 SCORE_FN=SCORE_MOD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD, DROPOUT=DROPOUT,
                 HAS_DESCALE=HAS_DESCALE, DESCALE_KV=DESCALE_KV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
-                BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, TMA=TMA)
 
     # Step 4: normalise once; rows that saw nothing give 0 and MASKED_ROW_LSE.
     seen = l_i > 0.0
@@ -1111,16 +1145,77 @@ def _launch_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 
 def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool) -> dict[str, int]:
     # Chosen from ptxas's register report on sm_90 (triton 3.6): no spills for the plain, causal,
-    # packed-GQA and captured-tensor score_mod variants in 16-bit precision.
+    # packed-GQA and captured-tensor score_mod variants in 16-bit precision. TMA: 1 loads Q, K and V
+    # through tensor descriptors where _tma_views allows it (off until timed against pointer loads).
     if interpret:
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "TMA": 0}
     dmax = max(d, dv)
     if dtype == torch.float32:
         # IEEE fp32 products run on the CUDA cores with both operands in registers: small tiles.
-        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "TMA": 0}
     if dmax <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": 0}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "TMA": 0}
+
+
+class _TmaView(NamedTuple):
+    """A (B, H, S, D) view as a 3-D (outer, sequence, columns) tensor descriptor: head (b, h) is
+    outer index ``b * ob + h * oh``, its rows start at column ``b * cb + h * ch``."""
+
+    desc: Any
+    ob: int
+    oh: int
+    cb: int
+    ch: int
+
+
+def _tma_view(t: torch.Tensor, rows: int) -> _TmaView | None:
+    """The descriptor view of a dense (B, H, S, D) tensor with (rows, D) tiles, or None where TMA
+    cannot address it: the last dim must be contiguous, the base and the row/outer strides 16-byte
+    aligned, D a power of two; each of B and H is an outer index (a stride of at least a row, a
+    multiple of the smallest such stride) or a column offset inside a row (the heads of a row laid
+    side by side). Rows past S are outside the descriptor: TMA reads them as zeros."""
+    B, H, S, D = t.shape
+    sb, sh, ss, sd = t.stride()
+    es = t.element_size()
+    if (sd != 1 or S == 0 or D < 16 or D & (D - 1) or D > 256 or t.data_ptr() % 16 or (ss * es) % 16
+            or t.dtype not in (torch.bfloat16, torch.float16)):
+        return None
+    dims = [(n, st) for n, st in ((B, sb), (H, sh))]
+    outer = [st for n, st in dims if n > 1 and st >= ss]
+    so = min(outer) if outer else ss * S
+    coef = []  # per dim: (outer coefficient, column coefficient)
+    for n, st in dims:
+        if n == 1:
+            coef.append((0, 0))
+        elif st >= ss:
+            if st % so:
+                return None
+            coef.append((st // so, 0))
+        else:
+            coef.append((0, st))
+    width = sum((n - 1) * c for (n, _), (_, c) in zip(dims, coef)) + D
+    if width > ss and S > 1 or (so * es) % 16:
+        return None  # the heads of one row would run into the next row
+    count = 1 + sum((n - 1) * o for (n, _), (o, _) in zip(dims, coef))
+    desc = TensorDescriptor(t, [count, S, width], [so, ss, 1], [1, rows, D])
+    return _TmaView(desc, coef[0][0], coef[1][0], coef[0][1], coef[1][1])
+
+
+def _tma_args(use: bool, tensors: tuple[torch.Tensor, ...], rows: tuple[int, ...], varlen: bool,
+              interp: bool) -> tuple[bool, tuple[Any, ...]]:
+    """(whether the kernel loads through TMA, its descriptor arguments): descriptors of every tensor,
+    then each one's (ob, oh, cb, ch); all of them or none (packed sequences, a GPU before sm_90, a
+    tensor TMA cannot address)."""
+    none = (None,) * len(tensors) + (0,) * (4 * len(tensors))
+    if not use or varlen:
+        return False, none
+    if not interp and (not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+        return False, none
+    views = [_tma_view(t, r) for t, r in zip(tensors, rows)]
+    if any(v is None for v in views):
+        return False, none
+    return True, (*(v.desc for v in views), *(x for v in views for x in v[1:]))
 
 
 def _bwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, atomic: bool = False) -> dict[str, int]:
@@ -1279,7 +1374,8 @@ def attention_fwd_launch(
         dropout_p, dropout_seed: drop probability and a () int64 seed tensor.
         descale: (q_descale (B, Hq, nq), k_descale (B, Hkv, nkv), v_descale (B, Hkv, nkv), block_q,
             block_kv) fp32 per-block descales (FP8 operands), or None.
-        config: overrides of BLOCK_M, BLOCK_N, num_warps, num_stages.
+        config: overrides of BLOCK_M, BLOCK_N, num_warps, num_stages and TMA (1: Q, K and V tiles
+            through tensor descriptors where the layout allows it, else pointer loads).
     """
     name = "attention_fwd_launch"
     prob = _check_problem(name, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
@@ -1321,6 +1417,8 @@ def attention_fwd_launch(
     grid = (triton.cdiv(prob.seq_q, block_m), prob.hq, prob.batch)
     if grid[0] == 0 or prob.batch == 0 or prob.hq == 0:
         return
+    tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), vl,
+                              interp)
     _launch(
         kernels.fwd, grid,
         q4, k4, v4, o4, l3,
@@ -1329,13 +1427,13 @@ def attention_fwd_launch(
         NO_BOUND if left is None else int(left), NO_BOUND if right is None else int(right),
         *_sparse_args(bs), *sm, *mm,
         dropout_seed if dropout_p > 0.0 else None, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
-        *ds_args,
+        *ds_args, *tma_args,
         HEAD_DIM=prob.d, HEAD_DIM_V=prob.dv, BLOCK_D=_pow2(prob.d), BLOCK_DV=_pow2(prob.dv),
         BLOCK_M=block_m, BLOCK_N=block_n,
         VARLEN=prob.varlen, BAND=band, HAS_SCORE_MOD=has_score_mod, HAS_MASK_MOD=has_mask_mod,
         BLOCK_SPARSE=bs is not None, SPARSE_Q=bs.block_q if bs else 1, SPARSE_KV=bs.block_kv if bs else 1,
         DROPOUT=dropout_p > 0.0, HAS_DESCALE=descale is not None, DESCALE_Q=gq, DESCALE_KV=gkv,
-        REVERSE=right is not None and not prob.varlen, DOT_PRECISION=_precision(q.dtype),
+        REVERSE=right is not None and not prob.varlen, DOT_PRECISION=_precision(q.dtype), TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

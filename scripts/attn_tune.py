@@ -1,9 +1,10 @@
 """Sweep the attention kernels' launch configurations at one shape on the GPU.
 
 Usage: python scripts/attn_tune.py OUT.json [--seqlen 8192] [--head-dim 128] [--batch 8] [--heads 32]
-       [--variants causal document] [--budget-s 300] [--samples 10]
+       [--variants causal document] [--budget-s 300] [--samples 10] [--tma 0 1]
 
-For each variant it times forward alone over the forward configs, and forward+backward over the
+For each variant it times forward alone over the forward configs (each with pointer loads and with
+TMA tensor descriptors: ``--tma``), and forward+backward over the
 backward configs (both dQ schemes), then writes every row with the compiled kernels' register and
 spill counts (ptxas, through Triton's compiled-kernel metadata) and the per-kernel device time of
 the default configuration (profiler). The defaults in kernels/attention.py come from such runs.
@@ -101,6 +102,8 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--skip-fwd", action="store_true")
     p.add_argument("--fwd", nargs="*", default=None, metavar="M,N,W,S", help="forward configs (default: a built-in list)")
+    p.add_argument("--tma", nargs="+", type=int, default=[0, 1], choices=[0, 1],
+                   help="forward loads to time each forward config with: 0 pointers, 1 TMA descriptors")
     p.add_argument("--bwd", nargs="*", default=None, metavar="M1,N1,W1,S1,M2,N2,W2,S2",
                    help="backward configs (default: a built-in list)")
     p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (causal variant only)")
@@ -146,11 +149,11 @@ def main() -> int:
                      "tflops": base / us / 1e6})
         print(rows[-2], rows[-1], flush=True)
         if not a.skip_fwd:
-            for bm, bn, w, s in fwd_list:
+            for (bm, bn, w, s), tma in ((c, t) for c in fwd_list for t in a.tma):
                 if left() < 20:
                     notes.append("budget reached")
                     break
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, TMA=tma)
                 try:
                     fn = make(variant, S, H, docs, fwd_config=cfg)
                     us = BA._time(fn, [s_[:3] for s_ in sets], a.samples, notes, "fwd").median_us

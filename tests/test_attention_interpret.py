@@ -350,6 +350,97 @@ def test_descale_hook():
         K.attention_fwd_launch(q, k, v, out, lse, sm_scale=0.25, descale=(qd, kd, vd, 8, 16))
 
 
+def _fused_qkv_sbhd(S, B, H, D, seed):
+    # q, k, v as the (S, B, H, D) slices of one (S, B, 3, H, D) projection output (strided views)
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(S, B, 3, H, D, generator=g).half()
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+TMA_CASES = [
+    # (name, (q, k, v) factory, layout, options): every layout, GQA, sequence lengths that end inside
+    # a tile (rows past S read as zeros), bands, a block mask with a mask_mod
+    ("bhsd_gqa", lambda: _dense(2, 4, 2, 37, 37, 16, dtype=torch.float16), "bhsd", dict()),
+    ("bshd_causal", lambda: _dense(2, 2, 2, 40, 40, 32, layout="bshd", dtype=torch.float16), "bshd",
+     dict(right=0)),
+    ("sbhd_window_cross", lambda: _dense(2, 2, 1, 29, 45, 16, layout="sbhd", dtype=torch.float16), "sbhd",
+     dict(left=5, right=3)),
+    ("fused_qkv_causal", lambda: _fused_qkv_sbhd(33, 2, 2, 16, 3), "sbhd", dict(right=0)),
+    ("block_mask_docs", lambda: _dense(1, 2, 2, 37, 37, 16, dtype=torch.float16), "bhsd", "docs"),
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=[c[0] for c in TMA_CASES])
+def test_forward_through_tensor_descriptors(case, monkeypatch):
+    """config TMA=1 loads Q, K and V through 3-D tensor descriptors: the launch takes that path for
+    every layout here (strided fused-QKV slices included), and out and lse are bit-identical to the
+    pointer loads (rows past a sequence end read as zeros, as the masked loads give)."""
+    name, make, layout, opts = case
+    q, k, v = (t.detach() for t in make())
+    kw = dict(score_mod=None, mask_mod=None, block_mask=None, left=None, right=None)
+    if opts == "docs":
+        docs = torch.arange(37) // 12
+        mm = A.and_masks(A.causal_mask(), A.document_mask(docs))
+        kw.update(mask_mod=mm, block_mask=A.create_block_mask(mm, None, None, 37, 37, block_size=16))
+    else:
+        kw.update(opts)
+    seen = []
+    real = K._launch
+    monkeypatch.setattr(K, "_launch", lambda kernel, grid, *a, **kwa: (seen.append(kwa.get("TMA")),
+                                                                        real(kernel, grid, *a, **kwa)))
+    outs = [A._attention_triton(q, k, v, scale=0.3, layout=layout, cu_q=None, cu_kv=None, max_q=None, max_kv=None,
+                                dropout_p=0.0, seed=None, fwd_config={**FWD16, "TMA": tma}, bwd_config=BWD16, **kw)
+            for tma in (0, 1)]
+    assert seen == [False, True]
+    (o0, l0), (o1, l1) = outs
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert not torch.isnan(o1).any()
+
+
+def test_tensor_descriptors_only_where_addressable(monkeypatch):
+    """Layouts TMA cannot address fall back to pointer loads with the same result: a head dim that
+    is not a power of two, float32, a non-unit last stride, and packed sequences."""
+    seen = []
+    real = K._launch
+    monkeypatch.setattr(K, "_launch", lambda kernel, grid, *a, **kwa: (seen.append(kwa["TMA"]),
+                                                                        real(kernel, grid, *a, **kwa)))
+    h24 = [t.detach() for t in _dense(1, 2, 2, 20, 20, 24, dtype=torch.float16)]
+    f32 = [t.detach() for t in _dense(1, 2, 2, 20, 20, 16)]
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(1, 2, 20, 32, generator=g).half()
+    strided = [wide[..., ::2]] * 3  # last stride 2
+    for q, k, v in (h24, f32, strided):
+        out, lse = torch.empty(q.shape, dtype=q.dtype), torch.empty(q.shape[:3])
+        K.attention_fwd_launch(q, k, v, out, lse, sm_scale=0.3, config={**FWD16, "TMA": 1})
+        ref, rl = torch.empty_like(out), torch.empty_like(lse)
+        K.attention_fwd_launch(q, k, v, ref, rl, sm_scale=0.3, config={**FWD16, "TMA": 0})
+        assert torch.equal(out, ref) and torch.equal(lse, rl)
+    q, k, v, cu_q, cu_kv = _packed([5, 12], None or [5, 12], 2, 2, 16, dtype=torch.float16)
+    out, lse = torch.empty_like(q).detach(), torch.empty(q.shape[:2])
+    K.attention_fwd_launch(q.detach(), k.detach(), v.detach(), out, lse, sm_scale=0.3, cu_seqlens_q=cu_q,
+                           cu_seqlens_kv=cu_kv, max_seqlen_q=12, max_seqlen_kv=12, config={**FWD16, "TMA": 1})
+    assert seen == [False, False, False, False, False, False, False]
+
+
+def test_tma_view_places_heads_in_rows_or_columns():
+    """Where the descriptor puts each head: bhsd heads are outer indices, bshd heads columns of a row
+    with the batch outer, sbhd (and fused QKV slices) everything in the columns of a row."""
+    def place(t):
+        v = K._tma_view(t, 16)
+        return None if v is None else (tuple(v.desc.shape), tuple(v.desc.strides), v[1:])
+
+    x = torch.zeros(2, 3, 40, 16, dtype=torch.float16)  # bhsd
+    assert place(x) == ((6, 40, 16), (640, 16, 1), (3, 1, 0, 0))
+    y = torch.zeros(2, 40, 3, 16, dtype=torch.float16).transpose(1, 2)  # bshd as (B, H, S, D)
+    assert place(y) == ((2, 40, 48), (1920, 48, 1), (1, 0, 0, 16))
+    z = torch.zeros(40, 2, 3, 16, dtype=torch.float16).permute(1, 2, 0, 3)  # sbhd
+    assert place(z) == ((1, 40, 96), (3840, 96, 1), (0, 0, 48, 16))
+    qkv = torch.zeros(40, 2, 3, 3, 16, dtype=torch.float16)  # (S, B, 3, H, D): k = [:, :, 1]
+    kk = qkv[:, :, 1].permute(1, 2, 0, 3)
+    assert place(kk) == ((1, 40, 192), (11520, 288, 1), (0, 0, 144, 16))
+    assert place(x.float()) is None and place(x[..., :12]) is None
+
+
 def test_launchers_validate():
     q, k, v = (t.detach() for t in _dense(1, 2, 2, 8, 8, 16))
     out, lse = torch.empty_like(q), torch.empty(1, 2, 8)
