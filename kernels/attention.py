@@ -52,9 +52,10 @@ FP8 hooks (not yet used by fp8ops): the forward takes per-block descales of Q, K
 (``HAS_DESCALE``: ``qk *= dq * dk`` per tile, ``pv *= dv``) and casts P to V's dtype before the PV
 GEMM, so FP8 operands need no kernel rewrite.
 
-Loads. Pointer loads everywhere, or (config ``TMA=1``, forward only for now) Q, K and V tiles
-through 3-D (outer, sequence, columns) tensor descriptors (``_tma_view``): TMA copies into shared
-memory, waited on with mbarriers, rows past the sequence end read as zeros. Compiled for sm_90 with
+Loads. Pointer loads everywhere, or (forward config ``TMA=1``: Q, K, V; backward config ``TMA2=1``: the
+dQ kernel's K and V) tiles through 3-D (outer, sequence, columns) tensor descriptors
+(``_tma_view``): TMA copies into shared memory, waited on with mbarriers, rows past the sequence
+end read as zeros. Compiled for sm_90 with
 Triton 3.6, the forward's pointer loads do not become asynchronous copies (no ``cp.async`` in its
 PTX: global -> registers -> shared memory, 255 registers and spills at d = 128 with the bundled
 ptxas), while the TMA forward keeps its copies in flight in the pipeline (186 registers, no spills;
@@ -858,12 +859,13 @@ def _attn_bwd_dq_tiles(
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
     drop_key, drop_thresh, drop_scale,
+    k_desc, v_desc, k_outer, k_col, v_outer, v_col,  # TMA: descriptors and this head's place in them
     SCORE_FN: tl.constexpr, GRAD_FN: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr, CHECK_BAND: tl.constexpr,
     DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1,
+    LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1, TMA: tl.constexpr = False,
 ):
     # The key tiles seen by one query tile, in order: dS, then dQ += dS K. LIST: tile j of the listed
     # blocks (SPARSE_KV // BLOCK_N per block) in one loop, so the next block's loads pipeline.
@@ -875,10 +877,14 @@ def _attn_bwd_dq_tiles(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < kv_len
         # Step 1: K, V tiles; scores and probabilities (BLOCK_M, BLOCK_N).
-        k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok, offs_d < HEAD_DIM,
-                       CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
-        v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
-                       offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        if TMA:
+            k = _desc_tile(k_desc, k_outer, start_n, k_col, BLOCK_N, BLOCK_D)
+            v = _desc_tile(v_desc, v_outer, start_n, v_col, BLOCK_N, BLOCK_DV)
+        else:
+            k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok,
+                           offs_d < HEAD_DIM, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
+            v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd, kv_ok,
+                           offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SCORE_MOD:
             s = qk * sm_scale
@@ -929,11 +935,14 @@ def _attention_bwd_dq_kernel(
     stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,  # of the block lists, as in the forward
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
     seed_ptr, drop_thresh, drop_scale,
+    k_desc, v_desc,  # TMA: 3-D (outer, sequence, columns) tensor descriptors of k and v, or None
+    k_ob, k_oh, k_cb, k_ch,  # TMA: head (b, h) of k at outer index b*k_ob + h*k_oh, column b*k_cb + h*k_ch
+    v_ob, v_oh, v_cb, v_ch,  # the same for v
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, BAND: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr, DROPOUT: tl.constexpr,
-    REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Step 1: this program's query tile, dO, LSE and delta stay in registers.
     b, h, m0, q_start, q_len, kv_start, kv_len = _query_program(cu_q_ptr, cu_kv_ptr, seq_q, seq_kv, REVERSE=REVERSE,
@@ -958,6 +967,8 @@ def _attention_bwd_dq_kernel(
     delta = tl.load(delta_ptr + l_off, mask=q_ok, other=0.0)
     k_base = _head_ptr(k_ptr, b, hk, kv_start, stride_kb, stride_kh, stride_ks)
     v_base = _head_ptr(v_ptr, b, hk, kv_start, stride_vb, stride_vh, stride_vs)
+    k_outer, k_col = b * k_ob + hk * k_oh, b * k_cb + hk * k_ch
+    v_outer, v_col = b * v_ob + hk * v_oh, b * v_cb + hk * v_ch
     qk_scale = sm_scale * _LOG2E
     drop_key = b.to(tl.uint32)
     if DROPOUT:
@@ -976,10 +987,12 @@ def _attention_bwd_dq_kernel(
                 q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                k_desc, v_desc, k_outer, k_col, v_outer, v_col,
                 APPLY_MASK_MOD=HAS_MASK_MOD and not full, CHECK_KV=True, CHECK_BAND=BAND,
                 SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD_DQ, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
                 DROPOUT=DROPOUT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D,
-                BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, LIST=True, SPARSE_KV=SPARSE_KV)
+                BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, LIST=True, SPARSE_KV=SPARSE_KV,
+                TMA=TMA)
     else:
         lo, full_lo, full_hi, hi = _kv_range(m0, tl.minimum(m0 + BLOCK_M, q_len), kv_len, win_left, win_right,
                                              BAND=BAND, BLOCK_N=BLOCK_N)
@@ -992,10 +1005,11 @@ def _attention_bwd_dq_kernel(
                 q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
+                k_desc, v_desc, k_outer, k_col, v_outer, v_col,
                 APPLY_MASK_MOD=HAS_MASK_MOD, CHECK_KV=edge, CHECK_BAND=BAND and edge,
                 SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD_DQ, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
                 DROPOUT=DROPOUT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D,
-                BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, TMA=TMA)
 
     # Step 3: store dQ (scaled once).
     dq = dq * sm_scale
@@ -1224,24 +1238,25 @@ def _bwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, atomic: bo
     # (triton 3.6, B=8, S=8192; scripts/attn_tune.py): 64-row query tiles in the dK/dV kernel run
     # 1.3-1.4x faster than 16 or 32 at d <= 128 although they use all 255 registers (no spills in
     # the separate-dQ kernel; a few dozen with atomic dQ, still the fastest), and 2.7x at d = 256.
+    # TMA2: 1 loads the dQ kernel's K and V tiles through tensor descriptors (as the forward's TMA).
     if interpret:
         return {"BLOCK_M1": 32, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1,
-                "BLOCK_M2": 32, "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1}
+                "BLOCK_M2": 32, "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "TMA2": 0}
     dmax = max(d, dv)
     if dtype == torch.float32:
         return {"BLOCK_M1": 16, "BLOCK_N1": 16, "num_warps1": 4, "num_stages1": 1,
-                "BLOCK_M2": 64, "BLOCK_N2": 16, "num_warps2": 4, "num_stages2": 2}
+                "BLOCK_M2": 64, "BLOCK_N2": 16, "num_warps2": 4, "num_stages2": 2, "TMA2": 0}
     if dmax <= 64 and not atomic:
         # causal d=64: 47.8 ms fwd+bwd against 51.9 with eight warps (atomic dQ with four warps: 144)
         return {"BLOCK_M1": 64, "BLOCK_N1": 128, "num_warps1": 4, "num_stages1": 3,
-                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 4, "num_stages2": 3}
+                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 4, "num_stages2": 3, "TMA2": 0}
     if dmax <= 128:
         # causal d=128: 40.4 ms (separate) / 39.9 (atomic) against 59.4 / 56.1 with BLOCK_M1 = 16
         return {"BLOCK_M1": 64, "BLOCK_N1": 128, "num_warps1": 8, "num_stages1": 3,
-                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 3}
+                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 3, "TMA2": 0}
     # causal d=256: 79.8 ms (separate) / 77.0 (atomic) against 216.7 / 206.8 with (16, 32, 64, 16)
     return {"BLOCK_M1": 64, "BLOCK_N1": 64, "num_warps1": 8, "num_stages1": 2,
-            "BLOCK_M2": 64, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 2}
+            "BLOCK_M2": 64, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 2, "TMA2": 0}
 
 
 def _fit_block(block: int, sparse: int | None) -> int:
@@ -1490,6 +1505,9 @@ def attention_bwd_launch(
             per-key-block lists (dK/dV kernel).
         dq_mode: "separate" (deterministic dQ kernel) or "atomic" (dQ accumulated by the dK/dV
             kernel with fp32 atomics).
+        config: overrides of the *1 (dK/dV kernel) and *2 (dQ kernel) BLOCK_M, BLOCK_N, num_warps,
+            num_stages, and TMA2 (1: the dQ kernel's K and V tiles through tensor descriptors where
+            the layout allows it).
         Other arguments: as in :func:`attention_fwd_launch`.
     """
     name = "attention_bwd_launch"
@@ -1563,13 +1581,14 @@ def attention_bwd_launch(
         assert dqa is not None
         dq.copy_(dqa)
         return
+    tma, tma_args = _tma_args(bool(cfg["TMA2"]), (k4, vv4), (n2, n2), vl, interp)
     _launch(
         kernels.bwd_dq, (triton.cdiv(prob.seq_q, m2), prob.hq, prob.batch),
         q4, k4, vv4, do4, l3, d3, dq4,
         *_st(q4, 4, vl), *_st(k4, 4, vl), *_st(vv4, 4, vl), *_st(do4, 4, vl), *_st(dq4, 4, vl), *_st(l3, 3, vl),
         cu_seqlens_q, cu_seqlens_kv, prob.seq_q, prob.seq_kv, prob.hq // prob.hkv, float(sm_scale), wl, wr,
-        *_sparse_args(bs), *sm, *mm, *drop,
-        BLOCK_M=m2, BLOCK_N=n2, REVERSE=right is not None and not prob.varlen, **common,
+        *_sparse_args(bs), *sm, *mm, *drop, *tma_args,
+        BLOCK_M=m2, BLOCK_N=n2, REVERSE=right is not None and not prob.varlen, TMA=tma, **common,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )
 

@@ -372,9 +372,10 @@ TMA_CASES = [
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=[c[0] for c in TMA_CASES])
 def test_forward_through_tensor_descriptors(case, monkeypatch):
-    """config TMA=1 loads Q, K and V through 3-D tensor descriptors: the launch takes that path for
-    every layout here (strided fused-QKV slices included), and out and lse are bit-identical to the
-    pointer loads (rows past a sequence end read as zeros, as the masked loads give)."""
+    """Forward config TMA=1 loads Q, K and V, backward config TMA2=1 the dQ kernel's K and V, through
+    3-D tensor descriptors: the launches take that path for every layout here (strided fused-QKV
+    slices included), and out, lse and every gradient are bit-identical to the pointer loads (rows
+    past a sequence end read as zeros, as the masked loads give)."""
     name, make, layout, opts = case
     q, k, v = (t.detach() for t in make())
     kw = dict(score_mod=None, mask_mod=None, block_mask=None, left=None, right=None)
@@ -386,15 +387,21 @@ def test_forward_through_tensor_descriptors(case, monkeypatch):
         kw.update(opts)
     seen = []
     real = K._launch
-    monkeypatch.setattr(K, "_launch", lambda kernel, grid, *a, **kwa: (seen.append(kwa.get("TMA")),
+    monkeypatch.setattr(K, "_launch", lambda kernel, grid, *a, **kwa: (seen.append((kernel.__name__, kwa.get("TMA"))),
                                                                         real(kernel, grid, *a, **kwa)))
-    outs = [A._attention_triton(q, k, v, scale=0.3, layout=layout, cu_q=None, cu_kv=None, max_q=None, max_kv=None,
-                                dropout_p=0.0, seed=None, fwd_config={**FWD16, "TMA": tma}, bwd_config=BWD16, **kw)
-            for tma in (0, 1)]
-    assert seen == [False, True]
-    (o0, l0), (o1, l1) = outs
-    assert torch.equal(o0, o1) and torch.equal(l0, l1)
-    assert not torch.isnan(o1).any()
+    outs = []
+    for tma in (0, 1):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = A._attention_triton(qq, kk, vv, scale=0.3, layout=layout, cu_q=None, cu_kv=None, max_q=None,
+                                       max_kv=None, dropout_p=0.0, seed=None, fwd_config={**FWD16, "TMA": tma},
+                                       bwd_config={**BWD16, "TMA2": tma}, **kw)
+        g = torch.Generator().manual_seed(9)
+        (out.float() * torch.randn(out.shape, generator=g)).sum().backward()
+        outs.append((out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad))
+    assert [t for n, t in seen if n.endswith(("fwd_kernel", "dq_kernel"))] == [False, False, True, True]
+    for name_, a, b in zip(("out", "lse", "dq", "dk", "dv"), *outs):
+        assert torch.equal(a, b), name_
+    assert not torch.isnan(outs[1][0]).any()
 
 
 def test_tensor_descriptors_only_where_addressable(monkeypatch):
