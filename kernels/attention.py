@@ -52,15 +52,18 @@ FP8 hooks (not yet used by fp8ops): the forward takes per-block descales of Q, K
 (``HAS_DESCALE``: ``qk *= dq * dk`` per tile, ``pv *= dv``) and casts P to V's dtype before the PV
 GEMM, so FP8 operands need no kernel rewrite.
 
-Loads. Pointer loads everywhere, or (forward config ``TMA=1``: Q, K, V; backward config ``TMA2=1``: the
-dQ kernel's K and V) tiles through 3-D (outer, sequence, columns) tensor descriptors
+Loads. Pointer loads everywhere, or (forward config ``TMA=1``: Q, K, V; backward config ``TMA1=1``:
+the dK/dV kernel's Q and dO, ``TMA2=1``: the dQ kernel's K and V) tiles through 3-D (outer,
+sequence, columns) tensor descriptors
 (``_tma_view``): TMA copies into shared memory, waited on with mbarriers, rows past the sequence
 end read as zeros. Compiled for sm_90 with
 Triton 3.6, the forward's pointer loads do not become asynchronous copies (no ``cp.async`` in its
 PTX: global -> registers -> shared memory, 255 registers and spills at d = 128 with the bundled
 ptxas), while the TMA forward keeps its copies in flight in the pipeline (186 registers, no spills;
-d = 64 / 256: 124 / 203). The dK/dV kernel's pointer loads do become ``cp.async``; the dQ kernel's
-do not.
+d = 64 / 256: 124 / 203). The dQ kernel likewise (pointer loads not asynchronous, 104 bytes of
+spills at d = 128; with TMA none). The dK/dV kernel's pointer loads do become ``cp.async``; TMA
+there shrinks its spills (d = 128: 2116 -> 1328 bytes with the bundled ptxas, whose spill counts
+differ from the CUDA toolkit's on the GPU).
 
 Performance: fast for long sequences with head dims 64/128; masks cost only on edge tiles; a cheap score_mod (ALiBi, soft-cap) costs a few
 elementwise ops per score. Slow cases: short sequences with many heads (launch-bound), head dim
@@ -657,12 +660,13 @@ def _attn_bwd_dkdv_tiles(
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
     drop_key, drop_thresh, drop_scale,
+    q_desc, do_desc, q_outer, q_col, g_outer, g_col,  # TMA: descriptors and this head's place in them
     SCORE_FN: tl.constexpr, GRAD_FN: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, MASKED: tl.constexpr, CHECK_BAND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
     DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LIST: tl.constexpr = False, SPARSE_Q: tl.constexpr = 1,
+    LIST: tl.constexpr = False, SPARSE_Q: tl.constexpr = 1, TMA: tl.constexpr = False,
 ):
     # The query tiles that see one key tile, in order: dV, dK (and dQ with atomics). LIST: tile j of the
     # listed blocks (SPARSE_Q // BLOCK_M per block) in one loop, so the next block's loads pipeline.
@@ -674,10 +678,14 @@ def _attn_bwd_dkdv_tiles(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_ok = offs_m < q_len
         # Step 1: Q and dO tiles, and the row statistics.
-        q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok, offs_d < HEAD_DIM,
-                       CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_D != HEAD_DIM)
-        do = _load_tile(do_base + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok,
-                        offs_dv < HEAD_DIM_V, CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
+        if TMA:
+            q = _desc_tile(q_desc, q_outer, start_m, q_col, BLOCK_M, BLOCK_D)
+            do = _desc_tile(do_desc, g_outer, start_m, g_col, BLOCK_M, BLOCK_DV)
+        else:
+            q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok,
+                           offs_d < HEAD_DIM, CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_D != HEAD_DIM)
+            do = _load_tile(do_base + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd, q_ok,
+                            offs_dv < HEAD_DIM_V, CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
         if MASKED:
             lse2 = tl.load(l_base + offs_m * stride_ls, mask=q_ok, other=0.0) * _LOG2E
             delta = tl.load(e_base + offs_m * stride_ls, mask=q_ok, other=0.0)
@@ -753,11 +761,14 @@ def _attention_bwd_dkdv_kernel(
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
     g0, g1, g2, g3,  # fp32 gradients of the score_mod tensors (flat), or None
     seed_ptr, drop_thresh, drop_scale,
+    q_desc, do_desc,  # TMA: 3-D (outer, sequence, columns) tensor descriptors of q and do, or None
+    q_ob, q_oh, q_cb, q_ch,  # TMA: head (b, h) of q at outer index b*q_ob + h*q_oh, column b*q_cb + h*q_ch
+    g_ob, g_oh, g_cb, g_ch,  # the same for do
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, BAND: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr, DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Step 1: this program's key tile, kept in registers with its dK, dV accumulators.
     pid_n = tl.program_id(0)
@@ -792,6 +803,8 @@ def _attention_bwd_dkdv_kernel(
         do_base = _head_ptr(do_ptr, b, h, seq, stride_gb, stride_gh, stride_gs)
         l_base = _head_ptr(lse_ptr, b, h, seq, stride_lb, stride_lh, stride_ls)
         e_base = _head_ptr(delta_ptr, b, h, seq, stride_lb, stride_lh, stride_ls)
+        q_outer, q_col = b * q_ob + h * q_oh, b * q_cb + h * q_ch
+        g_outer, g_col = b * g_ob + h * g_oh, b * g_cb + h * g_ch
         dq_base = dqa_ptr
         if ATOMIC_DQ:
             dq_base = _head_ptr(dqa_ptr, b, h, seq, stride_ab, stride_ah, stride_as)
@@ -811,12 +824,12 @@ def _attention_bwd_dkdv_kernel(
                     q_len, kv_len, offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd,
                     stride_ls, stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
                     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                    drop_key, drop_thresh, drop_scale,
+                    drop_key, drop_thresh, drop_scale, q_desc, do_desc, q_outer, q_col, g_outer, g_col,
                     MASKED=True, CHECK_BAND=BAND, APPLY_MASK_MOD=HAS_MASK_MOD and not full,
                     SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
                     DROPOUT=DROPOUT, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    DOT_PRECISION=DOT_PRECISION, LIST=True, SPARSE_Q=SPARSE_Q)
+                    DOT_PRECISION=DOT_PRECISION, LIST=True, SPARSE_Q=SPARSE_Q, TMA=TMA)
         else:
             # Masked edge tiles [lo, full_lo) and [full_hi, hi) around the tiles [full_lo, full_hi)
             # that need no band or bounds check, visited in that order.
@@ -829,12 +842,12 @@ def _attention_bwd_dkdv_kernel(
                     q_len, kv_len, offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd,
                     stride_ls, stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
                     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                    drop_key, drop_thresh, drop_scale,
+                    drop_key, drop_thresh, drop_scale, q_desc, do_desc, q_outer, q_col, g_outer, g_col,
                     MASKED=edge or HAS_MASK_MOD, CHECK_BAND=BAND and edge, APPLY_MASK_MOD=HAS_MASK_MOD,
                     SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
                     DROPOUT=DROPOUT, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    DOT_PRECISION=DOT_PRECISION)
+                    DOT_PRECISION=DOT_PRECISION, TMA=TMA)
 
     # Step 3: store dK (scaled once) and dV; rows past the sequence end are not written.
     dk = dk * sm_scale
@@ -1238,25 +1251,26 @@ def _bwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, atomic: bo
     # (triton 3.6, B=8, S=8192; scripts/attn_tune.py): 64-row query tiles in the dK/dV kernel run
     # 1.3-1.4x faster than 16 or 32 at d <= 128 although they use all 255 registers (no spills in
     # the separate-dQ kernel; a few dozen with atomic dQ, still the fastest), and 2.7x at d = 256.
-    # TMA2: 1 loads the dQ kernel's K and V tiles through tensor descriptors (as the forward's TMA).
+    # TMA1 / TMA2: 1 loads the dK/dV kernel's Q and dO tiles / the dQ kernel's K and V tiles through
+    # tensor descriptors (as the forward's TMA).
     if interpret:
         return {"BLOCK_M1": 32, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1,
-                "BLOCK_M2": 32, "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "TMA2": 0}
+                "BLOCK_M2": 32, "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "TMA1": 0, "TMA2": 0}
     dmax = max(d, dv)
     if dtype == torch.float32:
         return {"BLOCK_M1": 16, "BLOCK_N1": 16, "num_warps1": 4, "num_stages1": 1,
-                "BLOCK_M2": 64, "BLOCK_N2": 16, "num_warps2": 4, "num_stages2": 2, "TMA2": 0}
+                "BLOCK_M2": 64, "BLOCK_N2": 16, "num_warps2": 4, "num_stages2": 2, "TMA1": 0, "TMA2": 0}
     if dmax <= 64 and not atomic:
         # causal d=64: 47.8 ms fwd+bwd against 51.9 with eight warps (atomic dQ with four warps: 144)
         return {"BLOCK_M1": 64, "BLOCK_N1": 128, "num_warps1": 4, "num_stages1": 3,
-                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 4, "num_stages2": 3, "TMA2": 0}
+                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 4, "num_stages2": 3, "TMA1": 0, "TMA2": 0}
     if dmax <= 128:
         # causal d=128: 40.4 ms (separate) / 39.9 (atomic) against 59.4 / 56.1 with BLOCK_M1 = 16
         return {"BLOCK_M1": 64, "BLOCK_N1": 128, "num_warps1": 8, "num_stages1": 3,
-                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 3, "TMA2": 0}
+                "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 3, "TMA1": 0, "TMA2": 0}
     # causal d=256: 79.8 ms (separate) / 77.0 (atomic) against 216.7 / 206.8 with (16, 32, 64, 16)
     return {"BLOCK_M1": 64, "BLOCK_N1": 64, "num_warps1": 8, "num_stages1": 2,
-            "BLOCK_M2": 64, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 2, "TMA2": 0}
+            "BLOCK_M2": 64, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 2, "TMA1": 0, "TMA2": 0}
 
 
 def _fit_block(block: int, sparse: int | None) -> int:
@@ -1506,8 +1520,8 @@ def attention_bwd_launch(
         dq_mode: "separate" (deterministic dQ kernel) or "atomic" (dQ accumulated by the dK/dV
             kernel with fp32 atomics).
         config: overrides of the *1 (dK/dV kernel) and *2 (dQ kernel) BLOCK_M, BLOCK_N, num_warps,
-            num_stages, and TMA2 (1: the dQ kernel's K and V tiles through tensor descriptors where
-            the layout allows it).
+            num_stages and TMA (1: the dK/dV kernel's Q and dO tiles, the dQ kernel's K and V tiles
+            through tensor descriptors where the layout allows it).
         Other arguments: as in :func:`attention_fwd_launch`.
     """
     name = "attention_bwd_launch"
@@ -1566,14 +1580,15 @@ def attention_bwd_launch(
     atomic = dq_mode == "atomic"
     dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device) if atomic else None
     dqa4 = v4(dqa) if dqa is not None else None
+    tma1, tma1_args = _tma_args(bool(cfg["TMA1"]), (q4, do4), (m1, m1), vl, interp)
     _launch(
         kernels.bwd_dkdv, (triton.cdiv(prob.seq_kv, n1), prob.hkv, prob.batch),
         q4, k4, vv4, do4, l3, d3, dqa4, dk4, dv4,
         *_st(q4, 4, vl), *_st(k4, 4, vl), *_st(vv4, 4, vl), *_st(do4, 4, vl), *_st(dqa4, 4, vl),
         *_st(dk4, 4, vl), *_st(dv4, 4, vl), *_st(l3, 3, vl),
         cu_seqlens_q, cu_seqlens_kv, prob.seq_q, prob.seq_kv, prob.hq // prob.hkv, float(sm_scale), wl, wr,
-        *_sparse_args(bst), *sm, *mm, *gs, *drop,
-        BLOCK_M=m1, BLOCK_N=n1, ATOMIC_DQ=atomic, **common,
+        *_sparse_args(bst), *sm, *mm, *gs, *drop, *tma1_args,
+        BLOCK_M=m1, BLOCK_N=n1, ATOMIC_DQ=atomic, TMA=tma1, **common,
         num_warps=cfg["num_warps1"], num_stages=cfg["num_stages1"],
     )
     # Step 3: dQ (its own deterministic kernel, or the atomic accumulator cast).

@@ -365,15 +365,15 @@ TMA_CASES = [
      dict(right=0)),
     ("sbhd_window_cross", lambda: _dense(2, 2, 1, 29, 45, 16, layout="sbhd", dtype=torch.float16), "sbhd",
      dict(left=5, right=3)),
-    ("fused_qkv_causal", lambda: _fused_qkv_sbhd(33, 2, 2, 16, 3), "sbhd", dict(right=0)),
+    ("fused_qkv_causal_atomic", lambda: _fused_qkv_sbhd(33, 2, 2, 16, 3), "sbhd", dict(right=0, dq_mode="atomic")),
     ("block_mask_docs", lambda: _dense(1, 2, 2, 37, 37, 16, dtype=torch.float16), "bhsd", "docs"),
 ]
 
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=[c[0] for c in TMA_CASES])
 def test_forward_through_tensor_descriptors(case, monkeypatch):
-    """Forward config TMA=1 loads Q, K and V, backward config TMA2=1 the dQ kernel's K and V, through
-    3-D tensor descriptors: the launches take that path for every layout here (strided fused-QKV
+    """Forward config TMA=1 loads Q, K and V, backward configs TMA1=1 / TMA2=1 the dK/dV kernel's Q and
+    dO / the dQ kernel's K and V, through 3-D tensor descriptors: the launches take that path for every layout here (strided fused-QKV
     slices included), and out, lse and every gradient are bit-identical to the pointer loads (rows
     past a sequence end read as zeros, as the masked loads give)."""
     name, make, layout, opts = case
@@ -394,11 +394,13 @@ def test_forward_through_tensor_descriptors(case, monkeypatch):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         out, lse = A._attention_triton(qq, kk, vv, scale=0.3, layout=layout, cu_q=None, cu_kv=None, max_q=None,
                                        max_kv=None, dropout_p=0.0, seed=None, fwd_config={**FWD16, "TMA": tma},
-                                       bwd_config={**BWD16, "TMA2": tma}, **kw)
+                                       bwd_config={**BWD16, "TMA1": tma, "TMA2": tma}, **kw)
         g = torch.Generator().manual_seed(9)
         (out.float() * torch.randn(out.shape, generator=g)).sum().backward()
         outs.append((out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad))
-    assert [t for n, t in seen if n.endswith(("fwd_kernel", "dq_kernel"))] == [False, False, True, True]
+    per_run = 2 if kw.get("dq_mode") == "atomic" else 3  # forward, dK/dV (and dQ)
+    assert [t for n, t in seen if n.endswith(("fwd_kernel", "dkdv_kernel", "dq_kernel"))] == [False] * per_run + [
+        True] * per_run
     for name_, a, b in zip(("out", "lse", "dq", "dk", "dv"), *outs):
         assert torch.equal(a, b), name_
     assert not torch.isnan(outs[1][0]).any()
