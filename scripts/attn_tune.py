@@ -3,10 +3,10 @@
 Usage: python scripts/attn_tune.py OUT.json [--seqlen 8192] [--head-dim 128] [--batch 8] [--heads 32]
        [--variants causal document] [--budget-s 300] [--samples 10] [--tma 0 1]
 
-For each variant it times forward alone over the forward configs (each with pointer loads and with
-TMA tensor descriptors: ``--tma``), and forward+backward over the
-backward configs (both dQ schemes), then writes every row with the compiled kernels' register and
-spill counts (ptxas, through Triton's compiled-kernel metadata) and the per-kernel device time of
+For each variant it times forward alone over the forward configs, and forward+backward over the
+backward configs (both dQ schemes), each with pointer loads and with TMA tensor descriptors
+(``--tma``; the backward's TMA1 and TMA2 together), then writes every row with the compiled
+kernels' register and spill counts (ptxas, through Triton's compiled-kernel metadata) and the per-kernel device time of
 the default configuration (profiler). The defaults in kernels/attention.py come from such runs.
 """
 
@@ -103,7 +103,7 @@ def main() -> int:
     p.add_argument("--skip-fwd", action="store_true")
     p.add_argument("--fwd", nargs="*", default=None, metavar="M,N,W,S", help="forward configs (default: a built-in list)")
     p.add_argument("--tma", nargs="+", type=int, default=[0, 1], choices=[0, 1],
-                   help="forward loads to time each forward config with: 0 pointers, 1 TMA descriptors")
+                   help="loads to time each config with: 0 pointers, 1 TMA descriptors (default both)")
     p.add_argument("--bwd", nargs="*", default=None, metavar="M1,N1,W1,S1,M2,N2,W2,S2",
                    help="backward configs (default: a built-in list)")
     p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (causal variant only)")
@@ -162,9 +162,9 @@ def main() -> int:
                 except Exception as exc:
                     rows.append({"variant": variant, "kind": "fwd", "config": str(cfg), "error": str(exc)[:200]})
                 print(rows[-1], flush=True)
-        for m1, n1, w1, s1, m2, n2, w2, s2 in bwd_list:
+        for (m1, n1, w1, s1, m2, n2, w2, s2), tma in ((c, t) for c in bwd_list for t in a.tma):
             cfg = dict(BLOCK_M1=m1, BLOCK_N1=n1, num_warps1=w1, num_stages1=s1, BLOCK_M2=m2, BLOCK_N2=n2,
-                       num_warps2=w2, num_stages2=s2)
+                       num_warps2=w2, num_stages2=s2, TMA1=tma, TMA2=tma)
             for mode in a.modes:
                 if left() < 20:
                     notes.append("budget reached")
