@@ -405,13 +405,14 @@ def _attn_fwd_tiles(
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
     drop_key, drop_thresh, kds_base, vds_base,
-    k_desc, v_desc, k_outer, k_col, v_outer, v_col,  # TMA: descriptors and this head's place in them
+    k_desc, v_desc, k_outer, k_col, v_outer, v_col, tma_row0,  # TMA: descriptors, this head's place, 1st row
     SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr,
     CHECK_BAND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DESCALE: tl.constexpr, DESCALE_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1, TMA: tl.constexpr = False,
+    ZERO_TAIL: tl.constexpr = False,
 ):
     # The key tiles of one query tile, in order: scores, online softmax, P V. LIST: tile j of the listed
     # blocks (SPARSE_KV // BLOCK_N per block) in one loop, so the next block's loads pipeline as in a range.
@@ -424,7 +425,7 @@ def _attn_fwd_tiles(
         kv_ok = offs_n < kv_len
         # Step 1: K tile (BLOCK_N, D) and the scores (BLOCK_M, BLOCK_N), fp32.
         if TMA:
-            k = _desc_tile(k_desc, k_outer, start_n, k_col, BLOCK_N, BLOCK_D)
+            k = _desc_tile(k_desc, k_outer, tma_row0 + start_n, k_col, BLOCK_N, BLOCK_D)
         else:
             k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
             k = _load_tile(k_ptrs, kv_ok, offs_d < HEAD_DIM, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
@@ -458,7 +459,9 @@ def _attn_fwd_tiles(
             p = tl.where(keep, p, 0.0)
         # Step 5: P V, with P in V's dtype (bf16/fp16 now, FP8 later).
         if TMA:
-            v = _desc_tile(v_desc, v_outer, start_n, v_col, BLOCK_N, BLOCK_DV)
+            v = _desc_tile(v_desc, v_outer, tma_row0 + start_n, v_col, BLOCK_N, BLOCK_DV)
+            if ZERO_TAIL and CHECK_KV:  # packed: rows past this sequence are the next one's
+                v = tl.where(kv_ok[:, None], v, 0.0)
         else:
             v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
             v = _load_tile(v_ptrs, kv_ok, offs_dv < HEAD_DIM_V, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_DV != HEAD_DIM_V)
@@ -522,7 +525,7 @@ def _attention_fwd_kernel(
 
     # Step 2: the query tile stays in registers.
     if TMA:
-        q = _desc_tile(q_desc, b * q_ob + h * q_oh, m0, b * q_cb + h * q_ch, BLOCK_M, BLOCK_D)
+        q = _desc_tile(q_desc, b * q_ob + h * q_oh, q_start + m0, b * q_cb + h * q_ch, BLOCK_M, BLOCK_D)
     else:
         q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + m0).to(tl.int64) * stride_qs
         q_ptrs = q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_d[None, :] * stride_qd
@@ -561,12 +564,12 @@ def _attention_fwd_kernel(
                 q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                k_desc, v_desc, k_outer, k_col, v_outer, v_col,
+                k_desc, v_desc, k_outer, k_col, v_outer, v_col, kv_start,
                 APPLY_MASK_MOD=HAS_MASK_MOD and not full, CHECK_KV=True, CHECK_BAND=BAND,
                 SCORE_FN=SCORE_MOD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD, DROPOUT=DROPOUT,
                 HAS_DESCALE=HAS_DESCALE, DESCALE_KV=DESCALE_KV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                 BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                LIST=True, SPARSE_KV=SPARSE_KV, TMA=TMA)
+                LIST=True, SPARSE_KV=SPARSE_KV, TMA=TMA, ZERO_TAIL=TMA and VARLEN)
     else:
         # Step 3b: the band's key range: masked edge tiles [lo, full_lo) and [full_hi, hi) around
         # the unmasked tiles [full_lo, full_hi), visited in that order.
@@ -581,11 +584,12 @@ def _attention_fwd_kernel(
                 q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
-                k_desc, v_desc, k_outer, k_col, v_outer, v_col,
+                k_desc, v_desc, k_outer, k_col, v_outer, v_col, kv_start,
                 APPLY_MASK_MOD=HAS_MASK_MOD, CHECK_KV=edge, CHECK_BAND=BAND and edge,
                 SCORE_FN=SCORE_MOD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD, DROPOUT=DROPOUT,
                 HAS_DESCALE=HAS_DESCALE, DESCALE_KV=DESCALE_KV, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
-                BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, TMA=TMA)
+                BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+                ZERO_TAIL=TMA and VARLEN)
 
     # Step 4: normalise once; rows that saw nothing give 0 and MASKED_ROW_LSE.
     seen = l_i > 0.0
@@ -660,13 +664,14 @@ def _attn_bwd_dkdv_tiles(
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
     drop_key, drop_thresh, drop_scale,
-    q_desc, do_desc, q_outer, q_col, g_outer, g_col,  # TMA: descriptors and this head's place in them
+    q_desc, do_desc, q_outer, q_col, g_outer, g_col, tma_row0,  # TMA: descriptors, this head's place, 1st row
     SCORE_FN: tl.constexpr, GRAD_FN: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, MASKED: tl.constexpr, CHECK_BAND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
     DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LIST: tl.constexpr = False, SPARSE_Q: tl.constexpr = 1, TMA: tl.constexpr = False,
+    ZERO_TAIL: tl.constexpr = False,
 ):
     # The query tiles that see one key tile, in order: dV, dK (and dQ with atomics). LIST: tile j of the
     # listed blocks (SPARSE_Q // BLOCK_M per block) in one loop, so the next block's loads pipeline.
@@ -679,8 +684,11 @@ def _attn_bwd_dkdv_tiles(
         q_ok = offs_m < q_len
         # Step 1: Q and dO tiles, and the row statistics.
         if TMA:
-            q = _desc_tile(q_desc, q_outer, start_m, q_col, BLOCK_M, BLOCK_D)
-            do = _desc_tile(do_desc, g_outer, start_m, g_col, BLOCK_M, BLOCK_DV)
+            q = _desc_tile(q_desc, q_outer, tma_row0 + start_m, q_col, BLOCK_M, BLOCK_D)
+            do = _desc_tile(do_desc, g_outer, tma_row0 + start_m, g_col, BLOCK_M, BLOCK_DV)
+            if ZERO_TAIL and MASKED:  # packed: rows past this sequence are the next one's
+                q = tl.where(q_ok[:, None], q, 0.0)
+                do = tl.where(q_ok[:, None], do, 0.0)
         else:
             q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, q_ok,
                            offs_d < HEAD_DIM, CHECK_ROWS=MASKED, CHECK_COLS=BLOCK_D != HEAD_DIM)
@@ -824,12 +832,13 @@ def _attention_bwd_dkdv_kernel(
                     q_len, kv_len, offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd,
                     stride_ls, stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
                     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                    drop_key, drop_thresh, drop_scale, q_desc, do_desc, q_outer, q_col, g_outer, g_col,
+                    drop_key, drop_thresh, drop_scale, q_desc, do_desc, q_outer, q_col, g_outer, g_col, q_start,
                     MASKED=True, CHECK_BAND=BAND, APPLY_MASK_MOD=HAS_MASK_MOD and not full,
                     SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
                     DROPOUT=DROPOUT, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    DOT_PRECISION=DOT_PRECISION, LIST=True, SPARSE_Q=SPARSE_Q, TMA=TMA)
+                    DOT_PRECISION=DOT_PRECISION, LIST=True, SPARSE_Q=SPARSE_Q, TMA=TMA,
+                    ZERO_TAIL=TMA and VARLEN)
         else:
             # Masked edge tiles [lo, full_lo) and [full_hi, hi) around the tiles [full_lo, full_hi)
             # that need no band or bounds check, visited in that order.
@@ -842,12 +851,12 @@ def _attention_bwd_dkdv_kernel(
                     q_len, kv_len, offs_n, offs_d, offs_dv, stride_qs, stride_qd, stride_gs, stride_gd,
                     stride_ls, stride_as, stride_ad, qk_scale, sm_scale, b, h, win_left, win_right,
                     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3, g0, g1, g2, g3,
-                    drop_key, drop_thresh, drop_scale, q_desc, do_desc, q_outer, q_col, g_outer, g_col,
+                    drop_key, drop_thresh, drop_scale, q_desc, do_desc, q_outer, q_col, g_outer, g_col, q_start,
                     MASKED=edge or HAS_MASK_MOD, CHECK_BAND=BAND and edge, APPLY_MASK_MOD=HAS_MASK_MOD,
                     SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
                     DROPOUT=DROPOUT, ATOMIC_DQ=ATOMIC_DQ, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V,
                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    DOT_PRECISION=DOT_PRECISION, TMA=TMA)
+                    DOT_PRECISION=DOT_PRECISION, TMA=TMA, ZERO_TAIL=TMA and VARLEN)
 
     # Step 3: store dK (scaled once) and dV; rows past the sequence end are not written.
     dk = dk * sm_scale
@@ -872,13 +881,14 @@ def _attn_bwd_dq_tiles(
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
     drop_key, drop_thresh, drop_scale,
-    k_desc, v_desc, k_outer, k_col, v_outer, v_col,  # TMA: descriptors and this head's place in them
+    k_desc, v_desc, k_outer, k_col, v_outer, v_col, tma_row0,  # TMA: descriptors, this head's place, 1st row
     SCORE_FN: tl.constexpr, GRAD_FN: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, CHECK_KV: tl.constexpr, CHECK_BAND: tl.constexpr,
     DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LIST: tl.constexpr = False, SPARSE_KV: tl.constexpr = 1, TMA: tl.constexpr = False,
+    ZERO_TAIL: tl.constexpr = False,
 ):
     # The key tiles seen by one query tile, in order: dS, then dQ += dS K. LIST: tile j of the listed
     # blocks (SPARSE_KV // BLOCK_N per block) in one loop, so the next block's loads pipeline.
@@ -891,8 +901,11 @@ def _attn_bwd_dq_tiles(
         kv_ok = offs_n < kv_len
         # Step 1: K, V tiles; scores and probabilities (BLOCK_M, BLOCK_N).
         if TMA:
-            k = _desc_tile(k_desc, k_outer, start_n, k_col, BLOCK_N, BLOCK_D)
-            v = _desc_tile(v_desc, v_outer, start_n, v_col, BLOCK_N, BLOCK_DV)
+            k = _desc_tile(k_desc, k_outer, tma_row0 + start_n, k_col, BLOCK_N, BLOCK_D)
+            v = _desc_tile(v_desc, v_outer, tma_row0 + start_n, v_col, BLOCK_N, BLOCK_DV)
+            if ZERO_TAIL and CHECK_KV:  # packed: rows past this sequence are the next one's
+                k = tl.where(kv_ok[:, None], k, 0.0)
+                v = tl.where(kv_ok[:, None], v, 0.0)
         else:
             k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, kv_ok,
                            offs_d < HEAD_DIM, CHECK_ROWS=CHECK_KV, CHECK_COLS=BLOCK_D != HEAD_DIM)
@@ -1000,12 +1013,12 @@ def _attention_bwd_dq_kernel(
                 q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                k_desc, v_desc, k_outer, k_col, v_outer, v_col,
+                k_desc, v_desc, k_outer, k_col, v_outer, v_col, kv_start,
                 APPLY_MASK_MOD=HAS_MASK_MOD and not full, CHECK_KV=True, CHECK_BAND=BAND,
                 SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD_DQ, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
                 DROPOUT=DROPOUT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D,
                 BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, LIST=True, SPARSE_KV=SPARSE_KV,
-                TMA=TMA)
+                TMA=TMA, ZERO_TAIL=TMA and VARLEN)
     else:
         lo, full_lo, full_hi, hi = _kv_range(m0, tl.minimum(m0 + BLOCK_M, q_len), kv_len, win_left, win_right,
                                              BAND=BAND, BLOCK_N=BLOCK_N)
@@ -1018,11 +1031,12 @@ def _attention_bwd_dq_kernel(
                 q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, drop_scale,
-                k_desc, v_desc, k_outer, k_col, v_outer, v_col,
+                k_desc, v_desc, k_outer, k_col, v_outer, v_col, kv_start,
                 APPLY_MASK_MOD=HAS_MASK_MOD, CHECK_KV=edge, CHECK_BAND=BAND and edge,
                 SCORE_FN=SCORE_MOD, GRAD_FN=SCORE_GRAD_DQ, MASK_FN=MASK_MOD, HAS_SCORE_MOD=HAS_SCORE_MOD,
                 DROPOUT=DROPOUT, HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_D=BLOCK_D,
-                BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, TMA=TMA)
+                BLOCK_DV=BLOCK_DV, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, TMA=TMA,
+                ZERO_TAIL=TMA and VARLEN)
 
     # Step 3: store dQ (scaled once).
     dq = dq * sm_scale
@@ -1229,13 +1243,14 @@ def _tma_view(t: torch.Tensor, rows: int) -> _TmaView | None:
     return _TmaView(desc, coef[0][0], coef[1][0], coef[0][1], coef[1][1])
 
 
-def _tma_args(use: bool, tensors: tuple[torch.Tensor, ...], rows: tuple[int, ...], varlen: bool,
-              interp: bool) -> tuple[bool, tuple[Any, ...]]:
+def _tma_args(use: bool, tensors: tuple[torch.Tensor, ...], rows: tuple[int, ...], interp: bool
+              ) -> tuple[bool, tuple[Any, ...]]:
     """(whether the kernel loads through TMA, its descriptor arguments): descriptors of every tensor,
-    then each one's (ob, oh, cb, ch); all of them or none (packed sequences, a GPU before sm_90, a
-    tensor TMA cannot address)."""
+    then each one's (ob, oh, cb, ch); all of them or none (a GPU before sm_90, a tensor TMA cannot
+    address). Packed (T, H, D) tensors are one sequence of T rows: a tile that runs past a sequence's
+    end reads the next sequence's rows, which the kernels zero on those edge tiles (ZERO_TAIL)."""
     none = (None,) * len(tensors) + (0,) * (4 * len(tensors))
-    if not use or varlen:
+    if not use:
         return False, none
     if not interp and (not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
         return False, none
@@ -1446,8 +1461,7 @@ def attention_fwd_launch(
     grid = (triton.cdiv(prob.seq_q, block_m), prob.hq, prob.batch)
     if grid[0] == 0 or prob.batch == 0 or prob.hq == 0:
         return
-    tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), vl,
-                              interp)
+    tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), interp)
     _launch(
         kernels.fwd, grid,
         q4, k4, v4, o4, l3,
@@ -1580,7 +1594,7 @@ def attention_bwd_launch(
     atomic = dq_mode == "atomic"
     dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device) if atomic else None
     dqa4 = v4(dqa) if dqa is not None else None
-    tma1, tma1_args = _tma_args(bool(cfg["TMA1"]), (q4, do4), (m1, m1), vl, interp)
+    tma1, tma1_args = _tma_args(bool(cfg["TMA1"]), (q4, do4), (m1, m1), interp)
     _launch(
         kernels.bwd_dkdv, (triton.cdiv(prob.seq_kv, n1), prob.hkv, prob.batch),
         q4, k4, vv4, do4, l3, d3, dqa4, dk4, dv4,
@@ -1596,7 +1610,7 @@ def attention_bwd_launch(
         assert dqa is not None
         dq.copy_(dqa)
         return
-    tma, tma_args = _tma_args(bool(cfg["TMA2"]), (k4, vv4), (n2, n2), vl, interp)
+    tma, tma_args = _tma_args(bool(cfg["TMA2"]), (k4, vv4), (n2, n2), interp)
     _launch(
         kernels.bwd_dq, (triton.cdiv(prob.seq_q, m2), prob.hq, prob.batch),
         q4, k4, vv4, do4, l3, d3, dq4,

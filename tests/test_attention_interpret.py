@@ -408,7 +408,7 @@ def test_forward_through_tensor_descriptors(case, monkeypatch):
 
 def test_tensor_descriptors_only_where_addressable(monkeypatch):
     """Layouts TMA cannot address fall back to pointer loads with the same result: a head dim that
-    is not a power of two, float32, a non-unit last stride, and packed sequences."""
+    is not a power of two, float32, a non-unit last stride."""
     seen = []
     real = K._launch
     monkeypatch.setattr(K, "_launch", lambda kernel, grid, *a, **kwa: (seen.append(kwa["TMA"]),
@@ -424,11 +424,41 @@ def test_tensor_descriptors_only_where_addressable(monkeypatch):
         ref, rl = torch.empty_like(out), torch.empty_like(lse)
         K.attention_fwd_launch(q, k, v, ref, rl, sm_scale=0.3, config={**FWD16, "TMA": 0})
         assert torch.equal(out, ref) and torch.equal(lse, rl)
-    q, k, v, cu_q, cu_kv = _packed([5, 12], None or [5, 12], 2, 2, 16, dtype=torch.float16)
-    out, lse = torch.empty_like(q).detach(), torch.empty(q.shape[:2])
-    K.attention_fwd_launch(q.detach(), k.detach(), v.detach(), out, lse, sm_scale=0.3, cu_seqlens_q=cu_q,
-                           cu_seqlens_kv=cu_kv, max_seqlen_q=12, max_seqlen_kv=12, config={**FWD16, "TMA": 1})
-    assert seen == [False, False, False, False, False, False, False]
+    assert seen == [False] * 6
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_through_tensor_descriptors(causal, monkeypatch):
+    """Packed (T, H, D) sequences through the TMA loads: a tile that runs past a sequence's end reads
+    the next sequence's rows, which the kernels zero on those edge tiles. Rows after the last
+    sequence hold inf here (q, dO: 9 rows; k, v: 11 rows), so any unzeroed read would show; out,
+    lse and every gradient of the sequences' rows are bit-identical to the pointer loads."""
+    seen = []
+    real = K._launch
+    monkeypatch.setattr(K, "_launch", lambda kernel, grid, *a, **kwa: (seen.append((kernel.__name__, kwa.get("TMA"))),
+                                                                        real(kernel, grid, *a, **kwa)))
+    lq, lkv = [5, 12, 7, 1], [9, 2, 20, 3]
+    q, k, v, cu_q, cu_kv = _packed(lq, lkv, 4, 2, 16, dtype=torch.float16, extra_q=9)
+    tq, tkv = int(cu_q[-1]), int(cu_kv[-1])
+    pad = torch.full((11, 2, 16), float("inf"), dtype=torch.float16)
+    q, k, v = q.detach(), torch.cat([k.detach(), pad]), torch.cat([v.detach(), pad])
+    q[tq:] = float("inf")
+    runs = []
+    for tma in (0, 1):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = A._attention_triton(qq, kk, vv, score_mod=None, mask_mod=None, block_mask=None, scale=0.3,
+                                       left=None, right=0 if causal else None, layout="thd", cu_q=cu_q, cu_kv=cu_kv,
+                                       max_q=max(lq), max_kv=max(lkv), dropout_p=0.0, seed=None,
+                                       fwd_config={**FWD16, "TMA": tma},
+                                       bwd_config={**BWD16, "TMA1": tma, "TMA2": tma})
+        g = torch.Generator().manual_seed(2)
+        dout = torch.randn(out.shape, generator=g).half()
+        dout[tq:] = float("inf")  # dO of the rows after the last sequence (out there is never written)
+        out.backward(dout)
+        runs.append((out[:tq].detach(), lse[:tq].detach(), qq.grad[:tq], kk.grad[:tkv], vv.grad[:tkv]))
+    assert [t for n, t in seen if n.endswith(("fwd_kernel", "dkdv_kernel", "dq_kernel"))] == [False] * 3 + [True] * 3
+    for name_, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name_
 
 
 def test_tma_view_places_heads_in_rows_or_columns():
