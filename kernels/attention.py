@@ -54,20 +54,20 @@ GEMM, so FP8 operands need no kernel rewrite.
 
 Loads. Pointer loads everywhere, or (forward config ``TMA=1``: Q, K, V; backward config ``TMA1=1``:
 the dK/dV kernel's Q and dO, ``TMA2=1``: the dQ kernel's K and V) tiles through 3-D (outer,
-sequence, columns) tensor descriptors
-(``_tma_view``): TMA copies into shared memory, waited on with mbarriers, rows past the sequence
-end read as zeros. Compiled for sm_90 with
-Triton 3.6, the forward's pointer loads do not become asynchronous copies (no ``cp.async`` in its
-PTX: global -> registers -> shared memory, 255 registers and spills at d = 128 with the bundled
-ptxas), while the TMA forward keeps its copies in flight in the pipeline (186 registers, no spills;
-d = 64 / 256: 124 / 203). The dQ kernel likewise (pointer loads not asynchronous, 104 bytes of
-spills at d = 128; with TMA none). The dK/dV kernel's pointer loads do become ``cp.async``; TMA
-there shrinks its spills (d = 128: 2116 -> 1328 bytes with the bundled ptxas, whose spill counts
-differ from the CUDA toolkit's on the GPU).
+sequence, columns) tensor descriptors (``_tma_view``): TMA copies into shared memory, waited on
+with mbarriers, rows past the sequence end read as zeros. Compiled for sm_90 with Triton 3.6, the
+forward's pointer loads do not become asynchronous copies (no ``cp.async`` in its PTX: global ->
+registers -> shared memory, 255 registers and spills at d = 128 with the bundled ptxas), while the
+TMA forward keeps its copies in flight in the pipeline (186 registers, no spills; d = 64 / 256:
+124 / 203). The dQ kernel likewise (pointer loads not asynchronous, 104 bytes of spills at
+d = 128; with TMA none). The dK/dV kernel's pointer loads do become ``cp.async``; TMA there shrinks
+its spills (d = 128: 2116 -> 1328 bytes with the bundled ptxas, whose spill counts differ from the
+CUDA toolkit's on the GPU).
 
-Performance: fast for long sequences with head dims 64/128; masks cost only on edge tiles; a cheap score_mod (ALiBi, soft-cap) costs a few
-elementwise ops per score. Slow cases: short sequences with many heads (launch-bound), head dim
-256 in the backward (register pressure: smaller tiles), and fp32 inputs (IEEE dots).
+Performance: fast for long sequences with head dims 64/128; masks cost only on edge tiles; a cheap
+score_mod (ALiBi, soft-cap) costs a few elementwise ops per score. Slow cases: short sequences with
+many heads (launch-bound), head dim 256 in the backward (register pressure: smaller tiles), and
+fp32 inputs (IEEE dots).
 
 References: Dao, "FlashAttention-2" (2023); Shah et al., "FlashAttention-3" (2024); the Triton
 fused-attention tutorial; PyTorch FlexAttention (Dong et al., 2024).
@@ -527,7 +527,7 @@ def _attention_fwd_kernel(
     if TMA:
         q = _desc_tile(q_desc, b * q_ob + h * q_oh, q_start + m0, b * q_cb + h * q_ch, BLOCK_M, BLOCK_D)
     else:
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + m0).to(tl.int64) * stride_qs
+        q_base = _head_ptr(q_ptr, b, h, q_start + m0, stride_qb, stride_qh, stride_qs)
         q_ptrs = q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_d[None, :] * stride_qd
         q = _load_tile(q_ptrs, q_ok, offs_d < HEAD_DIM, CHECK_ROWS=True, CHECK_COLS=BLOCK_D != HEAD_DIM)
     k_base = _head_ptr(k_ptr, b, hk, kv_start, stride_kb, stride_kh, stride_ks)
@@ -1187,7 +1187,7 @@ def _launch_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool) -> dict[str, int]:
     # Chosen from ptxas's register report on sm_90 (triton 3.6): no spills for the plain, causal,
     # packed-GQA and captured-tensor score_mod variants in 16-bit precision. TMA: 1 loads Q, K and V
-    # through tensor descriptors where _tma_views allows it (off until timed against pointer loads).
+    # through tensor descriptors where _tma_view allows it (off until timed against pointer loads).
     if interpret:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "TMA": 0}
     dmax = max(d, dv)
