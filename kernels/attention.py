@@ -1220,8 +1220,8 @@ def _tma_view(t: torch.Tensor, rows: int) -> _TmaView | None:
     sb, sh, ss, sd = t.stride()
     es = t.element_size()
     if (sd != 1 or S == 0 or D < 16 or D & (D - 1) or D > 256 or t.data_ptr() % 16 or (ss * es) % 16
-            or t.dtype not in (torch.bfloat16, torch.float16)):
-        return None
+            or ss < D or t.dtype not in (torch.bfloat16, torch.float16)):
+        return None  # ss < D: rows that overlap (a broadcast sequence dim), which TMA cannot describe
     dims = [(n, st) for n, st in ((B, sb), (H, sh))]
     outer = [st for n, st in dims if n > 1 and st >= ss]
     so = min(outer) if outer else ss * S
