@@ -55,14 +55,13 @@ GEMM, so FP8 operands need no kernel rewrite.
 Loads. Pointer loads everywhere, or (forward config ``TMA=1``: Q, K, V; backward config ``TMA1=1``:
 the dK/dV kernel's Q and dO, ``TMA2=1``: the dQ kernel's K and V) tiles through 3-D (outer,
 sequence, columns) tensor descriptors (``_tma_view``): TMA copies into shared memory, waited on
-with mbarriers, rows past the sequence end read as zeros. Compiled for sm_90 with Triton 3.6, the
-forward's pointer loads do not become asynchronous copies (no ``cp.async`` in its PTX: global ->
-registers -> shared memory, 255 registers and spills at d = 128 with the bundled ptxas), while the
-TMA forward keeps its copies in flight in the pipeline (186 registers, no spills; d = 64 / 256:
-124 / 203). The dQ kernel likewise (pointer loads not asynchronous, 104 bytes of spills at
-d = 128; with TMA none). The dK/dV kernel's pointer loads do become ``cp.async``; TMA there shrinks
-its spills (d = 128: 2116 -> 1328 bytes with the bundled ptxas, whose spill counts differ from the
-CUDA toolkit's on the GPU).
+with mbarriers, rows past the sequence end read as zeros. Both are software-pipelined (the pointer
+loads become ``cp.async`` copies). Compiled for sm_90 with Triton 3.6 and its bundled ptxas (the
+GPU machine's toolkit may allocate differently), the descriptors mostly relieve register pressure: the
+causal forward at d = 64 / 128 / 256 needs 122 / 174 / 197 registers instead of 164 / 255 / 223,
+with ALiBi 207 instead of 255, the dQ kernel spills 120 bytes instead of 372 at d = 64; the dK/dV
+kernel gains nothing (it is at 255 registers either way). Which loads are faster is timed on the
+GPU (scripts/attn_tune.py --tma 0 1).
 
 Performance: fast for long sequences with head dims 64/128; masks cost only on edge tiles; a cheap
 score_mod (ALiBi, soft-cap) costs a few elementwise ops per score. Slow cases: short sequences with
