@@ -1212,15 +1212,18 @@ class _TmaView(NamedTuple):
 def _tma_view(t: torch.Tensor, rows: int) -> _TmaView | None:
     """The descriptor view of a dense (B, H, S, D) tensor with (rows, D) tiles, or None where TMA
     cannot address it: the last dim must be contiguous, the base and the row/outer strides 16-byte
-    aligned, D a power of two; each of B and H is an outer index (a stride of at least a row, a
-    multiple of the smallest such stride) or a column offset inside a row (the heads of a row laid
-    side by side). Rows past S are outside the descriptor: TMA reads them as zeros."""
+    aligned, D a power of two, S at least ``rows``; each of B and H is an outer index (a stride of
+    at least a row, a multiple of the smallest such stride) or a column offset inside a row (the
+    heads of a row laid side by side). Rows past S are outside the descriptor: TMA reads them as
+    zeros."""
     B, H, S, D = t.shape
     sb, sh, ss, sd = t.stride()
     es = t.element_size()
     if (sd != 1 or S == 0 or D < 16 or D & (D - 1) or D > 256 or t.data_ptr() % 16 or (ss * es) % 16
-            or ss < D or t.dtype not in (torch.bfloat16, torch.float16)):
-        return None  # ss < D: rows that overlap (a broadcast sequence dim), which TMA cannot describe
+            or ss < D or S < rows or t.dtype not in (torch.bfloat16, torch.float16)):
+        # ss < D: rows that overlap (a broadcast sequence dim), which TMA cannot describe; S < rows:
+        # a box larger than its tensor (avoided, as the GEMM launcher does)
+        return None
     dims = [(n, st) for n, st in ((B, sb), (H, sh))]
     outer = [st for n, st in dims if n > 1 and st >= ss]
     so = min(outer) if outer else ss * S

@@ -481,6 +481,7 @@ def test_tma_view_places_heads_in_rows_or_columns():
     assert place(kk) == ((1, 40, 192), (11520, 288, 1), (0, 0, 144, 16))
     assert place(x.float()) is None and place(x[..., :12]) is None
     assert place(x[:, :, :1].expand(2, 3, 40, 16)) is None  # a broadcast sequence dim (stride 0)
+    assert place(x[:, :, :15]) is None  # 15 rows: shorter than a 16-row box
     assert place(x[:, :, :, :8].contiguous().view(2, 3, 40, 8)) is None  # D = 8: rows under 16 bytes
 
 
