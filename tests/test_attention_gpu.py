@@ -350,7 +350,9 @@ TMA_GPU = [
     ("d64_causal", lambda: _qkv(2, 8, 2, 1024, 1024, 64, BF16), "bhsd", dict(causal=True)),
     ("d128_causal_gqa", lambda: _qkv(2, 8, 2, 1024, 1024, 128, BF16), "bhsd", dict(causal=True)),
     ("d256_window", lambda: _qkv(1, 4, 4, 777, 777, 256, BF16), "bhsd", dict(window=(100, 37))),
-    ("odd_lengths_cross", lambda: _qkv(2, 4, 2, 997, 13, 128, BF16), "bhsd", dict(causal=True)),
+    ("odd_lengths_cross", lambda: _qkv(2, 4, 2, 997, 13, 128, BF16), "bhsd", dict(causal=True)),  # K/V: fallback
+    ("odd_lengths_long_kv", lambda: _qkv(2, 4, 2, 13, 997, 128, BF16), "bhsd", dict(causal=False)),  # Q: fallback
+    ("odd_lengths_both", lambda: _qkv(2, 4, 2, 777, 1001, 128, BF16), "bhsd", dict(causal=True)),
     ("sbhd_fused_qkv", lambda: _fused_qkv(640, 2, 8, 128, 3), "sbhd", dict(causal=True)),
     ("bshd_alibi", lambda: _qkv(2, 8, 8, 640, 640, 128, BF16, layout="bshd"), "bshd",
      dict(causal=True, score_mod="alibi")),
