@@ -60,12 +60,13 @@ loads become ``cp.async`` copies). Compiled for sm_90 with Triton 3.6 and its bu
 GPU machine's toolkit may allocate differently), the descriptors mostly relieve register pressure: the
 causal forward at d = 64 / 128 / 256 needs 122 / 174 / 197 registers instead of 164 / 255 / 223,
 with ALiBi 207 instead of 255, the dQ kernel spills 120 bytes instead of 372 at d = 64; the dK/dV
-kernel gains nothing (it is at 255 registers either way). Which loads are faster is timed on the
-GPU (scripts/attn_tune.py --tma 0 1).
+kernel gains nothing (it is at 255 registers either way). Timed on an H200 (scripts/attn_tune.py
+--tma 0 1), the forward loads through descriptors by default (faster at every head dim), the
+backward through pointers (within 2 % at d = 128 and 256, slower at 64).
 
 Performance: fast for long sequences with head dims 64/128; masks cost only on edge tiles; a cheap
 score_mod (ALiBi, soft-cap) costs a few elementwise ops per score. Slow cases: short sequences with
-many heads (launch-bound), head dim 256 in the backward (register pressure: smaller tiles), and
+many heads (launch-bound), head dim 256 in the backward (register pressure: 64-row tiles), and
 fp32 inputs (IEEE dots).
 
 References: Dao, "FlashAttention-2" (2023); Shah et al., "FlashAttention-3" (2024); the Triton
@@ -1184,18 +1185,25 @@ def _launch_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 
 
 def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool) -> dict[str, int]:
-    # Chosen from ptxas's register report on sm_90 (triton 3.6): no spills for the plain, causal,
-    # packed-GQA and captured-tensor score_mod variants in 16-bit precision. TMA: 1 loads Q, K and V
-    # through tensor descriptors where _tma_view allows it (off until timed against pointer loads).
+    # 16-bit values timed on an H200 (triton 3.6, causal, B=8, H=32, S=8192; scripts/attn_tune.py,
+    # docs/benchmarks/attention_tune.json) with no spills in ptxas's register report. TMA: 1 loads
+    # Q, K and V through tensor descriptors where _tma_view allows it (pointer loads otherwise, with
+    # the same tiles); it lowers register pressure and was faster at every head dim.
     if interpret:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "TMA": 0}
     dmax = max(d, dv)
     if dtype == torch.float32:
         # IEEE fp32 products run on the CUDA cores with both operands in registers: small tiles.
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "TMA": 0}
+    if dmax <= 64:
+        # d=64: 5.64 ms against 6.97 with (128, 64, 8 warps, 3 stages, pointer loads); 5.84 pointer
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
     if dmax <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": 0}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "TMA": 0}
+        # d=128: 9.25 ms against 9.95 with (128, 64, 8, 3, pointer loads); 9.56 pointer (224 / 255
+        # registers). Shared memory is near the limit: a mod's extra tiles make it one stage shallower.
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": 1}
+    # d=256: 16.8 ms against 35.7 with (64, 64, 8, 2, pointer loads); 17.6 pointer
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "TMA": 1}
 
 
 class _TmaView(NamedTuple):
@@ -1269,7 +1277,8 @@ def _bwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, atomic: bo
     # 1.3-1.4x faster than 16 or 32 at d <= 128 although they use all 255 registers (no spills in
     # the separate-dQ kernel; a few dozen with atomic dQ, still the fastest), and 2.7x at d = 256.
     # TMA1 / TMA2: 1 loads the dK/dV kernel's Q and dO tiles / the dQ kernel's K and V tiles through
-    # tensor descriptors (as the forward's TMA).
+    # tensor descriptors (as the forward's TMA); off: timed against pointer loads it gained 1.5 % at
+    # d = 128, nothing at d = 256 and lost 6 % at d = 64.
     if interpret:
         return {"BLOCK_M1": 32, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1,
                 "BLOCK_M2": 32, "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "TMA1": 0, "TMA2": 0}
@@ -1285,9 +1294,11 @@ def _bwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, atomic: bo
         # causal d=128: 40.4 ms (separate) / 39.9 (atomic) against 59.4 / 56.1 with BLOCK_M1 = 16
         return {"BLOCK_M1": 64, "BLOCK_N1": 128, "num_warps1": 8, "num_stages1": 3,
                 "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 3, "TMA1": 0, "TMA2": 0}
-    # causal d=256: 79.8 ms (separate) / 77.0 (atomic) against 216.7 / 206.8 with (16, 32, 64, 16)
+    # causal d=256 (B=8, H=32, the earlier 64-row forward): 142.5 ms fwd+bwd (separate dQ) against
+    # 159.1 with a 64-row dQ tile (the 128-row dQ kernel fits one stage); an earlier B=1 run: 79.8 /
+    # 77.0 (atomic) against 216.7 / 206.8 with (16, 32, 64, 16)
     return {"BLOCK_M1": 64, "BLOCK_N1": 64, "num_warps1": 8, "num_stages1": 2,
-            "BLOCK_M2": 64, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 2, "TMA1": 0, "TMA2": 0}
+            "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps2": 8, "num_stages2": 2, "TMA1": 0, "TMA2": 0}
 
 
 def _fit_block(block: int, sparse: int | None) -> int:

@@ -21,8 +21,9 @@ and to the flash backend (``none`` and ``causal`` only: SDPA cannot express the 
 without a dense bias), and ``torch.compile(flex_attention)`` with the same mods (causal variants get
 a block mask). Block masks are built once per case, outside the timing. fp8ops is also timed with
 ``deterministic=True`` (the separate dQ kernel; not for ``none``, which uses that kernel anyway),
-and as ``fp8ops (TMA)``: its tiles loaded through TMA tensor descriptors (launch configs ``TMA``,
-``TMA1``, ``TMA2``; ``--no-tma`` skips it), its output checked against the default's.
+and as ``fp8ops (pointer loads)``: the forward's tiles loaded through pointers instead of TMA
+tensor descriptors (launch config ``TMA=0``; ``--no-pointer-loads`` skips it), its output checked
+against the default's.
 
 TFLOP/s follow one convention for every implementation: ``4 B H S^2 d`` with H the query heads,
 halved for every causal variant whatever the mask skips beyond causality, x3.5 for
@@ -68,10 +69,11 @@ SDPA_VARIANTS = ("none", "causal")
 WINDOW = 1024
 SOFTCAP = 50.0
 DOCUMENTS = 8
-IMPLS = ["fp8ops", "fp8ops (deterministic)", "fp8ops (TMA)", "SDPA cuDNN", "SDPA flash", "Flex (compiled)"]
-# "fp8ops (TMA)": the same kernels with the forward's, dK/dV's and dQ's tiles loaded through TMA
-# tensor descriptors (launch configs TMA, TMA1, TMA2; not yet the default), the public op's dQ scheme.
-TMA_CONFIGS = ({"TMA": 1}, {"TMA1": 1, "TMA2": 1})
+IMPLS = ["fp8ops", "fp8ops (deterministic)", "fp8ops (pointer loads)", "SDPA cuDNN", "SDPA flash", "Flex (compiled)"]
+# "fp8ops (pointer loads)": the same kernels and tiles with every load through pointers (launch
+# configs TMA, TMA1, TMA2 = 0; the forward's default loads through TMA descriptors), the public
+# op's dQ scheme.
+POINTER_CONFIGS = ({"TMA": 0}, {"TMA1": 0, "TMA2": 0})
 # Targets, on the peer's time over fp8ops's, forward and forward+backward (see the module docstring).
 FLEX_TARGET_VARIANTS = ("causal", "alibi", "sliding_window", "document")
 FLEX_TARGET, FLEX_TARGET_OTHER_D, CUDNN_TARGET, TARGET_HEAD_DIM = 1.3, 1.0, 0.9, 128
@@ -94,8 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--no-deterministic", action="store_true",
                         help="skip the fp8ops deterministic=True (separate dQ kernel) rows")
-    parser.add_argument("--no-tma", action="store_true",
-                        help="skip the fp8ops run with TMA tensor-descriptor loads (launch configs TMA, TMA1, TMA2)")
+    parser.add_argument("--no-pointer-loads", action="store_true",
+                        help="skip the fp8ops run with pointer loads only (launch configs TMA, TMA1, TMA2 = 0)")
     parser.add_argument("--tune", action="store_true", help="also sweep fp8ops launch configs at S=4096")
     parser.add_argument("--varlen", action="store_true",
                         help="also time the variable-length attention block (fp8ops packed sequences vs SDPA on "
@@ -406,7 +408,7 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
     use_flex = not getattr(args, "no_flex", False)
     impl_names = [i for i in IMPLS if (use_flex or i != "Flex (compiled)")
                   and not (getattr(args, "no_deterministic", False) and i == "fp8ops (deterministic)")
-                  and not (getattr(args, "no_tma", False) and i == "fp8ops (TMA)")]
+                  and not (getattr(args, "no_pointer_loads", False) and i == "fp8ops (pointer loads)")]
     progress = common.Progress(len(head_dims) * len(seqlens) * len(variants) * len(impl_names), prefix="attention")
     rows: list[dict[str, Any]] = []
     for D in head_dims:
@@ -423,9 +425,9 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
                 makers: dict[str, Any] = {"fp8ops": lambda: _fp8ops_fn(variant, S, H, docs)}
                 if variant != "none":  # unmasked attention uses the separate dQ kernel already
                     makers["fp8ops (deterministic)"] = lambda: _fp8ops_fn(variant, S, H, docs, dq_mode="separate")
-                makers["fp8ops (TMA)"] = lambda: _fp8ops_fn(
-                    variant, S, H, docs, dq_mode=_public_dq_mode(variant, D), fwd_config=TMA_CONFIGS[0],
-                    bwd_config=TMA_CONFIGS[1])
+                makers["fp8ops (pointer loads)"] = lambda: _fp8ops_fn(
+                    variant, S, H, docs, dq_mode=_public_dq_mode(variant, D), fwd_config=POINTER_CONFIGS[0],
+                    bwd_config=POINTER_CONFIGS[1])
                 if variant in SDPA_VARIANTS:
                     makers["SDPA cuDNN"] = lambda: _sdpa_fn(variant, "cudnn", gqa)
                     makers["SDPA flash"] = lambda: _sdpa_fn(variant, "flash", gqa)
