@@ -2,6 +2,7 @@
 
 Usage: python scripts/attn_tune.py OUT.json [--seqlen 8192] [--head-dim 128] [--batch 8] [--heads 32]
        [--variants causal document] [--budget-s 300] [--samples 10] [--tma 0 1]
+       python scripts/attn_tune.py OUT.json --variants varlen --head-dim 64  # the varlen benchmark's case
 
 For each variant it times forward alone over the forward configs, and forward+backward over the
 backward configs (both dQ schemes), each with pointer loads and with TMA tensor descriptors
@@ -90,6 +91,39 @@ def _dropout_fn(p: float, dq_mode: str | None = None, fwd_config: dict[str, int]
     return fn
 
 
+def _varlen_fn(cu: torch.Tensor, max_len: int, dq_mode: str | None = None, fwd_config: dict[str, int] | None = None,
+               bwd_config: dict[str, int] | None = None) -> Any:
+    """Causal attention over packed (T, h, d) sequences with offsets cu, through the fused kernels."""
+    from fp8ops.attention import _attention_triton
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _attention_triton(
+            q, k, v, score_mod=None, mask_mod=None, block_mask=None, scale=q.shape[-1] ** -0.5, left=None,
+            right=0, layout="thd", cu_q=cu, cu_kv=cu, max_q=max_len, max_kv=max_len, dropout_p=0.0, seed=None,
+            dq_mode=dq_mode or "separate", fwd_config=fwd_config, bwd_config=bwd_config)[0]
+
+    return fn
+
+
+def _varlen_sets(heads: int, head_dim: int, n: int) -> tuple[torch.Tensor, int, list[tuple[torch.Tensor, ...]]]:
+    """(offsets, longest, input sets) of the variable-length benchmark's lengths (512 Zipf(1.2)
+    sequences up to 1024 tokens, seed 0): q, k, v as (T, h, d) views of one packed projection, as
+    the benchmark's block makes them, and do."""
+    from fp8ops.bench import attention_varlen as AV
+
+    lengths = AV.zipf_lengths(AV.SEQS, alpha=AV.ALPHA, max_len=AV.MAX_LEN, seed=0)
+    cu = AV.cu_seqlens(lengths, "cuda")
+    T = int(lengths.sum())
+    sets = []
+    for i in range(n):
+        g = torch.Generator(device="cuda").manual_seed(i)
+        qkv = torch.randn(T, 3, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+        q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(1))
+        do = torch.randn(T, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+        sets.append((q, k, v, do))
+    return cu, int(lengths.max()), sets
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -116,7 +150,15 @@ def main() -> int:
     fwd_list = [tuple(int(x) for x in c.split(",")) for c in a.fwd] if a.fwd is not None else FWD
     bwd_list = [tuple(int(x) for x in c.split(",")) for c in a.bwd] if a.bwd is not None else BWD
     S, D, B, H = a.seqlen, a.head_dim, a.batch, a.heads
-    sets = BA._inputs(B, H, H, S, D, 2)
+    varlen = a.variants == ["varlen"]
+    if "varlen" in a.variants and not varlen:
+        p.error("the varlen variant runs alone (--variants varlen)")
+    if varlen:  # the benchmark's variable-length case: its own heads, lengths and tokens
+        H = a.heads if a.heads != 32 else 8
+        cu, max_len, sets = _varlen_sets(H, D, 2)
+        S, B = max_len, cu.numel() - 1
+    else:
+        sets = BA._inputs(B, H, H, S, D, 2)
     if a.dropout > 0.0 and a.variants != ["causal"]:
         p.error("--dropout runs the causal variant only")
 
@@ -124,6 +166,8 @@ def main() -> int:
         """The attention function of a variant (with configs), through the fused kernels."""
         if a.dropout > 0.0:
             return _dropout_fn(a.dropout, **kw)
+        if variant == "varlen":
+            return _varlen_fn(cu, max_len, **kw)
         return BA._fp8ops_fn(variant, S, H, docs, **kw)
     print(f"S={S} D={D} B={B} H={H}", flush=True)
     notes: list[str] = []
@@ -135,8 +179,12 @@ def main() -> int:
 
     for variant in a.variants:
         docs = BA._documents(S, 0) if variant == "document" else None
-        frac = BA._visible_fraction(variant, S, docs)
-        causal_flops = BA._flops(B, H, S, D, True, False)
+        if variant == "varlen":  # causal flops of each sequence: 2 products of L(L+1)/2 scores
+            lens = (cu[1:] - cu[:-1]).double()
+            frac, causal_flops = 1.0, float((4 * H * D * lens * (lens + 1) / 2).sum())
+        else:
+            frac = BA._visible_fraction(variant, S, docs)
+            causal_flops = BA._flops(B, H, S, D, True, False)
         # effective TFLOP/s as in the issue's table: causal flops for every masked case
         base = causal_flops if variant != "none" else BA._flops(B, H, S, D, False, False)
         default = make(variant, S, H, docs)
