@@ -186,11 +186,12 @@ def test_block_mask_per_batch_and_head():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_equals_sdpa_per_sequence(causal):
+@pytest.mark.parametrize("d", [64, 128])  # d = 64: the packed-sequence tiles of its own
+def test_packed_equals_sdpa_per_sequence(causal, d):
     lens = [1, 997, 0, 256, 13, 1024]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     T = int(cu[-1])
-    q, k, v = _rand((T, 8, 128), BF16, 1), _rand((T, 2, 128), BF16, 2), _rand((T, 2, 128), BF16, 3)
+    q, k, v = _rand((T, 8, d), BF16, 1), _rand((T, 2, d), BF16, 2), _rand((T, 2, d), BF16, 3)
 
     def sdpa(q, k, v):
         outs = []
