@@ -1186,7 +1186,7 @@ def _launch_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 
 def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, varlen: bool = False) -> dict[str, int]:
     # 16-bit values timed on an H200 (triton 3.6, causal, B=8, H=32, S=8192; scripts/attn_tune.py,
-    # docs/benchmarks/attention_tune.json) with no spills in ptxas's register report. TMA: 1 loads
+    # docs/benchmarks/attention_tune_tma.json) with no spills in ptxas's register report. TMA: 1 loads
     # Q, K and V through tensor descriptors where _tma_view allows it (pointer loads otherwise, with
     # the same tiles); it lowers register pressure and was faster at every head dim.
     if interpret:

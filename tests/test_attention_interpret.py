@@ -463,6 +463,32 @@ def test_packed_sequences_through_tensor_descriptors(causal, monkeypatch):
         assert torch.isfinite(a).all() and torch.equal(a, b), name_
 
 
+def test_packed_sequences_pick_their_own_tiles(monkeypatch):
+    """The launchers tell the config tables whether sequences are packed, and at d <= 64 the tables
+    answer with the packed-sequence tiles (64-key dK/dV and 64-row forward tiles: the dense 128-key
+    dK/dV tiles ran a Zipf-length benchmark's backward 2.7x slower on the GPU)."""
+    asked = []
+    for name in ("_fwd_config", "_bwd_config"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _real=real, _name=name, **kw: (
+            asked.append((_name, kw.get("varlen", a[4] if len(a) > 4 else False))), _real(*a, **kw))[1])
+    q, k, v, cu_q, cu_kv = _packed([5, 9], [5, 9], 2, 2, 16)
+    A._attention_triton(q, k, v, score_mod=None, mask_mod=None, block_mask=None, scale=0.3, left=None, right=0,
+                        layout="thd", cu_q=cu_q, cu_kv=cu_kv, max_q=9, max_kv=9, dropout_p=0.0,
+                        seed=None)[0].sum().backward()
+    _fused(*_tensors([(1, 2, 8, 16)] * 3, torch.float32, 1)).sum().backward()
+    assert asked == [("_fwd_config", True), ("_bwd_config", True), ("_fwd_config", False), ("_bwd_config", False)]
+    bf16 = torch.bfloat16
+    packed, dense = K._bwd_config(64, 64, bf16, False, varlen=True), K._bwd_config(64, 64, bf16, False)
+    assert (packed["BLOCK_M1"], packed["BLOCK_N1"], dense["BLOCK_N1"]) == (16, 64, 128)
+    assert K._fwd_config(64, 64, bf16, False, varlen=True)["BLOCK_M"] == 64
+    assert K._fwd_config(64, 64, bf16, False)["BLOCK_M"] == 128
+    # above d = 64 and under the interpreter the tables do not depend on packing
+    for args in ((128, 128, bf16, False), (64, 64, bf16, True), (64, 64, torch.float32, False)):
+        assert K._fwd_config(*args, varlen=True) == K._fwd_config(*args)
+        assert K._bwd_config(*args, varlen=True) == K._bwd_config(*args)
+
+
 def test_tma_view_places_heads_in_rows_or_columns():
     """Where the descriptor puts each head: bhsd heads are outer indices, bshd heads columns of a row
     with the batch outer, sbhd (and fused QKV slices) everything in the columns of a row."""
