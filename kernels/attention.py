@@ -62,7 +62,10 @@ causal forward at d = 64 / 128 / 256 needs 122 / 174 / 197 registers instead of 
 with ALiBi 207 instead of 255, the dQ kernel spills 120 bytes instead of 372 at d = 64; the dK/dV
 kernel gains nothing (it is at 255 registers either way). Timed on an H200 (scripts/attn_tune.py
 --tma 0 1), the forward loads through descriptors by default (faster at every head dim), the
-backward through pointers (within 2 % at d = 128 and 256, slower at 64).
+backward through pointers (within 2 % at d = 128 and 256, slower at 64). No warp specialisation:
+Triton 3.6 does not apply it on sm_90 (a loop marked ``tl.range(..., warp_specialize=True)``
+compiles to the same PTX, with pointer or descriptor loads), so one set of warps issues the loads,
+both products and the softmax of each tile in turn.
 
 Performance: fast for long sequences with head dims 64/128; masks cost only on edge tiles; a cheap
 score_mod (ALiBi, soft-cap) costs a few elementwise ops per score. Slow cases: short sequences with
