@@ -79,6 +79,35 @@ def _watching_syncs(fn: Callable[[], Any]) -> tuple[Any, bool]:
     return result, synced
 
 
+def _distinct_elements(t: Tensor) -> bool:
+    """Whether t's strides give every element its own memory location (sorted by stride, each
+    dim's stride exceeds the farthest offset the smaller ones reach): true for contiguous tensors,
+    their transposes, slices and strided views; false for expanded (stride 0) tensors."""
+    reach = 0
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
+def _static_copy(t: Any) -> Any:
+    """A graph's own copy of a step's tensor argument, with the argument's strides: a step compiled
+    with torch.compile guards on strides, and a copy laid out otherwise (a contiguous clone of a
+    strided view, say) would recompile it inside the capture, where compiling cannot run. A tensor
+    whose elements overlap (an expanded one) cannot be written in place and is copied contiguous."""
+    if not isinstance(t, Tensor):
+        return t
+    src = t.detach()
+    if _distinct_elements(src):
+        copy = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=src.device)
+        with torch.no_grad():
+            copy.copy_(src)
+    else:
+        copy = src.clone()
+    return copy.requires_grad_(t.requires_grad)
+
+
 class _Entry:
     """One signature: its call count and, once captured, the graph and its buffers."""
 
@@ -186,9 +215,7 @@ class GraphStep:
 
     def _capture(self, entry: _Entry, carry_leaves: list[Any], carry_spec: Any, arg_leaves: list[Any],
                  args_spec: Any) -> tuple[Any, Any]:
-        def own(t: Any) -> Any:
-            return t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, Tensor) else t
-
+        own = _static_copy
         entry.args_spec = args_spec
         entry.static_carry = [own(t) for t in carry_leaves]
         entry.static_args = [a if ref else own(a) for a, ref in zip(arg_leaves, entry.by_reference)]

@@ -38,3 +38,21 @@ def test_a_step_must_return_a_pair(result: object) -> None:
     fn = fp8ops.graph_step(lambda c: result)
     with pytest.raises(TypeError, match=r"graph_step: the step must return a pair \(carry, outputs\)"):
         fn(torch.zeros(()))
+
+
+def test_static_copies_keep_the_arguments_strides() -> None:
+    """The graph's own copy of an argument has the argument's strides (a compiled step guards on
+    them and would recompile inside the capture otherwise); an overlapping (expanded) argument,
+    which cannot be written in place, is copied contiguous. Values and requires_grad are kept."""
+    from fp8ops.graph_step import _static_copy
+
+    buf = torch.arange(4 * 9, dtype=torch.float32).reshape(4, 9)
+    for t in (buf[:, 1:], buf.t(), buf[::2, ::3], torch.randn(3, 5).requires_grad_()):
+        c = _static_copy(t)
+        assert c.stride() == t.stride() and c.shape == t.shape and torch.equal(c, t.detach())
+        assert c.requires_grad == t.requires_grad and c.data_ptr() != t.data_ptr()
+        assert c._base is None and not c.grad_fn  # a tensor of its own, not a view into t
+    expanded = torch.randn(1, 5).expand(4, 5)
+    c = _static_copy(expanded)
+    assert c.is_contiguous() and torch.equal(c, expanded)
+    assert _static_copy(3) == 3 and _static_copy(None) is None

@@ -172,3 +172,38 @@ def test_a_step_that_syncs_stays_eager_and_says_so() -> None:
             c, _ = fn(c, torch.ones(4, device="cuda"))
     assert fn.stats == {"eager": 4, "captures": 0, "replays": 0}
     assert float(c) == 16.0
+
+
+def test_compiled_step_with_strided_arguments_is_captured() -> None:
+    """Targets sliced from a token buffer (a strided view, as a language model's batch is) reach the
+    captured step with their strides: the compiled loss sees the layout it was compiled for in the
+    warm-up call and is not recompiled inside the capture, where compiling cannot run. The
+    replayed steps equal the eager ones."""
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(16, 8, device="cuda", generator=g, requires_grad=True)
+
+    @torch.compile(fullgraph=True)
+    def loss_fn(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy((x @ w).reshape(-1, 8), y.reshape(-1))
+
+    def step(c: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = loss_fn(w, x, y)
+        (dw,) = torch.autograd.grad(loss, (w,))
+        return c + dw.abs().sum(), loss.detach()
+
+    batches = []
+    for _ in range(5):
+        tokens = torch.randint(0, 8, (4, 33), device="cuda", generator=g)
+        batches.append((torch.randn(4, 32, 16, device="cuda", generator=g), tokens[:, 1:]))
+    assert batches[0][1].stride() == (33, 1)
+    runs = []
+    for fn in (step, fp8ops.graph_step(step)):
+        c, outs = torch.zeros((), device="cuda"), []
+        for x, y in batches:
+            c, out = fn(c, x, y)
+            outs.append(out)
+        runs.append((c, torch.stack(outs)))
+    assert fn.stats == {"eager": 1, "captures": 1, "replays": 4}
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-5)
