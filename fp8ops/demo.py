@@ -16,9 +16,10 @@ The same model (same initialization, same batches, same schedule) is trained twi
   state is a value: each step makes fresh probes (:func:`fp8ops.make_probes`), the forward returns
   the new state, and :func:`fp8ops.update` folds in the probe gradients once per optimizer step.
 
-On a GPU each training step (fresh probes, forward, backward, clipping, AdamW, update) runs as one
-CUDA graph replay once warmed up (:func:`fp8ops.graph_step`), in both runs; ``--no-cuda-graph``
-runs it eagerly.
+On a GPU both runs take their fastest mode: the loss is compiled with ``torch.compile`` (``--no-compile``
+runs it eagerly) and each training step (fresh probes, forward, backward, clipping, AdamW, update)
+runs as one CUDA graph replay once warmed up (:func:`fp8ops.graph_step`; ``--no-cuda-graph`` runs
+it eagerly). On the CPU the loss runs eagerly unless ``--compile`` is given.
 
 Outputs: a live progress line, a final table (train loss, held-out loss, tokens/s, peak memory),
 ``demo.json`` (both curves and the final numbers) and ``demo_loss.png`` (both runs, train and
@@ -534,7 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=None, help="validation batches per evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed of initialization and batch order")
     p.add_argument("--out", default="demo_out", help="folder for demo.json and demo_loss.png")
-    p.add_argument("--compile", action="store_true", help="torch.compile the loss (falls back to eager on failure)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the loss, falling back to eager on failure (default: on a GPU only; "
+                        "--no-compile runs it eagerly)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="on a GPU, run each training step eagerly instead of replaying it as a CUDA graph")
     p.add_argument("--max-data-mb", type=float, default=None, help="read at most this many MB of source files")
@@ -581,7 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = train(fp8=fp8, corpus=corpus, device=device, steps=cfg["steps"], layers=cfg["layers"],
                   hidden=cfg["hidden"], heads=cfg["heads"], seq=cfg["seq"], batch=cfg["batch"], lr=cfg["lr"],
                   eval_every=cfg["eval_every"], eval_batches=cfg["eval_batches"], seed=args.seed,
-                  compile=args.compile, cuda_graph=not args.no_cuda_graph, on_progress=progress)
+                  compile=device.type == "cuda" if args.compile is None else args.compile,
+                  cuda_graph=not args.no_cuda_graph, on_progress=progress)
         progress.end()
         print(f"{r.label} run: {r.seconds:.1f} s\n")
         results.append(r)

@@ -7,7 +7,7 @@
 #   STEPS=2000                 optimizer steps per run (--steps)
 #   DEMO_OUT=demo_out          the demo's own output folder (--out), copied into OUTDIR afterwards
 #   GPU_TRAIN_BUDGET_S=560     time limit of the training command, in seconds
-#   Extra arguments go to the demo (for example --compile, --layers 8, --seq 512).
+#   Extra arguments go to the demo (for example --no-compile, --layers 8, --seq 512).
 #
 #   OUTDIR     created if missing; receives nvidia-smi.txt, versions.txt, install.log, demo.log (the
 #              progress lines and the final table), demo.json (both loss curves and the final

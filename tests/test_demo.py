@@ -52,6 +52,32 @@ def test_demo_main_tiny(tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compile_defaults_to_the_device(monkeypatch, tmp_path):
+    """The loss is compiled by default on a GPU only (both runs in their fastest mode there);
+    --compile and --no-compile decide on any device."""
+    asked = []
+
+    def fake_train(**kw):
+        asked.append(kw["compile"])
+        raise SystemExit(0)  # stop after the first run's settings are known
+
+    monkeypatch.setattr(demo, "train", fake_train)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    for extra in ([], ["--compile"], ["--no-compile"]):
+        try:
+            demo.main([*TINY, "--out", str(tmp_path), *extra])
+        except SystemExit:
+            pass
+    assert asked == [False, True, False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for extra in ([], ["--no-compile"]):
+        try:
+            demo.main([*TINY[2:], "--device", "cuda", "--out", str(tmp_path), *extra])
+        except SystemExit:
+            pass
+    assert asked == [False, True, False, True, False]
+
+
 def test_step0_loss_matches_fp32_reference():
     corpus = demo.load_corpus(1_000_000)
     config = demo.make_config(32, 2)
