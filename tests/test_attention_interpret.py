@@ -464,9 +464,10 @@ def test_packed_sequences_through_tensor_descriptors(causal, monkeypatch):
 
 
 def test_packed_sequences_pick_their_own_tiles(monkeypatch):
-    """The launchers tell the config tables whether sequences are packed, and at d <= 64 the tables
-    answer with the packed-sequence tiles (64-key dK/dV and 64-row forward tiles: the dense 128-key
-    dK/dV tiles ran a Zipf-length benchmark's backward 2.7x slower on the GPU)."""
+    """The launchers tell the config tables whether sequences are packed, and the tables answer with
+    the packed-sequence tiles: 64-key dK/dV tiles up to d = 128 (the dense 128-key tiles ran a
+    Zipf-length benchmark's backward 2.7x slower at d = 64, 1.1x at d = 128) and 64-row forward
+    tiles at d <= 64."""
     asked = []
     for name in ("_fwd_config", "_bwd_config"):
         real = getattr(K, name)
@@ -483,8 +484,11 @@ def test_packed_sequences_pick_their_own_tiles(monkeypatch):
     assert (packed["BLOCK_M1"], packed["BLOCK_N1"], dense["BLOCK_N1"]) == (16, 64, 128)
     assert K._fwd_config(64, 64, bf16, False, varlen=True)["BLOCK_M"] == 64
     assert K._fwd_config(64, 64, bf16, False)["BLOCK_M"] == 128
-    # above d = 64 and under the interpreter the tables do not depend on packing
-    for args in ((128, 128, bf16, False), (64, 64, bf16, True), (64, 64, torch.float32, False)):
+    assert K._bwd_config(128, 128, bf16, False, varlen=True)["BLOCK_N1"] == 64
+    assert K._bwd_config(128, 128, bf16, False)["BLOCK_N1"] == 128
+    # the forward above d = 64, everything above d = 128 and under the interpreter: no packed tiles
+    assert K._fwd_config(128, 128, bf16, False, varlen=True) == K._fwd_config(128, 128, bf16, False)
+    for args in ((256, 256, bf16, False), (64, 64, bf16, True), (64, 64, torch.float32, False)):
         assert K._fwd_config(*args, varlen=True) == K._fwd_config(*args)
         assert K._bwd_config(*args, varlen=True) == K._bwd_config(*args)
 
