@@ -215,10 +215,9 @@ class GraphStep:
 
     def _capture(self, entry: _Entry, carry_leaves: list[Any], carry_spec: Any, arg_leaves: list[Any],
                  args_spec: Any) -> tuple[Any, Any]:
-        own = _static_copy
         entry.args_spec = args_spec
-        entry.static_carry = [own(t) for t in carry_leaves]
-        entry.static_args = [a if ref else own(a) for a, ref in zip(arg_leaves, entry.by_reference)]
+        entry.static_carry = [_static_copy(t) for t in carry_leaves]
+        entry.static_args = [a if ref else _static_copy(a) for a, ref in zip(arg_leaves, entry.by_reference)]
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):

@@ -24,6 +24,7 @@ import torch
 import triton
 
 from fp8ops.bench import attention as BA
+from fp8ops.bench import attention_varlen as AV
 from fp8ops.bench import common
 
 FWD = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3),
@@ -109,8 +110,6 @@ def _varlen_sets(heads: int, head_dim: int, n: int) -> tuple[torch.Tensor, int, 
     """(offsets, longest, input sets) of the variable-length benchmark's lengths (512 Zipf(1.2)
     sequences up to 1024 tokens, seed 0): q, k, v as (T, h, d) views of one packed projection, as
     the benchmark's block makes them, and do."""
-    from fp8ops.bench import attention_varlen as AV
-
     lengths = AV.zipf_lengths(AV.SEQS, alpha=AV.ALPHA, max_len=AV.MAX_LEN, seed=0)
     cu = AV.cu_seqlens(lengths, "cuda")
     T = int(lengths.sum())
@@ -130,7 +129,8 @@ def main() -> int:
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--heads", type=int, default=None,
+                   help="query heads (default 32; the varlen variant: the benchmark's 8)")
     p.add_argument("--variants", nargs="+", default=["causal"])
     p.add_argument("--budget-s", type=float, default=300)
     p.add_argument("--samples", type=int, default=10)
@@ -149,12 +149,12 @@ def main() -> int:
     t0 = time.time()
     fwd_list = [tuple(int(x) for x in c.split(",")) for c in a.fwd] if a.fwd is not None else FWD
     bwd_list = [tuple(int(x) for x in c.split(",")) for c in a.bwd] if a.bwd is not None else BWD
-    S, D, B, H = a.seqlen, a.head_dim, a.batch, a.heads
     varlen = a.variants == ["varlen"]
+    S, D, B = a.seqlen, a.head_dim, a.batch
+    H = a.heads if a.heads is not None else (AV.HEADS if varlen else 32)
     if "varlen" in a.variants and not varlen:
         p.error("the varlen variant runs alone (--variants varlen)")
     if varlen:  # the benchmark's variable-length case: its own heads, lengths and tokens
-        H = a.heads if a.heads != 32 else 8
         cu, max_len, sets = _varlen_sets(H, D, 2)
         S, B = max_len, cu.numel() - 1
     else:
