@@ -409,15 +409,17 @@ def _sdpa_unsupported(q: Tensor, v: Tensor, *, nested: bool, varlen: bool, score
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, dropout_p: float, gqa: bool) -> Tensor:
-    """PyTorch's fused attention on (B, H, S, D) views, cuDNN's kernel first, flash second."""
+    """PyTorch's fused attention on (B, H, S, D) views, cuDNN's kernel first, flash second.
+
+    The order is set under ``torch.compile`` too: left to itself, the compiled seed layer (hidden
+    4096, attention dropout 0.1; H200, torch 2.11) ran flash attention, whose backward took 2.68 ms
+    against cuDNN's 1.75 ms in the eager step."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def call() -> Tensor:
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa)
 
-    if torch.compiler.is_compiling():  # the compiled graph keeps SDPA's own backend choice
-        return call()
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(order, set_priority=True):
         return call()

@@ -1,0 +1,67 @@
+"""The seed layer's fp8ops delayed step, eager and under torch.compile(fullgraph=True), side by side:
+CUDA-event time of each (median of 20 steps) and the kernels of one profiled step, grouped by name,
+with the rows where the two differ.
+
+    python scripts/layer_compile_profile.py [--dropout 0.1] [--rows 40]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fp8ops
+from fp8ops.bench import common
+from fp8ops.bench.layer import SEED, _fp8ops_case
+from fp8ops.reference.transformer_layer import BasicTransformerLayer
+from fp8ops.transformer_layer import TransformerConfig
+
+
+def kernels(fn, x, dy) -> tuple[dict[str, tuple[int, float]], float]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x, dy)
+        torch.cuda.synchronize()
+    rows: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            rows[e.name[:90]].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+    out = {k: (len(v), sum(v)) for k, v in rows.items()}
+    return out, sum(t for _, t in out.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--rows", type=int, default=40)
+    args = ap.parse_args()
+    H, Fh, h, S, B = (SEED[k] for k in ("hidden", "ffn", "heads", "seq", "batch"))
+    cfg = TransformerConfig(hidden_size=H, ffn_hidden_size=Fh, num_attention_heads=h, hidden_dropout=args.dropout,
+                            attention_dropout=args.dropout)
+    torch.manual_seed(0)
+    seed_state = {k: v.clone() for k, v in BasicTransformerLayer(H, Fh, h).state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(S, B, H, device="cuda", generator=g).bfloat16().requires_grad_()
+    dy = (torch.randn(S, B, H, device="cuda", generator=g) * 1e-2).bfloat16()
+    res = {}
+    for label, compiled in (("eager", False), ("compile", True)):
+        step, _, params = _fp8ops_case(seed_state, cfg, fp8ops.DelayedScaling(), x, dy, compiled=compiled)
+        fn = common.clearing_grads(step, params)
+        for _ in range(3):
+            fn(x, dy)
+        t = common.time_cuda(fn, [(x, dy)], samples=20, use_graph=False)
+        k, total = kernels(fn, x, dy)
+        res[label] = (t.median_us, k, total)
+        print(f"{label}: step {t.median_us:.0f} µs, {sum(n for n, _ in k.values())} kernels, "
+              f"kernel time {total:.0f} µs", flush=True)
+    (_, ke, _), (_, kc, _) = res["eager"], res["compile"]
+    names = sorted(set(ke) | set(kc), key=lambda n: -abs(kc.get(n, (0, 0.0))[1] - ke.get(n, (0, 0.0))[1]))
+    print(f"\n{'kernel':90s} {'eager n':>7s} {'µs':>8s} {'compile n':>9s} {'µs':>8s}")
+    for n in names[:args.rows]:
+        a, b = ke.get(n, (0, 0.0)), kc.get(n, (0, 0.0))
+        print(f"{n:90s} {a[0]:7d} {a[1]:8.1f} {b[0]:9d} {b[1]:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
