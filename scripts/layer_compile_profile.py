@@ -1,6 +1,6 @@
 """The seed layer's fp8ops delayed step, eager and under torch.compile(fullgraph=True), side by side:
-CUDA-event time of each (median of 20 steps) and the kernels of one profiled step, grouped by name,
-with the rows where the two differ.
+CUDA-event time of each (median of 20 steps), the kernels of a profiled step grouped by name with
+the rows where the two differ, and the GPU's largest idle gaps between kernels.
 
     python scripts/layer_compile_profile.py [--dropout 0.1] [--rows 40]
 """
@@ -19,15 +19,32 @@ from fp8ops.reference.transformer_layer import BasicTransformerLayer
 from fp8ops.transformer_layer import TransformerConfig
 
 
-def kernels(fn, x, dy) -> tuple[dict[str, tuple[int, float]], float]:
+def kernels(fn, x, dy, gaps: int) -> tuple[dict[str, tuple[int, float]], float]:
+    fn(x, dy)  # the step before the profiled one is in flight when it starts, as in a training loop
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x, dy)
         fn(x, dy)
         torch.cuda.synchronize()
     rows: dict[str, list[float]] = collections.defaultdict(list)
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             rows[e.name[:90]].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
-    out = {k: (len(v), sum(v)) for k, v in rows.items()}
+            spans.append((e.time_range.start, e.time_range.end, e.name[:60]))
+    out = {k: (len(v), sum(v) / 2) for k, v in rows.items()}  # per step
+    if gaps:
+        # the largest idle stretches of the GPU between consecutive kernels (both profiled steps)
+        spans.sort()
+        idle, end, prev = [], spans[0][1], spans[0][2]
+        for s0, s1, name in spans[1:]:
+            if s0 > end:
+                idle.append((s0 - end, prev, name))
+            if s1 > end:
+                end, prev = s1, name
+        total = sum(g for g, _, _ in idle)
+        print(f"  GPU idle between kernels: {total / 2:.0f} µs per step in {len(idle)} gaps; largest:")
+        for g, a, b in sorted(idle, reverse=True)[:gaps]:
+            print(f"    {g:7.1f} µs  after {a}  before {b}")
     return out, sum(t for _, t in out.values())
 
 
@@ -35,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--rows", type=int, default=40)
+    ap.add_argument("--gaps", type=int, default=12, help="print the largest GPU idle gaps (0: none)")
     args = ap.parse_args()
     H, Fh, h, S, B = (SEED[k] for k in ("hidden", "ffn", "heads", "seq", "batch"))
     cfg = TransformerConfig(hidden_size=H, ffn_hidden_size=Fh, num_attention_heads=h, hidden_dropout=args.dropout,
@@ -51,7 +69,8 @@ def main() -> None:
         for _ in range(3):
             fn(x, dy)
         t = common.time_cuda(fn, [(x, dy)], samples=20, use_graph=False)
-        k, total = kernels(fn, x, dy)
+        print(f"{label}:", flush=True)
+        k, total = kernels(fn, x, dy, args.gaps)
         res[label] = (t.median_us, k, total)
         print(f"{label}: step {t.median_us:.0f} µs, {sum(n for n, _ in k.values())} kernels, "
               f"kernel time {total:.0f} µs", flush=True)
