@@ -175,3 +175,39 @@ def test_weight_cache_gives_the_same_bits_on_the_gpu(fused, rname):
         assert torch.equal(u, v), f"{rname} fused={fused}: output/gradient {i} differs with weight caches"
     for k in sa:
         assert torch.equal(sa[k], sb[k]), f"{rname} fused={fused}: state {k} differs with weight caches"
+
+
+def _attention_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    words = ("sdpa", "flash", "fmha", "attention")
+    return sorted({e.name for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and any(w in e.name.lower() for w in words)})
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling()], ids=["none", "delayed"])
+def test_compiled_layer_runs_the_attention_kernels_of_the_eager_layer(recipe):
+    """With attention dropout the layer's attention runs through SDPA; under torch.compile it must
+    run the same kernels as eager (cuDNN first). Left to SDPA's own choice, the compiled layer ran
+    flash attention, whose backward took 1.5x cuDNN's at the seed size."""
+    cfg = attrs.evolve(CFG, hidden_dropout=0.1, attention_dropout=0.1)
+    params = {k: v.to(device="cuda", dtype=torch.bfloat16).requires_grad_()
+              for k, v in init_transformer_params(cfg, generator=torch.Generator().manual_seed(0)).items()}
+    state = init_transformer_state(cfg, recipe, device="cuda") if recipe is not None else None
+    x, dy = (t.bfloat16() for t in _data())
+    x.requires_grad_()
+
+    def layer(x, state):
+        return transformer_layer(params, x, state, config=cfg, recipe=recipe)[0]
+
+    compiled = torch.compile(layer, fullgraph=True)
+    found = {}
+    for name, f in (("eager", layer), ("compiled", compiled)):
+        found[name] = _attention_kernels(lambda f=f: f(x, state).backward(dy))
+    assert found["eager"], "no attention kernel found in the eager step's profile"
+    assert found["compiled"] == found["eager"], found
