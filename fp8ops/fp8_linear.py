@@ -45,7 +45,7 @@ from ._operands import (
     gemm_wgrad,
     hp_linear,
     or_empty,
-    quantize_grad,
+    quantize_grad_db,
     quantize_pair,
     quantize_weight_operands,
 )
@@ -283,9 +283,9 @@ class _FP8Linear(torch.autograd.Function):
                 data, dy_inv, dy_amax = fp8_group_quantize(dy, g_scale, cfg.g_spec, ctx.group)
                 dyq, dyq_t = _gathered_fp8(all_gather_async(data, ctx.group), cfg.g_spec.dtype, fp8_wgrad)
                 dy_inv_t = dy_inv
-            else:
-                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
-                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
+            else:  # the bias gradient from the same pass where it writes dy's transposed copy
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db32 = quantize_grad_db(
+                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db
                 )
             # Step 2: dgrad, then (column-parallel SP) its reduce-scatter in flight while wgrad runs.
             dx = dw = db = None
@@ -296,7 +296,7 @@ class _FP8Linear(torch.autograd.Function):
             if cfg.need_dw:
                 dw = gemm_wgrad(dyq_t, dy_inv_t, dy, xq_t, x_inv_t, x, cfg.wgrad, cfg.wgrad_dtype)
             if cfg.need_db:
-                db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+                db = (db32 if cfg.sp != "row" else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
             if cfg.sp == "column" and dx is not None:
                 dx = wait(dx)
         probe_grad = dy_amax if cfg.has_probe else None

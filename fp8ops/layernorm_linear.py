@@ -41,7 +41,7 @@ from ._operands import (
     norm_backward,
     norm_operands,
     or_empty,
-    quantize_grad,
+    quantize_grad_db,
     quantize_weight_operands,
 )
 from .fp8_linear import LinearState, WeightCache, _same_tensor, _same_weight, fp8_linear
@@ -193,9 +193,10 @@ class _LayerNormLinear(torch.autograd.Function):
             fp8_dgrad = cfg.need_dx and cfg.dgrad.precision == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
             # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
-            if cfg.fp8:
-                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax = quantize_grad(
-                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad
+            db32 = None
+            if cfg.fp8:  # the bias gradient from the same pass where it writes dy's transposed copy
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db32 = quantize_grad_db(
+                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db
                 )
             else:
                 dyq = dy_inv = dyq_t = dy_inv_t = dy_amax = None
@@ -203,7 +204,7 @@ class _LayerNormLinear(torch.autograd.Function):
             if cfg.need_dw:
                 dw = gemm_wgrad(dyq_t, dy_inv_t, dy, lnq_t, ln_inv_t, ln, cfg.wgrad, w_dtype)
             if cfg.need_db:
-                db = dy.sum(0, dtype=torch.float32).to(b_dtype)
+                db = (db32 if db32 is not None else dy.sum(0, dtype=torch.float32)).to(b_dtype)
             # Step 3: dgrad into the norm's output, then the norm's backward.
             if cfg.need_dx:
                 dln = gemm_dgrad(dyq, dy_inv, dy, wq_t, w_inv_t, w, cfg.dgrad, x_dtype)

@@ -138,6 +138,23 @@ def quantize_2d(
     return data, inv, None, amax
 
 
+def quantize_2d_dbias(x2: Tensor, scale: Tensor | None, spec: QuantSpec
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`quantize_2d` with ``transpose=True`` (per-tensor scaling) that also returns the
+    float32 column sums of ``x2`` from the same pass: ``(data, inv_scale, data_t, amax, dbias)``.
+    Internal to fp8ops ops (an output gradient's bias gradient)."""
+    if spec.mode == "rowwise":
+        raise ValueError("quantize_2d_dbias: row-wise scaling has no single pass with the transposed copy")
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=x2.device)
+    amax_in = None
+    if spec.mode != "delayed" or not spec.calibrated:
+        amax_in = _ops.amax(x2)
+    data, data_t, amax, inv, dbias = _ops.cast_transpose_dbias(x2, scale, amax_in, spec.margin, spec.power_2,
+                                                              spec.dtype)
+    return data, inv, data_t, amax, dbias
+
+
 def quantize(
     x: Tensor,
     state: ScalingState | None,
@@ -238,6 +255,7 @@ def dequantize(q: Float8Value, *, dtype: torch.dtype = torch.float32) -> Tensor:
 _define(_K.amax, cpu=_ref.amax)
 _define(_K.cast, cpu=_ref.cast)
 _define(_K.cast_transpose, cpu=_ref.cast_transpose)
+_define(_K.cast_transpose_dbias, cpu=_ref.cast_transpose_dbias)
 _define(_K.cast_rowwise, cpu=_ref.cast_rowwise)
 _define(_K.transpose_bytes, cpu=_ref.transpose_bytes)
 _define(_K.transpose_bytes_into, cpu=_ref.transpose_bytes_into)
@@ -265,6 +283,6 @@ def _loop_vmap(op: Any) -> Any:
     return rule
 
 
-for _name in ("amax", "cast", "cast_transpose", "cast_rowwise", "transpose_bytes"):
+for _name in ("amax", "cast", "cast_transpose", "cast_transpose_dbias", "cast_rowwise", "transpose_bytes"):
     torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))
 

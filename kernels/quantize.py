@@ -20,7 +20,9 @@ Kernels (one launch each):
   value's, so NaN wins the max).
 - ``_cast_transpose_fwd_kernel``: 2-D tiles; writes ``q`` (M, K) and its transpose (K, M), the
   K-major operand that Hopper's FP8 tensor-core instructions want for the B side of dgrad/wgrad.
-  The transposed store goes through a layout conversion in shared memory.
+  The transposed store goes through a layout conversion in shared memory. With ``DBIAS`` it also
+  writes the tile's column sums (one float32 row per tile row, summed afterwards): the bias
+  gradient of an output gradient in the pass that quantizes it (``fp8ops::cast_transpose_dbias``).
 - ``_cast_rowwise_fwd_kernel``: one scale per row; each program owns ``BLOCK_M`` rows and sweeps K
   twice (amax, then cast); the second sweep mostly hits L2.
 - ``_amax_fwd_kernel``: the first launch of current scaling (reads ``x`` once).
@@ -36,7 +38,8 @@ References: Micikevicius et al., "FP8 Formats for Deep Learning" (2022); NVIDIA 
 cast/transpose kernels (amax reduced per block, one atomic per block).
 
 The ops are registered as opaque ``torch.library`` ops (``fp8ops::amax``, ``fp8ops::cast``,
-``fp8ops::cast_transpose``, ``fp8ops::cast_rowwise``, ``fp8ops::transpose_bytes`` and its ``out``
+``fp8ops::cast_transpose``, ``fp8ops::cast_transpose_dbias``, ``fp8ops::cast_rowwise``,
+``fp8ops::transpose_bytes`` and its ``out``
 form ``fp8ops::transpose_bytes_into``; see ``_library.py``) with a CUDA kernel (the launchers below)
 and a fake kernel; the CPU kernel, the FP32 reference math, is registered by
 ``fp8ops``.
@@ -58,6 +61,7 @@ __all__ = [
     "amax_launch",
     "cast_launch",
     "cast_rowwise_launch",
+    "cast_transpose_dbias_launch",
     "cast_transpose_launch",
     "transpose_bytes_launch",
 ]
@@ -105,6 +109,7 @@ def _cast_transpose_fwd_kernel(
     amax_in_ptr,  # () fp32 amax of x (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
     inv_ptr,  # () fp32 output: 1 / scale
+    dbias_ptr,  # (cdiv(M, BLOCK_M), K) fp32 output with DBIAS: column sums of each tile row of x
     M,
     K,
     stride_xm,
@@ -115,6 +120,7 @@ def _cast_transpose_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    DBIAS: tl.constexpr,
 ):
     # Step 1: tile coordinates, grouped along M so neighbouring programs share output rows of q^T.
     pid = tl.program_id(0)
@@ -134,6 +140,10 @@ def _cast_transpose_fwd_kernel(
     tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
     # Step 4: amax of the tile.
     atomic_amax(amax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+    # Step 5 (DBIAS): the tile's column sums, one row of partial sums per tile row (no atomics: the
+    # sum over tile rows that follows is deterministic). Rows past M were loaded as zeros.
+    if DBIAS:
+        tl.store(dbias_ptr + pid_m.to(tl.int64) * K + rk, tl.sum(x, axis=0), mask=rk < K)
 
 
 @triton.jit
@@ -363,17 +373,53 @@ def cast_transpose_launch(
     Returns:
         ``(q, q_t, amax, inv_scale)``: q (M, K) and q_t (K, M) FP8, both contiguous.
     """
-    amax, inv, cast = _cast_args("cast_transpose", x, scale, amax_in, margin, power_2, out_dtype, flat=False)
-    cfg = merge_config(_CAST_T_CFG, config, name="cast_transpose")
+    q, qt, amax, inv, _ = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, False, config)
+    return q, qt, amax, inv
+
+
+def cast_transpose_dbias_launch(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_transpose_launch` that also returns the column sums of x: the bias gradient of
+    a linear layer whose output gradient is x, without a second pass over x.
+
+    The kernel writes one row of float32 partial sums per tile row of x (``cdiv(M, BLOCK_M)`` rows,
+    no atomics), summed over those rows by one small reduction: deterministic.
+
+    Returns:
+        ``(q, q_t, amax, inv_scale, dbias)``; dbias (K,) float32.
+    """
+    q, qt, amax, inv, partial = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, True, config)
+    return q, qt, amax, inv, partial.sum(0)
+
+
+def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None, margin: int,
+                    power_2: bool, out_dtype: torch.dtype, dbias: bool, config: dict[str, Any] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    name = "cast_transpose_dbias" if dbias else "cast_transpose"
+    amax, inv, cast = _cast_args(name, x, scale, amax_in, margin, power_2, out_dtype, flat=False)
+    cfg = merge_config(_CAST_T_CFG, config, name=name)
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     qt = torch.empty((K, M), dtype=out_dtype, device=x.device)
+    # An empty x still launches one program (it writes the inverse scale), which writes one row of
+    # zero partial sums.
+    partial = (torch.empty((max(1, triton.cdiv(M, cfg["BLOCK_M"])), K), dtype=torch.float32, device=x.device)
+               if dbias else None)
     grid = (max(1, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"])),)
     _cast_transpose_fwd_kernel[grid](
-        x, q, qt, M=M, K=K, stride_xm=x.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **cast,
+        x, q, qt, dbias_ptr=partial, M=M, K=K, stride_xm=x.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=dbias,
+        num_warps=cfg["num_warps"], **cast,
     )
-    return q, qt, amax, inv
+    return q, qt, amax, inv, partial
 
 
 def cast_rowwise_launch(
@@ -435,6 +481,11 @@ def _cast_transpose_fake(x, scale, amax_in, margin, power_2, out_dtype):  # type
     )
 
 
+def _cast_transpose_dbias_fake(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
+    return (*_cast_transpose_fake(x, scale, amax_in, margin, power_2, out_dtype),
+            x.new_empty((x.shape[1],), dtype=torch.float32))
+
+
 def _cast_rowwise_fake(x, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
     M, K = x.shape
     return (
@@ -470,6 +521,14 @@ cast_transpose = OpSpec(
     fake=_cast_transpose_fake,
 )
 """``fp8ops::cast_transpose``: cast + transposed copy + amax, ``(q, q_t, amax, inv_scale)``."""
+
+cast_transpose_dbias = OpSpec(
+    f"cast_transpose_dbias({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    cuda=contiguous_args(cast_transpose_dbias_launch),
+    fake=_cast_transpose_dbias_fake,
+)
+"""``fp8ops::cast_transpose_dbias``: :data:`cast_transpose` plus the column sums of x (float32),
+``(q, q_t, amax, inv_scale, dbias)``: an output gradient's bias gradient from the same pass."""
 
 cast_rowwise = OpSpec(
     "cast_rowwise(Tensor x, int margin, bool power_2, ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",

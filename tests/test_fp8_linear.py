@@ -1,6 +1,8 @@
 """fp8_linear on CPU: forward and every gradient vs the FP32 reference, state semantics, weight
 caching, precision escapes, errors, and the composition canaries."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -290,3 +292,34 @@ def test_compile_of_func_grad_raises(case):
     f = torch.compile(torch.func.grad(_loss, argnums=(1, 4), has_aux=True))
     with pytest.raises(Exception, match="fp8ops"):
         f(x, w, b, st, torch.zeros(()))
+
+
+def test_bias_gradient_comes_from_the_quantizing_pass_in_eager_only(monkeypatch):
+    """Eager: dy's cast with its transposed copy also returns the bias gradient (no second pass);
+    under torch.compile the op keeps dy.sum(0), which Inductor fuses into dy's producer."""
+    operands = importlib.import_module("fp8ops._operands")
+    calls = []
+    inner = operands.quantize_2d_dbias
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(operands, "quantize_2d_dbias", spy)
+    st = _calibrated(DELAYED)
+    x, w, b, dy = _data((6,), 40, 24, torch.bfloat16)
+    db_ref = dy.float().sum(0).to(torch.bfloat16)
+    _, _, _, db, _, _ = _run(x, w, b, dy, st, DELAYED)
+    assert len(calls) == 1 and torch.equal(db, db_ref)
+    monkeypatch.setattr(operands, "FUSE_DBIAS", False)
+    _, _, _, db_sep, _, _ = _run(x, w, b, dy, st, DELAYED)
+    assert len(calls) == 1 and torch.equal(db_sep, db_ref)
+    monkeypatch.setattr(operands, "FUSE_DBIAS", True)
+
+    def step(x, w, b, p):
+        return fp8ops.fp8_linear(x, w, b, st, recipe=DELAYED, grad_probe=p)[0]
+
+    xx, ww, bb = (t.clone().requires_grad_() for t in (x, w, b))
+    p = torch.zeros((), requires_grad=True)
+    torch.compile(step, fullgraph=True, backend="aot_eager")(xx, ww, bb, p).backward(dy)
+    assert len(calls) == 1 and torch.equal(bb.grad, db_ref)

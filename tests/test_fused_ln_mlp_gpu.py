@@ -89,14 +89,14 @@ def test_backward_allocates_no_zero_gradients_for_saved_outputs(monkeypatch):
     recipe = RECIPES["delayed"]
     st = _calibrated(LayerNormMLPState, recipe)
     at_start = []
-    inner = mlp_mod.quantize_grad
+    inner = mlp_mod.quantize_grad_db  # the backward's first step: dy's FP8 copies and db2
 
     def spy(*args, **kwargs):
         torch.cuda.synchronize()
         at_start.append(torch.cuda.memory_allocated())
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(mlp_mod, "quantize_grad", spy)
+    monkeypatch.setattr(mlp_mod, "quantize_grad_db", spy)
     for recompute in (None, "activation"):
         y, _ = fp8ops.fused_ln_mlp(x, ln_w, ln_b, w1, None, w2, None, st, recipe=recipe, activation="swiglu",
                                    recompute=recompute, grad_probe=fp8ops.make_probes(st))

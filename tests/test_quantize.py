@@ -138,7 +138,17 @@ def test_opcheck_every_op():
         torch.library.opcheck(ops.cast.default, (x.bfloat16(), one, amax, 2, True, dtype))
         torch.library.opcheck(ops.cast_transpose.default, (x, one, None, 0, False, dtype))
         torch.library.opcheck(ops.cast_transpose.default, (x, one, amax, 1, False, dtype))
+        torch.library.opcheck(ops.cast_transpose_dbias.default, (x, one, None, 0, False, dtype))
+        torch.library.opcheck(ops.cast_transpose_dbias.default, (x.bfloat16(), one, amax, 1, True, dtype))
         torch.library.opcheck(ops.cast_rowwise.default, (x, 0, True, dtype))
+
+
+def test_cast_transpose_dbias_reference_by_hand():
+    x = torch.tensor([[1.5, -2.0], [0.25, 3.0], [-4.0, 1.0]], dtype=torch.bfloat16)
+    q, qt, amax, inv, db = torch.ops.fp8ops.cast_transpose_dbias(x, torch.tensor(1.0), None, 0, False, E4M3)
+    assert db.dtype == torch.float32 and db.tolist() == [-2.25, 2.0]
+    assert q.float().tolist() == [[1.5, -2.0], [0.25, 3.0], [-4.0, 1.0]] and torch.equal(qt.float(), q.float().t())
+    assert amax.item() == 4.0 and inv.item() == 1.0
 
 
 def test_vmap_equals_loop():

@@ -556,6 +556,8 @@ def test_opcheck_cuda(in_dtype: torch.dtype, out_dtype: torch.dtype, shape: tupl
     torch.library.opcheck(ops.cast.default, (x, scale, amax_in, 1, True, out_dtype))
     torch.library.opcheck(ops.cast_transpose.default, (x, scale, None, 0, False, out_dtype))
     torch.library.opcheck(ops.cast_transpose.default, (x, scale, amax_in, 2, False, out_dtype))
+    torch.library.opcheck(ops.cast_transpose_dbias.default, (x, scale, None, 0, False, out_dtype))
+    torch.library.opcheck(ops.cast_transpose_dbias.default, (x, scale, amax_in, 2, False, out_dtype))
     torch.library.opcheck(ops.cast_rowwise.default, (x, 0, False, out_dtype))
     torch.library.opcheck(ops.cast_rowwise.default, (x, 1, True, out_dtype))
 
@@ -572,6 +574,27 @@ def test_ops_cuda_match_cpu_reference_ops(out_dtype: torch.dtype) -> None:
     assert_fp8_equal(got[1].cpu(), want[1], x.t(), "cast_transpose data_t vs CPU reference")
     assert_f32_bits_equal(got[2].cpu(), want[2], "cast_transpose amax vs CPU reference")
     assert_f32_bits_equal(got[3].cpu(), want[3], "cast_transpose inv_scale vs CPU reference")
+    got_db = torch.ops.fp8ops.cast_transpose_dbias(x, scale, None, 0, False, out_dtype)
+    for i in range(4):  # the same bytes as cast_transpose (NaNs included)
+        assert torch.equal(got_db[i].reshape(-1).view(torch.uint8), got[i].reshape(-1).view(torch.uint8)), \
+            f"cast_transpose_dbias output {i} differs from cast_transpose's"
+    assert got_db[4].dtype == torch.float32 and got_db[4].shape == (129,)
+    torch.testing.assert_close(got_db[4], x.float().sum(0), rtol=1e-6, atol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(8192, 4096), (8191, 1027)], ids=_id)
+def test_cast_transpose_dbias_at_training_sizes(shape: tuple[int, int]) -> None:
+    """The bias gradient from the quantizing pass: integers, so exact whatever the summation order;
+    then random values against a float64 sum."""
+    g = torch.Generator(device="cuda").manual_seed(shape[1])
+    x = torch.randint(-8, 9, shape, device="cuda", generator=g).to(torch.bfloat16)
+    db = torch.ops.fp8ops.cast_transpose_dbias(x, torch.tensor(1.0, device="cuda"), None, 0, False,
+                                               torch.float8_e4m3fn)[4]
+    assert torch.equal(db, x.float().sum(0))
+    x = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+    db = torch.ops.fp8ops.cast_transpose_dbias(x, torch.tensor(1.0, device="cuda"), None, 0, False,
+                                               torch.float8_e5m2)[4]
+    torch.testing.assert_close(db.double(), x.double().sum(0), rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (100, 333), (8192, 4096), (4096, 24576)], ids=_id)

@@ -70,6 +70,41 @@ def test_cast_transpose_exact(dtype, shape, block):
     assert inv.item() == 2.0
 
 
+def test_cast_transpose_dbias_hand_computed():
+    """Column sums of a 3 x 3 tensor, by hand; the cast outputs are those of cast_transpose."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [-7.0, 0.5, 0.0]], dtype=torch.bfloat16)
+    scale = torch.tensor(2.0)
+    q, qt, amax, inv, db = K.cast_transpose_dbias_launch(x, scale, None, 0, False, torch.float8_e4m3fn)
+    assert db.dtype == torch.float32 and db.tolist() == [-2.0, 7.5, 9.0]
+    q2, qt2, amax2, inv2 = K.cast_transpose_launch(x, scale, None, 0, False, torch.float8_e4m3fn)
+    assert torch.equal(_u8(q), _u8(q2)) and torch.equal(_u8(qt), _u8(qt2))
+    assert amax.item() == amax2.item() == 7.0 and inv.item() == inv2.item() == 0.5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block", [(16, 32, 2), (32, 16, 1)])
+def test_cast_transpose_dbias_sums_every_tile_row(shape, block):
+    """Several tile rows and columns, edges included: the partial sums of every tile row are added
+    (integers, so every summation order gives the same float32 sums)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-8, 9, shape, generator=g).to(torch.bfloat16)
+    bm, bk, gm = block
+    cfg = {"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": gm}
+    q, qt, amax, inv, db = K.cast_transpose_dbias_launch(x, torch.tensor(4.0), None, 0, False,
+                                                         torch.float8_e5m2, config=cfg)
+    assert db.shape == (shape[1],)
+    assert torch.equal(db, x.float().sum(0))
+    q2, qt2, _, _ = K.cast_transpose_launch(x, torch.tensor(4.0), None, 0, False, torch.float8_e5m2, config=cfg)
+    assert torch.equal(_u8(q), _u8(q2)) and torch.equal(_u8(qt), _u8(qt2))
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (5, 0)])
+def test_cast_transpose_dbias_empty(shape):
+    x = torch.empty(shape, dtype=torch.bfloat16)
+    *_, inv, db = K.cast_transpose_dbias_launch(x, torch.tensor(4.0), None, 0, False, torch.float8_e4m3fn)
+    assert db.shape == (shape[1],) and (db == 0).all() and inv.item() == 0.25
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_cast_saturates(dtype):
     fmax = 448.0 if dtype == torch.float8_e4m3fn else 57344.0

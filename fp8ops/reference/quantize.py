@@ -2,8 +2,8 @@
 
 FP8 is emulated with torch's float8 dtypes: scale in float32, clamp to the finite range (a NaN
 stays NaN), then cast (round-to-nearest-even). The primitive functions below are also the CPU
-kernels of the ``fp8ops::amax``, ``fp8ops::cast``, ``fp8ops::cast_transpose`` and
-``fp8ops::cast_rowwise`` library ops.
+kernels of the ``fp8ops::amax``, ``fp8ops::cast``, ``fp8ops::cast_transpose``,
+``fp8ops::cast_transpose_dbias`` and ``fp8ops::cast_rowwise`` library ops.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ __all__ = [
     "cast",
     "cast_rowwise",
     "cast_transpose",
+    "cast_transpose_dbias",
     "dequantize",
     "quantize",
     "saturating_cast",
@@ -81,6 +82,14 @@ def cast_transpose(
     """Reference of ``fp8ops::cast_transpose``: ``(q (M, K), q_t (K, M), amax, inv_scale)``."""
     q, a, inv = cast(x, scale, amax_in, margin, power_2, out_dtype)
     return q, q.t().clone(memory_format=torch.contiguous_format), a, inv
+
+
+def cast_transpose_dbias(
+    x: Tensor, scale: Tensor, amax_in: Tensor | None, margin: int, power_2: bool, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Reference of ``fp8ops::cast_transpose_dbias``: :func:`cast_transpose` and the float32
+    column sums of x, ``(q, q_t, amax, inv_scale, dbias (K,))``."""
+    return (*cast_transpose(x, scale, amax_in, margin, power_2, out_dtype), x.to(torch.float32).sum(0))
 
 
 def cast_rowwise(x: Tensor, margin: int, power_2: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
