@@ -75,11 +75,7 @@ def quantize_grad(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool,
     ``q`` feeds the dgrad GEMM and ``q_t`` the wgrad GEMM; with neither needed only the amax (the
     observation) is computed.
     """
-    if not (need_q or need_t):
-        return None, None, None, None, _ops.amax(dy)
-    if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
-        spec = spec._replace(calibrated=False)
-    return quantize_pair(dy, g_scale if has_probe else None, spec, need_t)
+    return quantize_grad_db(dy, g_scale, spec, has_probe, need_q, need_t, False)[:5]
 
 
 FUSE_DBIAS = True
@@ -98,12 +94,15 @@ def quantize_grad_db(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bo
     gradient): ``(q, inv, q_t, inv_t, amax, db)``. In eager execution, where the cast writes the
     transposed copy with a per-tensor scale, the sums come out of that same pass over dy; otherwise
     (and under torch.compile, see :data:`FUSE_DBIAS`) from ``dy.sum(0)``."""
+    if not (need_q or need_t):
+        return None, None, None, None, _ops.amax(dy), (dy.sum(0, dtype=torch.float32) if need_db else None)
+    if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
+        spec = spec._replace(calibrated=False)
+    scale = g_scale if has_probe else None
     if need_db and need_t and spec.mode != "rowwise" and FUSE_DBIAS and not torch.compiler.is_compiling():
-        if not has_probe:  # as in quantize_grad: the scale comes from this gradient's own amax
-            spec = spec._replace(calibrated=False)
-        q, inv, q_t, amax, db = quantize_2d_dbias(dy, g_scale if has_probe else None, spec)
+        q, inv, q_t, amax, db = quantize_2d_dbias(dy, scale, spec)
         return q, inv, q_t, inv, amax, db
-    q, inv, q_t, inv_t, amax = quantize_grad(dy, g_scale, spec, has_probe, need_q, need_t)
+    q, inv, q_t, inv_t, amax = quantize_pair(dy, scale, spec, need_t)
     return q, inv, q_t, inv_t, amax, (dy.sum(0, dtype=torch.float32) if need_db else None)
 
 

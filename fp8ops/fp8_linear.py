@@ -279,6 +279,7 @@ class _FP8Linear(torch.autograd.Function):
             fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
             # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
             # Row-parallel SP: this rank's (M/w, N) slice with the group's scale, the FP8 bytes gathered.
+            db32 = None
             if cfg.sp == "row":
                 data, dy_inv, dy_amax = fp8_group_quantize(dy, g_scale, cfg.g_spec, ctx.group)
                 dyq, dyq_t = _gathered_fp8(all_gather_async(data, ctx.group), cfg.g_spec.dtype, fp8_wgrad)
@@ -296,7 +297,7 @@ class _FP8Linear(torch.autograd.Function):
             if cfg.need_dw:
                 dw = gemm_wgrad(dyq_t, dy_inv_t, dy, xq_t, x_inv_t, x, cfg.wgrad, cfg.wgrad_dtype)
             if cfg.need_db:
-                db = (db32 if cfg.sp != "row" else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
+                db = (db32 if db32 is not None else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
             if cfg.sp == "column" and dx is not None:
                 dx = wait(dx)
         probe_grad = dy_amax if cfg.has_probe else None

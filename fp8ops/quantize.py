@@ -126,16 +126,23 @@ def quantize_2d(
             )
         data, inv, amax = _ops.cast_rowwise(x2, spec.margin, spec.power_2, spec.dtype)
         return data, inv, None, amax
-    if scale is None:
-        scale = torch.ones((), dtype=torch.float32, device=x2.device)
-    amax_in = None
-    if spec.mode != "delayed" or not spec.calibrated:
-        amax_in = _ops.amax(x2)
+    scale, amax_in = _cast_scale(x2, scale, spec)
     if transpose:
         data, data_t, amax, inv = _ops.cast_transpose(x2, scale, amax_in, spec.margin, spec.power_2, spec.dtype)
         return data, inv, data_t, amax
     data, amax, inv = _ops.cast(x2, scale, amax_in, spec.margin, spec.power_2, spec.dtype)
     return data, inv, None, amax
+
+
+def _cast_scale(x2: Tensor, scale: Tensor | None, spec: QuantSpec) -> tuple[Tensor, Tensor | None]:
+    """A per-tensor cast's ``(scale, amax_in)``: the state's scale (None: fallback 1) and, for
+    current scaling or an uncalibrated state, the amax the scale is computed from just in time."""
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=x2.device)
+    amax_in = None
+    if spec.mode != "delayed" or not spec.calibrated:
+        amax_in = _ops.amax(x2)
+    return scale, amax_in
 
 
 def quantize_2d_dbias(x2: Tensor, scale: Tensor | None, spec: QuantSpec
@@ -145,11 +152,7 @@ def quantize_2d_dbias(x2: Tensor, scale: Tensor | None, spec: QuantSpec
     Internal to fp8ops ops (an output gradient's bias gradient)."""
     if spec.mode == "rowwise":
         raise ValueError("quantize_2d_dbias: row-wise scaling has no single pass with the transposed copy")
-    if scale is None:
-        scale = torch.ones((), dtype=torch.float32, device=x2.device)
-    amax_in = None
-    if spec.mode != "delayed" or not spec.calibrated:
-        amax_in = _ops.amax(x2)
+    scale, amax_in = _cast_scale(x2, scale, spec)
     data, data_t, amax, inv, dbias = _ops.cast_transpose_dbias(x2, scale, amax_in, spec.margin, spec.power_2,
                                                               spec.dtype)
     return data, inv, data_t, amax, dbias

@@ -31,7 +31,7 @@ def kernels(fn, x, dy, gaps: int) -> tuple[dict[str, tuple[int, float]], float]:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             rows[e.name[:90]].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
             spans.append((e.time_range.start, e.time_range.end, e.name[:60]))
-    out = {k: (len(v), sum(v) / 2) for k, v in rows.items()}  # per step
+    out = {k: (len(v) // 2, sum(v) / 2) for k, v in rows.items()}  # per step (two were profiled)
     if gaps:
         # the largest idle stretches of the GPU between consecutive kernels (both profiled steps)
         spans.sort()
