@@ -160,6 +160,23 @@ def test_backward(shape, dtype, rms, zc, has_ds, config):
         torch.testing.assert_close(db, rdb, rtol=1e-5, atol=1e-5)
 
 
+def test_backward_finalize_sums_every_partial_row():
+    # 100 one-row programs (G = 100 > the finalize's 32-row slab) over K = 100 columns (two column
+    # blocks of the finalize, the second partial): every row's contribution must arrive once.
+    M, Kc = 100, 100
+    x, _, w, _, dy, _ = _data(M, Kc, torch.float32, seed=5, wdtype=torch.float32)
+    _, _, _, _, _, _, mean, rstd = R.norm_fwd(x, None, w, None, EPS, False, False, False, None, None, 0, False,
+                                              None, False)
+    cfg = {"BLOCK_M": 1, "BLOCK_K": 128, "num_warps": 4, "PROGRAMS_PER_SM": 25}
+    _, dw, db = K.norm_bwd_launch(dy, x, w, mean, rstd, None, False, False, True, config=cfg)
+    _, rdw, rdb = R.norm_bwd(dy, x, w, mean, rstd, None, False, False, True)
+    torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, rdb, rtol=1e-5, atol=1e-5)
+    # by hand: dy of ones, so dbias is the row count in every column, exactly
+    _, _, db1 = K.norm_bwd_launch(torch.ones_like(dy), x, w, mean, rstd, None, False, False, True, config=cfg)
+    assert db1.tolist() == [float(M)] * Kc
+
+
 def test_backward_weight_dtype_and_empty():
     x, _, w, _, dy, _ = _data(9, 24, torch.bfloat16, seed=4)
     _, _, _, _, _, _, mean, rstd = R.norm_fwd(x, None, w, None, EPS, False, False, False, None, None, 0, False,
