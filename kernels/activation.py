@@ -68,6 +68,7 @@ import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile
 from ._library import OpSpec, contiguous_args, merge_config
+from .reduce import column_sums
 
 __all__ = [
     "ACTIVATIONS",
@@ -543,7 +544,7 @@ def act_bwd_launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **cast,
     )
     # Finalize the bias gradient: a fixed-order sum over the row tiles' partial sums.
-    db = part.sum(dim=0) if dbias else h.new_empty(0, dtype=torch.float32)
+    db = column_sums(part)[0] if dbias else h.new_empty(0, dtype=torch.float32)
     return dh, q, qt, amax, inv, db
 
 

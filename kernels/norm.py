@@ -36,9 +36,8 @@ Kernels:
   the weight and bias gradients accumulate in float32 registers per program and are written once as
   a ``(G, K)`` partial buffer; no atomics, so the result is deterministic. With chunked rows the
   partial row of a program is updated in place (it is private to that program).
-- ``_norm_bwd_finalize_kernel``: one launch sums the G partial rows of both buffers in a fixed order
-  and writes dweight and dbias in the weight's dtype (instead of a reduction and a dtype
-  conversion per buffer).
+  One launch of ``reduce.column_sums`` then adds the G partial rows of both buffers in a fixed
+  order and writes dweight and dbias in the weight's dtype.
 
 Fast: large M with K in the low thousands, RMSNorm (whole rows in registers, one read of x, one
 write of each output), the RMSNorm and LayerNorm backward. Slower: the LayerNorm forward (two
@@ -65,6 +64,7 @@ import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale
 from ._library import OpSpec, contiguous_args, merge_config
+from .reduce import column_sums
 
 __all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
 
@@ -513,36 +513,6 @@ def _norm_bwd_kernel(
                     tl.store(db_part_ptr + part_row + rk, pb + tl.sum(dy, axis=0), mask=col_ok)
 
 
-@triton.jit
-def _norm_bwd_finalize_kernel(
-    dw_part_ptr,  # (G, K) fp32 partial sums of dy * xh
-    db_part_ptr,  # (G, K) fp32 partial sums of dy (HAS_BIAS)
-    dw_ptr,  # (K,) output in the weight's dtype
-    db_ptr,  # (K,) output in the weight's dtype (HAS_BIAS)
-    G,
-    K,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # Program (i, j): column block i of partial buffer j (0: dweight, 1: dbias); the G rows summed
-    # in a fixed order (BLOCK_G-row slabs, then the tile's rows), converted to the weight's dtype.
-    rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    col_ok = rk < K
-    part = dw_part_ptr
-    out = dw_ptr
-    if HAS_BIAS:
-        if tl.program_id(1) == 1:
-            part = db_part_ptr
-            out = db_ptr
-    acc = tl.zeros((BLOCK_G, BLOCK_K), dtype=tl.float32)
-    for g0 in range(0, G, BLOCK_G):
-        rg = (g0 + tl.arange(0, BLOCK_G)).to(tl.int64)
-        m = (rg < G)[:, None] & col_ok[None, :]
-        acc += tl.load(part + rg[:, None] * K + rk[None, :], mask=m, other=0.0)
-    tl.store(out + rk, tl.sum(acc, axis=0).to(out.dtype.element_ty), mask=col_ok)
-
-
 # ------------------------------------------------------------------------------------------------
 # Launchers: they alone know grids and block sizes, and they validate what the kernels assume.
 
@@ -551,7 +521,6 @@ _BWD_ROW_LIMIT = 8192  # backward: rows up to this length stay in registers
 _FWD_T_CFG = {"BLOCK_M": 32, "BLOCK_K": 256, "num_warps": 4, "PROGRAMS_PER_SM": 1}
 _FWD_CHUNKED_CFG = {"BLOCK_M": 1, "BLOCK_K": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 1}
 _BWD_CHUNKED_CFG = {"BLOCK_M": 4, "BLOCK_K": 1024, "num_warps": 8, "PROGRAMS_PER_SM": 2}
-_FINALIZE_BLOCK_G, _FINALIZE_BLOCK_K = 32, 64  # the finalize's (rows, columns) tile
 _CPU_PROGRAMS = 4  # "SMs" of a non-CUDA device (the interpreter), for the persistent grids
 
 
@@ -857,13 +826,8 @@ def norm_bwd_launch(
         SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
     )
     # Step: finalize, a deterministic fp32 sum of the G partial rows of both buffers, one launch.
-    dweight = torch.empty((K,), dtype=weight.dtype, device=dev)
-    dbias = torch.empty((K,), dtype=weight.dtype, device=dev) if has_bias else weight.new_empty(0)
-    _norm_bwd_finalize_kernel[(triton.cdiv(K, _FINALIZE_BLOCK_K), 2 if has_bias else 1)](
-        dw_part, db_part, dweight, dbias if has_bias else dweight, G, K,
-        HAS_BIAS=has_bias, BLOCK_G=_FINALIZE_BLOCK_G, BLOCK_K=_FINALIZE_BLOCK_K, num_warps=4,
-    )
-    return dx, dweight, dbias
+    dweight, dbias = column_sums(dw_part, db_part if has_bias else None, dtype=weight.dtype)
+    return dx, dweight, (dbias if dbias is not None else weight.new_empty(0))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile, saturate, scale_from_amax
 from ._library import OpSpec, contiguous_args, merge_config
+from .reduce import column_sums
 
 __all__ = [
     "FP8_DTYPES",
@@ -391,13 +392,14 @@ def cast_transpose_dbias_launch(
     a linear layer whose output gradient is x, without a second pass over x.
 
     The kernel writes one row of float32 partial sums per tile row of x (``cdiv(M, BLOCK_M)`` rows,
-    no atomics), summed over those rows by one small reduction: deterministic.
+    no atomics), summed over those rows by one small fixed-order reduction (``reduce.column_sums``):
+    deterministic.
 
     Returns:
         ``(q, q_t, amax, inv_scale, dbias)``; dbias (K,) float32.
     """
     q, qt, amax, inv, partial = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, True, config)
-    return q, qt, amax, inv, partial.sum(0)
+    return q, qt, amax, inv, column_sums(partial)[0]
 
 
 def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None, margin: int,
