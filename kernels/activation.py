@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile
-from ._library import OpSpec, contiguous_args, merge_config
+from ._library import OpSpec, contiguous_args, fast_launch, merge_config
 from .reduce import column_sums
 
 __all__ = [
@@ -155,6 +155,7 @@ def _tile(num_m, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
     return pid, pid_m, rm, rn
 
 
+@fast_launch
 @triton.jit
 def _act_fwd_kernel(
     h_ptr,  # (M, C) input, row stride stride_hm, unit column stride; C = 2F when GATED else F
@@ -248,6 +249,7 @@ def _bwd_epilogue(
     return tl.max(tl.max(abs_bits(d), axis=1), axis=0)
 
 
+@fast_launch
 @triton.jit
 def _act_bwd_kernel(
     da_ptr,  # (M, F) gradient of the activation output, row stride stride_dam, unit column stride

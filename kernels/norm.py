@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale
-from ._library import OpSpec, contiguous_args, merge_config
+from ._library import OpSpec, contiguous_args, fast_launch, merge_config
 from .reduce import column_sums
 
 __all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
@@ -216,6 +216,7 @@ def _row_stats(
     return mean, rstd
 
 
+@fast_launch
 @triton.jit
 def _norm_fwd_kernel(
     x_ptr,  # (M, K) input, contiguous
@@ -390,6 +391,7 @@ def _bwd_chunk(
     return rk, col_ok, mask, offs, dy, xh, gdy
 
 
+@fast_launch
 @triton.jit
 def _norm_bwd_kernel(
     dy_ptr,  # (M, K) gradient of y, contiguous

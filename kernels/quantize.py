@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile, saturate, scale_from_amax
-from ._library import OpSpec, contiguous_args, merge_config
+from ._library import OpSpec, contiguous_args, fast_launch, merge_config
 from .reduce import column_sums
 
 __all__ = [
@@ -72,6 +72,7 @@ _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
+@fast_launch
 @triton.jit
 def _cast_fwd_kernel(
     x_ptr,  # (N,) input, contiguous
@@ -101,6 +102,7 @@ def _cast_fwd_kernel(
     atomic_amax(amax_ptr, tl.max(abs_bits(x), axis=0))
 
 
+@fast_launch
 @triton.jit
 def _cast_transpose_fwd_kernel(
     x_ptr,  # (M, K) input, row stride stride_xm, unit column stride
@@ -147,6 +149,7 @@ def _cast_transpose_fwd_kernel(
         tl.store(dbias_ptr + pid_m.to(tl.int64) * K + rk, tl.sum(x, axis=0), mask=rk < K)
 
 
+@fast_launch
 @triton.jit
 def _cast_rowwise_fwd_kernel(
     x_ptr,  # (M, K) input, row stride stride_xm, unit column stride
@@ -187,6 +190,7 @@ def _cast_rowwise_fwd_kernel(
     atomic_amax(amax_ptr, tl.max(acc, axis=0))
 
 
+@fast_launch
 @triton.jit
 def _amax_fwd_kernel(
     x_ptr,  # (N,) input, contiguous
@@ -200,6 +204,7 @@ def _amax_fwd_kernel(
     atomic_amax(amax_ptr, tl.max(abs_bits(x), axis=0))
 
 
+@fast_launch
 @triton.jit
 def _transpose_bytes_kernel(
     x_ptr,  # (M, K) one-byte elements (uint8 view), contiguous

@@ -19,11 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ._library import fast_launch
+
 __all__ = ["column_sums"]
 
 _BLOCK_G, _BLOCK_K, _NUM_WARPS = 64, 32, 4  # a program's (rows, columns) tile
 
 
+@fast_launch
 @triton.jit
 def _column_sums_kernel(
     a_ptr,  # (G, K) float32 partial sums, contiguous
