@@ -78,22 +78,25 @@ def quantize_grad(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool,
     return quantize_grad_db(dy, g_scale, spec, has_probe, need_q, need_t, False)[:5]
 
 
-FUSE_DBIAS = True
-"""Whether :func:`quantize_grad_db` takes the bias gradient from the quantizing pass in eager
-execution (True) or from a separate ``dy.sum(0)`` (False, for benchmarks that time the
-difference). Under ``torch.compile`` it is always ``dy.sum(0)``: Inductor fuses that sum into the
-kernel that produces dy, which is cheaper than summing inside the opaque cast (measured on full
-GPT training steps at hidden 768, compiled and graphed, H200: 15.93 / 15.83 ms with the sum in the
-cast against 15.53 / 15.50 ms, two runs)."""
+FUSE_DBIAS = False
+"""Whether :func:`quantize_grad_db` takes the bias gradient from the quantizing pass
+(``fp8ops::cast_transpose_dbias``) in eager execution (True) or from ``dy.sum(0)`` (False, the
+default). Off by default so that every execution mode computes the bias gradient with the same
+reduction: the fused per-tile partial sums differ from ``dy.sum(0)`` in the last bits of float32,
+and ``torch.compile`` keeps ``dy.sum(0)`` in any case (Inductor fuses that sum into the kernel that
+produces dy, which is cheaper than summing inside the opaque cast: on full GPT training steps at
+hidden 768, compiled and graphed, H200, 15.93 / 15.83 ms with the sum in the cast against
+15.53 / 15.50 ms, two runs). With it on, eager steps save one reduction kernel per linear layer and
+compiled gradients of the biases differ from eager ones by float32 rounding."""
 
 
 def quantize_grad_db(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool, need_q: bool, need_t: bool,
                      need_db: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor,
                                              Tensor | None]:
     """:func:`quantize_grad` plus, with ``need_db``, the float32 column sums of dy (the bias
-    gradient): ``(q, inv, q_t, inv_t, amax, db)``. In eager execution, where the cast writes the
-    transposed copy with a per-tensor scale, the sums come out of that same pass over dy; otherwise
-    (and under torch.compile, see :data:`FUSE_DBIAS`) from ``dy.sum(0)``."""
+    gradient): ``(q, inv, q_t, inv_t, amax, db)``. The sums are ``dy.sum(0)``, or, with
+    :data:`FUSE_DBIAS` on in eager execution where the cast writes the transposed copy with a
+    per-tensor scale, come out of that same pass over dy."""
     if not (need_q or need_t):
         return None, None, None, None, _ops.amax(dy), (dy.sum(0, dtype=torch.float32) if need_db else None)
     if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax

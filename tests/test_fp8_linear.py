@@ -294,10 +294,13 @@ def test_compile_of_func_grad_raises(case):
         f(x, w, b, st, torch.zeros(()))
 
 
-def test_bias_gradient_comes_from_the_quantizing_pass_in_eager_only(monkeypatch):
-    """Eager: dy's cast with its transposed copy also returns the bias gradient (no second pass);
-    under torch.compile the op keeps dy.sum(0), which Inductor fuses into dy's producer."""
+def test_bias_gradient_comes_from_the_quantizing_pass_in_eager_only_when_switched_on(monkeypatch):
+    """By default every mode takes dy.sum(0) (bitwise the same bias gradient in eager and compiled
+    steps). With FUSE_DBIAS on, eager's cast of dy with its transposed copy also returns the bias
+    gradient (no second pass); under torch.compile the op keeps dy.sum(0), which Inductor fuses
+    into dy's producer."""
     operands = importlib.import_module("fp8ops._operands")
+    assert operands.FUSE_DBIAS is False
     calls = []
     inner = operands.quantize_2d_dbias
 
@@ -309,12 +312,11 @@ def test_bias_gradient_comes_from_the_quantizing_pass_in_eager_only(monkeypatch)
     st = _calibrated(DELAYED)
     x, w, b, dy = _data((6,), 40, 24, torch.bfloat16)
     db_ref = dy.float().sum(0).to(torch.bfloat16)
+    _, _, _, db_sep, _, _ = _run(x, w, b, dy, st, DELAYED)
+    assert not calls and torch.equal(db_sep, db_ref)
+    monkeypatch.setattr(operands, "FUSE_DBIAS", True)
     _, _, _, db, _, _ = _run(x, w, b, dy, st, DELAYED)
     assert len(calls) == 1 and torch.equal(db, db_ref)
-    monkeypatch.setattr(operands, "FUSE_DBIAS", False)
-    _, _, _, db_sep, _, _ = _run(x, w, b, dy, st, DELAYED)
-    assert len(calls) == 1 and torch.equal(db_sep, db_ref)
-    monkeypatch.setattr(operands, "FUSE_DBIAS", True)
 
     def step(x, w, b, p):
         return fp8ops.fp8_linear(x, w, b, st, recipe=DELAYED, grad_probe=p)[0]
