@@ -68,7 +68,7 @@ import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile
 from ._library import OpSpec, contiguous_args, fast_launch, merge_config
-from .reduce import column_sums
+from ._reduce import column_sums
 
 __all__ = [
     "ACTIVATIONS",

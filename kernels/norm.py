@@ -36,7 +36,7 @@ Kernels:
   the weight and bias gradients accumulate in float32 registers per program and are written once as
   a ``(G, K)`` partial buffer; no atomics, so the result is deterministic. With chunked rows the
   partial row of a program is updated in place (it is private to that program).
-  One launch of ``reduce.column_sums`` then adds the G partial rows of both buffers in a fixed
+  One launch of ``_reduce.column_sums`` then adds the G partial rows of both buffers in a fixed
   order and writes dweight and dbias in the weight's dtype.
 
 Fast: large M with K in the low thousands, RMSNorm (whole rows in registers, one read of x, one
@@ -64,7 +64,7 @@ import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale
 from ._library import OpSpec, contiguous_args, fast_launch, merge_config
-from .reduce import column_sums
+from ._reduce import column_sums
 
 __all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
 

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile, saturate, scale_from_amax
 from ._library import OpSpec, contiguous_args, fast_launch, merge_config
-from .reduce import column_sums
+from ._reduce import column_sums
 
 __all__ = [
     "FP8_DTYPES",
@@ -397,7 +397,7 @@ def cast_transpose_dbias_launch(
     a linear layer whose output gradient is x, without a second pass over x.
 
     The kernel writes one row of float32 partial sums per tile row of x (``cdiv(M, BLOCK_M)`` rows,
-    no atomics), summed over those rows by one small fixed-order reduction (``reduce.column_sums``):
+    no atomics), summed over those rows by one small fixed-order reduction (``_reduce.column_sums``):
     deterministic.
 
     Returns:

@@ -161,8 +161,9 @@ COMPONENTS = {"activation", "gemm"}
 # Modules that are not ops: formats, recipes and state; the module API; the demo.
 INFRASTRUCTURE = {"formats", "recipes", "state", "state_dict", "update", "parallel", "graph_step", "nn", "demo", "bench",
                   "testing", "reference", "kernels"}
-# Test files about a concern that crosses ops (named after it, not after a stem).
-CROSS_CUTTING_TESTS = {"autocast", "composition", "docs", "layout", "numerics", "op_checks", "state_checks",
+# Test files about a concern that crosses ops (named after it, not after a stem); "kernels": the
+# launch path and finalize kernels that the kernel modules share (kernels/_library.py, _reduce.py).
+CROSS_CUTTING_TESTS = {"autocast", "kernels", "composition", "docs", "layout", "numerics", "op_checks", "state_checks",
                        "distributed", "recipes", "state", "nn", "demo", "graph_step"}
 STEMS = set(OPS.values()) | COMPONENTS
 

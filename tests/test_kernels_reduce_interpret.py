@@ -1,4 +1,4 @@
-"""kernels/reduce.py (``column_sums``, the finalize of row reductions) under TRITON_INTERPRET=1.
+"""kernels/_reduce.py (``column_sums``, the finalize of row reductions) under TRITON_INTERPRET=1.
 
 Hand-computed sums: integer-valued partials are summed exactly in float32, so every output is
 checked for equality; the shapes cross the kernel's 64-row slabs and 32-column blocks.
@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from fp8ops.kernels.reduce import column_sums
+from fp8ops.kernels._reduce import column_sums
 
 pytestmark = [
     pytest.mark.interpret,
