@@ -242,8 +242,8 @@ class Recipe:
         if not states:
             return []
         S = len(states)
-        hist = torch.stack([s.amax_history for s in states])  # (S, L)
-        scale = torch.stack([s.scale for s in states])  # (S,)
+        hist = restack([s.amax_history for s in states])  # (S, L)
+        scale = restack([s.scale for s in states])  # (S,)
         fmax = _constants(tuple(self.fp8_max(s.role) for s in states), hist.device)
         o = obs.to(device=hist.device, dtype=torch.float32).reshape(S)
         # (x.abs() < inf is isfinite in two kernels instead of four; NaN compares False)
@@ -293,6 +293,23 @@ class Recipe:
 
 
 _CONSTANTS: dict[tuple[torch.device, tuple[float, ...]], Tensor] = {}
+
+
+def restack(rows: Sequence[Tensor]) -> Tensor:
+    """``torch.stack(rows)``; when ``rows`` are the rows of one tensor in order (as
+    :meth:`update_many` leaves every state's history and scale: the rows of one batched result),
+    that tensor itself, without a copy kernel. Under ``torch.compile`` and ``torch.func``
+    transforms always ``torch.stack``."""
+    base = rows[0]._base if rows else None
+    if (base is None or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or base.dim() != rows[0].dim() + 1 or base.shape[0] != len(rows)):
+        return torch.stack(list(rows))
+    off0, step, inner = base.storage_offset(), base.stride(0), base.stride()[1:]
+    for j, r in enumerate(rows):
+        if (r._base is not base or r.storage_offset() != off0 + j * step or r.stride() != inner
+                or r.shape != base.shape[1:]):
+            return torch.stack(list(rows))
+    return base
 
 
 def _constants(values: tuple[float, ...], device: torch.device) -> Tensor:

@@ -138,8 +138,8 @@ def update(
     flat = [p for row in pairs for p in row]
     if not flat:
         return states
-    # One merged observation per state, max(pending amax, gradient amax), in three kernels for the
-    # whole tree (two stacks and a maximum) rather than one per state.
+    # One merged observation per state, max(pending amax, gradient amax), in two kernels for the
+    # whole tree (one stack of both lists and a maximum over it) rather than one per state.
     pending, grads = [], []
     for s, g, key in flat:
         _check_built_for(s, recipe, where=f"update: {key}")
@@ -159,7 +159,7 @@ def update(
                 g = g.reshape(())
         grads.append(p if g is None else g)
     to_update = [s if g is None else s.replace(observed=True) for s, g, _ in flat]
-    obs_t = torch.maximum(torch.stack(pending), torch.stack(grads))
+    obs_t = torch.stack(pending + grads).view(2, len(flat)).amax(0)  # NaN propagates, as in torch.maximum
     if group is not None:
         import torch.distributed as dist
 
