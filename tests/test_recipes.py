@@ -226,3 +226,19 @@ def test_update_reads_the_previous_batched_history_without_a_copy():
     b = fp8ops.update({k: s.observe(o) for (k, s), o in zip(sep.items(), obs)}, recipe=r)
     for k in st:
         assert torch.equal(a[k].amax_history, b[k].amax_history) and torch.equal(a[k].scale, b[k].scale)
+
+
+def test_a_never_observed_state_keeps_its_values_inside_the_batched_history():
+    from fp8ops.recipes import restack
+
+    r = DelayedScaling(amax_history_len=2)
+    st = {k: r.init(role="forward") for k in "abc"}
+    st["c"] = st["c"].replace(amax_history=torch.tensor([3.0, 1.0]), scale=torch.tensor(2.0))
+    for vals in ([1.0, 2.0], [4.0, 8.0], [0.5, 16.0]):
+        obs = {k: s.observe(torch.tensor(v)) for (k, s), v in zip(list(st.items())[:2], vals)}
+        st = fp8ops.update({**obs, "c": st["c"]}, recipe=r)  # "c": no op observed it
+    assert not st["c"].calibrated and st["c"].amax_history.tolist() == [3.0, 1.0] and st["c"].scale.item() == 2.0
+    assert st["a"].amax_history.tolist() == [0.5, 4.0] and st["b"].amax_history.tolist() == [16.0, 8.0]
+    # all three rows are rows of the last update's result: the next update reads them without a copy
+    rows = [s.amax_history for s in st.values()]
+    assert restack(rows) is rows[0]._base and restack([s.scale for s in st.values()]) is st["a"].scale._base
