@@ -242,9 +242,8 @@ class Recipe:
         if not states:
             return []
         S = len(states)
-        hist0 = restack([s.amax_history for s in states])  # (S, L)
-        scale = restack([s.scale for s in states])  # (S,)
-        hist = hist0
+        hist = torch.stack([s.amax_history for s in states])  # (S, L)
+        scale = torch.stack([s.scale for s in states])  # (S,)
         fmax = _constants(tuple(self.fp8_max(s.role) for s in states), hist.device)
         o = obs.to(device=hist.device, dtype=torch.float32).reshape(S)
         # (x.abs() < inf is isfinite in two kernels instead of four; NaN compares False)
@@ -267,15 +266,6 @@ class Recipe:
         if uncal:
             flags = seen[uncal].tolist()
             skip |= {j for j, f in zip(uncal, flags) if not f}
-        # Once no uncalibrated state was observed, the skipped states are those no op observed, a
-        # static set: their old rows go into the batched results, so that every state's history
-        # and scale stay rows of one tensor (the next update reads them without a stacking copy).
-        # The mask is a constant per static set, made before any graph capture of the step.
-        merged = bool(skip) and not uncal and len(skip) < S
-        if merged:
-            keep = _constants(tuple(1.0 if j in skip else 0.0 for j in range(S)), hist.device) > 0
-            hist = torch.where(keep[:, None], hist0, hist)
-            new_scale = torch.where(keep, scale, new_scale)
         # every cleared pending amax is a view of one zero vector: one kernel, not one per state;
         # the per-state rows come from one unbind each (one dispatcher call, not one per state)
         zeros = torch.zeros(S, dtype=torch.float32, device=hist.device).unbind(0)
@@ -283,8 +273,7 @@ class Recipe:
                    else torch.zeros_like(s.pending_amax) for j, s in enumerate(states)]
         hist_rows, scale_rows = hist.unbind(0), new_scale.unbind(0)
         return [
-            (s.replace(amax_history=hist_rows[j], scale=scale_rows[j], pending_amax=cleared[j], observed=False)
-             if merged else s.replace(pending_amax=cleared[j], observed=False))
+            s.replace(pending_amax=cleared[j], observed=False)
             if j in skip
             else s.replace(
                 amax_history=hist_rows[j],
@@ -304,23 +293,6 @@ class Recipe:
 
 
 _CONSTANTS: dict[tuple[torch.device, tuple[float, ...]], Tensor] = {}
-
-
-def restack(rows: Sequence[Tensor]) -> Tensor:
-    """``torch.stack(rows)``; when ``rows`` are the rows of one tensor in order (as
-    :meth:`update_many` leaves every state's history and scale: the rows of one batched result),
-    that tensor itself, without a copy kernel. Under ``torch.compile`` and ``torch.func``
-    transforms always ``torch.stack``."""
-    base = rows[0]._base if rows else None
-    if (base is None or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or base.dim() != rows[0].dim() + 1 or base.shape[0] != len(rows)):
-        return torch.stack(list(rows))
-    off0, step, inner = base.storage_offset(), base.stride(0), base.stride()[1:]
-    for j, r in enumerate(rows):
-        if (r._base is not base or r.storage_offset() != off0 + j * step or r.stride() != inner
-                or r.shape != base.shape[1:]):
-            return torch.stack(list(rows))
-    return base
 
 
 def _constants(values: tuple[float, ...], device: torch.device) -> Tensor:

@@ -158,11 +158,10 @@ class FastKernel:
             device = torch.cuda.current_device()
             key = (device, num_warps, num_stages,
                    tuple(v if c else _spec(v) for v, c in zip(values, self._constexpr)))
-            hash(key)
+            kernel = self._cache.get(key)  # TypeError for an unhashable constexpr
         except (KeyError, TypeError) as e:
             self.last_fallback = f"arguments: {e!r}"
             return self.fn[grid](*args, **opts, **kwargs)  # Triton's path reports what is wrong
-        kernel = self._cache.get(key)
         if kernel is None or _hooks_set():
             self.last_fallback = "first launch" if kernel is None else "launch hooks installed"
             kernel = self.fn[grid](*args, **opts, **kwargs)
