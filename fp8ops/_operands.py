@@ -33,6 +33,7 @@ __all__ = [
     "hp_linear",
     "norm_backward",
     "norm_operands",
+    "norm_operands_residual",
     "or_empty",
     "quantize_grad",
     "quantize_grad_db",
@@ -171,7 +172,7 @@ class NormCfg(NamedTuple):
 
 def norm_operands(
     x: Tensor, w: Tensor, b: Tensor | None, ncfg: NormCfg, scale: Tensor | None, spec: QuantSpec | None,
-    *, need_q: bool, need_t: bool, need_hp: bool,
+    *, need_q: bool, need_t: bool, need_hp: bool, residual: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]:
     """Normalise ``x`` (M, K) into the forms the following GEMMs need, in one kernel where it can.
 
@@ -179,31 +180,51 @@ def norm_operands(
     ``x.dtype`` (when ``need_hp``), ``q`` / ``q_t`` its FP8 copy (M, K) / (K, M) with inverse
     scales, ``amax`` of the normalised output, ``mean`` / ``rstd`` the saved statistics.
     Row-wise scaling writes the high-precision output and quantizes it separately (per-row
-    scales need the whole row's amax before the cast).
+    scales need the whole row's amax before the cast). With a ``residual`` (M, K) the kernel
+    normalises ``s = x + residual`` (added in fp32, rounded to x's dtype): use
+    :func:`norm_operands_residual`, which also returns s.
     """
+    return norm_operands_residual(x, w, b, ncfg, scale, spec, need_q=need_q, need_t=need_t, need_hp=need_hp,
+                                  residual=residual)[:8]  # type: ignore[return-value]
+
+
+def norm_operands_residual(
+    x: Tensor, w: Tensor, b: Tensor | None, ncfg: NormCfg, scale: Tensor | None, spec: QuantSpec | None,
+    *, need_q: bool, need_t: bool, need_hp: bool, residual: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor,
+           Tensor | None]:
+    """:func:`norm_operands` plus, last, the sum ``s = x + residual`` the kernel normalised (None
+    without a residual)."""
     fp8 = need_q or need_t
+    r = residual
     if not fp8 or spec is None or spec.mode == "rowwise":
-        y, _, _, _, amax, _, mean, rstd = _ops.norm_fwd(
-            x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, True, None, None, 0, False, None, False
+        y, s, _, _, amax, _, mean, rstd = _ops.norm_fwd(
+            x, r, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, True, None, None, 0, False, None, False
         )
+        s = s if r is not None else None
         if not fp8 or spec is None:
-            return y, None, None, None, None, amax, mean, rstd
+            return y, None, None, None, None, amax, mean, rstd, s
         q, inv, q_t, inv_t, amax = quantize_pair(y, None, spec, need_t)
-        return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, mean, rstd
+        return ((y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, mean,
+                rstd, s)
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=x.device)
     amax_in = None
     if spec.mode != "delayed" or not spec.calibrated:
-        amax_in = _ops.norm_amax(x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered)
-    y, _, q, q_t, amax, inv, mean, rstd = _ops.norm_fwd(
-        x, None, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, need_hp, scale, amax_in,
+        amax_in = _ops.norm_amax(x, r, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered)
+    y, s, q, q_t, amax, inv, mean, rstd = _ops.norm_fwd(
+        x, r, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, need_hp, scale, amax_in,
         spec.margin, spec.power_2, spec.dtype, need_t,
     )
-    return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax, mean, rstd
+    return ((y if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax, mean, rstd,
+            (s if r is not None else None))
 
 
-def norm_backward(dln: Tensor, x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, ncfg: NormCfg
-                  ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(dx, dweight, dbias)`` of the normalisation for the gradient ``dln`` of its output."""
-    dx, dw, db = _ops.norm_bwd(dln.contiguous(), x, w, mean, rstd, None, ncfg.rms, ncfg.zero_centered, ncfg.has_bias)
+def norm_backward(dln: Tensor, x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, ncfg: NormCfg,
+                  ds: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(dx, dweight, dbias)`` of the normalisation for the gradient ``dln`` of its output; ``x``
+    is the normalised input (s with a residual), ``ds`` the gradient that reached s directly (the
+    residual stream), added into dx in the same pass."""
+    dx, dw, db = _ops.norm_bwd(dln.contiguous(), x, w, mean, rstd, None if ds is None else ds.contiguous(),
+                               ncfg.rms, ncfg.zero_centered, ncfg.has_bias)
     return dx, dw, (db if ncfg.has_bias else None)

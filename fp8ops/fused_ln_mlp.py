@@ -51,7 +51,7 @@ from ._operands import (
     gemm_fprop,
     gemm_wgrad,
     norm_backward,
-    norm_operands,
+    norm_operands_residual,
     or_empty,
     quantize_grad,
     quantize_grad_db,
@@ -201,6 +201,7 @@ class _FusedLNMLP(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         x: Tensor,  # (M, K)
+        r: Tensor | None,  # (M, K) residual: the norm reads s = x + r
         ln_w: Tensor,  # (K,)
         ln_b: Tensor | None,  # (K,)
         w1: Tensor,  # (C, K)
@@ -229,9 +230,10 @@ class _FusedLNMLP(torch.autograd.Function):
         fp8_fwd = cfg.fprop.precision == "fp8"
         fp8_wgrad, fp8_dgrad = cfg.wgrad.precision == "fp8", cfg.dgrad.precision == "fp8"
         # Step 1: the norm writes fc1's FP8 operand (and its transpose for fc1's wgrad).
-        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd = norm_operands(
+        # With a residual the kernel also writes s = x + r, which it normalises.
+        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd, s = norm_operands_residual(
             x, ln_w, ln_b, cfg.norm, s_x1, sp_x1, need_q=fp8_fwd, need_t=cfg.need_dw1 and fp8_wgrad,
-            need_hp=not fp8_fwd or (cfg.need_dw1 and not fp8_wgrad),
+            need_hp=not fp8_fwd or (cfg.need_dw1 and not fp8_wgrad), residual=r,
         )
         # Step 2: fc1, its weight from the cache (its transposed copy is saved in setup_context) or
         # quantized now.
@@ -260,7 +262,7 @@ class _FusedLNMLP(torch.autograd.Function):
             w2q_t = w2_inv_t = None
         e = x
         return (
-            y, ln_amax, w1_amax, a_amax, w2_amax, or_empty(h_amax, e), mean, rstd,
+            y, or_empty(s, e), ln_amax, w1_amax, a_amax, w2_amax, or_empty(h_amax, e), mean, rstd,
             or_empty(lnq_t, e), or_empty(ln_inv_t, e), or_empty(ln if cfg.need_dw1 and not fp8_wgrad else None, e),
             or_empty(w1q_t, e), or_empty(w1_inv_t, e), h, or_empty(h_inv, e),
             or_empty(aq_t, e), or_empty(a_inv_t, e), or_empty(a if keep_a_hp else None, e),
@@ -269,13 +271,13 @@ class _FusedLNMLP(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        (x, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, _, c1_data_t, c1_inv, c1_inv_t, _, c2_data_t,
-         c2_inv, c2_inv_t, cfg) = inputs
-        ctx.mark_non_differentiable(*output[1:])
+        (x, r, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, _, c1_data_t, c1_inv, c1_inv_t, _,
+         c2_data_t, c2_inv, c2_inv_t, cfg) = inputs
+        ctx.mark_non_differentiable(*output[2 if r is not None else 1:])  # y, and s = x + r with a residual
         # The other outputs never get a gradient: without this, autograd would allocate a zero
         # gradient of each one's shape (the FP8 operands saved for backward among them) per step.
         ctx.set_materialize_grads(False)
-        (_, _, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
+        (_, s, _, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
          w2q_t, w2_inv_t) = output
         fp8_dgrad = cfg.dgrad.precision == "fp8"
         if cfg.cache1 and cfg.need_dx and fp8_dgrad:
@@ -283,17 +285,22 @@ class _FusedLNMLP(torch.autograd.Function):
         if cfg.cache2 and cfg.need_dh and fp8_dgrad:
             w2q_t, w2_inv_t = c2_data_t, (c2_inv_t if c2_inv_t is not None else c2_inv)
         ctx.save_for_backward(
-            x if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t,
+            (s if r is not None else x) if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t,
             w1 if cfg.need_dx and not fp8_dgrad else None,
             h, h_inv, aq_t, a_inv_t, a, a_amax_in, w2q_t, w2_inv_t,
             w2 if cfg.need_dh and not fp8_dgrad else None,
             s_g1, s_x2, s_g2,
         )
         ctx.cfg = cfg
+        ctx.has_residual = r is not None
         ctx.dtypes = (x.dtype, w1.dtype, None if b1 is None else b1.dtype, w2.dtype, None if b2 is None else b2.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: Tensor | None, ds: Tensor | None, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        # x is the normalised input: s = x + r with a residual. ds: the gradient that reached s
+        # directly (the residual stream), None when s is not used or there is no residual.
+        if not ctx.has_residual:
+            ds = None
         (x, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, w1, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
          w2q_t, w2_inv_t, w2, s_g1, s_x2, s_g2) = ctx.saved_tensors
         cfg: _Cfg = ctx.cfg
@@ -303,6 +310,8 @@ class _FusedLNMLP(torch.autograd.Function):
         fp8_dgrad, fp8_wgrad = cfg.dgrad.precision == "fp8", cfg.wgrad.precision == "fp8"
         dx = dln_w = dln_b = dw1 = db1 = dw2 = db2 = None
         dh_amax = None
+        if dy is None:  # only s = x + r reached the loss: its gradient passes to x and r; nothing observed
+            return (ds, ds, *(None,) * 23)
         with torch.no_grad():
             dy = dy.contiguous()
             # Step 1: quantize dy (and its transpose) in one pass; its amax is fc2's observation.
@@ -346,7 +355,7 @@ class _FusedLNMLP(torch.autograd.Function):
                 if cfg.need_dx:
                     dln = gemm_dgrad(dhq, dh_inv, dh, w1q_t, w1_inv_t, w1, cfg.dgrad, x_dtype)
                     del dhq
-                    dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm)
+                    dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm, ds)
                     del dln
                 if cfg.need_dw1:
                     dw1 = gemm_wgrad(dhq_t, dh_inv_t, dh, lnq_t, ln_inv_t, ln, cfg.wgrad, w1_dtype)
@@ -356,8 +365,10 @@ class _FusedLNMLP(torch.autograd.Function):
             if dh_amax is None:
                 dh_amax = torch.zeros_like(dy_amax)
             probe_grad = torch.stack([dh_amax.reshape(()), dy_amax.reshape(())])
-        return (dx, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None, None, None, None, None, probe_grad,
-                *(None,) * 8, None)
+        if ctx.has_residual and dx is None:  # nothing flowed back through the norm
+            dx = ds
+        return (dx, dx if ctx.has_residual else None, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None, None, None,
+                None, None, probe_grad, *(None,) * 8, None)
 
 
 _FusedLNMLP.forward.__signature__ = inspect.signature(_FusedLNMLP.forward)  # type: ignore[attr-defined]
@@ -438,12 +449,14 @@ def fused_ln_mlp(
     weight_cache: tuple[WeightCache | None, WeightCache | None] | None = None,
     tp_group: Any = None,
     sequence_parallel: bool = False,
-) -> tuple[Tensor, LayerNormMLPState | None]:
+    residual: Tensor | None = None,
+) -> tuple[Any, LayerNormMLPState | None]:
     """LayerNorm (or RMSNorm) -> fc1 -> activation -> fc2, with FP8 GEMMs and fused FP8 producers.
 
     Math::
 
         y = fc2(act(fc1(norm(x))))          fc(t) = dq(q(t) . q(W)^T) + b
+        with a residual: s = x + residual, y = fc2(act(fc1(norm(s))))
         gated activations split fc1's output h = [a | b] (first half a): swiglu = silu(a) * b,
         geglu = gelu_tanh(a) * b, reglu = relu(a) * b
 
@@ -499,9 +512,15 @@ def fused_ln_mlp(
             :func:`fp8ops.fp8_linear` (which all-gathers the norm output), the activation, fc2 as
             a row-parallel one (reduce-scatter; dy all-gathered in the backward); with a
             per-tensor FP8 recipe both all-gathers move FP8 bytes. Not with ``recompute``.
+        residual: (..., K) of x's shape and dtype, or None: the op normalises ``s = x + residual``
+            (added in fp32 and rounded to x's dtype, as ``x + residual`` gives) and returns s too,
+            the next residual stream of a pre-norm block (``s = x + attn; y = s + mlp(s)``). The
+            norm kernel writes s in the same pass, and in the backward it adds the gradient that
+            reaches s directly to the norm's dx: no separate add kernel either way. With
+            ``tp_group`` the add runs in front of the op, unfused.
 
     Returns:
-        ``(y, new_state)``: y (..., K2); ``new_state`` with the amaxes of the normalised input,
+        ``(y, new_state)``, or ``((y, s), new_state)`` with a residual: y (..., K2); ``new_state`` with the amaxes of the normalised input,
         W1, the activation output and W2 recorded (None without FP8; the amax of a cached weight
         is recorded by :func:`fp8ops.quantize_weight`).
 
@@ -535,6 +554,16 @@ def fused_ln_mlp(
                       f"grad_probes will be removed in the next release", DeprecationWarning, stacklevel=2)
         grad_probe = grad_probes
     tp = tp_config(where, tp_group, None, sequence_parallel)
+    if residual is not None:
+        _check_residual(residual, x, where)
+        if tp is not None:  # the add in front of the (parallel) op, unfused
+            s = x + residual
+            y, new_state = fused_ln_mlp(
+                s, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state, recipe=recipe,
+                normalization=normalization, activation=activation, eps=eps, zero_centered_gamma=zero_centered_gamma,
+                recompute=recompute, grad_probe=grad_probe, weight_cache=weight_cache, tp_group=tp_group,
+                sequence_parallel=sequence_parallel)
+            return (y, s), new_state
     if tp is not None:
         check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
         if fc2_bias is not None:
@@ -557,7 +586,8 @@ def fused_ln_mlp(
         # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,
         # so gradients reach the originals in their dtype), then the op with autocast off inside. A
         # cached FP8 weight is used as it is (its source weight is not cast: the cache checks identity).
-        x, ln_weight, ln_bias, fc1_bias, fc2_bias = autocast_inputs(ac, x, ln_weight, ln_bias, fc1_bias, fc2_bias)
+        x, ln_weight, ln_bias, fc1_bias, fc2_bias, residual = autocast_inputs(ac, x, ln_weight, ln_bias, fc1_bias,
+                                                                              fc2_bias, residual)
         c1, c2 = weight_cache if isinstance(weight_cache, (tuple, list)) and len(weight_cache) == 2 else (None, None)
         if c1 is None:
             (fc1_weight,) = autocast_inputs(ac, fc1_weight)
@@ -568,7 +598,7 @@ def fused_ln_mlp(
                 x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state, recipe=recipe,
                 normalization=normalization, activation=activation, eps=eps,
                 zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probe=grad_probe,
-                weight_cache=weight_cache)
+                weight_cache=weight_cache, residual=residual)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     _activation.check_activation(activation, where)
     C = check_weight(fc1_weight, fc1_bias, K, x, "fc1_weight", where)
@@ -609,7 +639,7 @@ def fused_ln_mlp(
         norm=NormCfg(normalization == "RMSNorm", float(eps), bool(zero_centered_gamma), ln_bias is not None),
         act=activation, fp8=fp8, recompute=recompute == "activation", specs=specs,
         fprop=gemms[0], dgrad=gemms[1], wgrad=gemms[2], has_probe=grad_probe is not None,
-        need_dx=needs(x) or needs(ln_weight) or needs(ln_bias),
+        need_dx=needs(x) or needs(residual) or needs(ln_weight) or needs(ln_bias),
         need_dw1=needs(fc1_weight), need_db1=needs(fc1_bias),
         need_dw2=needs(fc2_weight), need_db2=needs(fc2_bias), cache1=c1 is not None, cache2=c2 is not None,
     )
@@ -618,8 +648,9 @@ def fused_ln_mlp(
     cached: list[Tensor | None] = []
     for c in (c1, c2):
         cached += [None] * 4 if c is None else [c.value.data, c.value.data_t, c.value.inv_scale, c.inv_scale_t]
-    y, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = apply(
-        _FusedLNMLP, x.reshape(-1, K), ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales,
+    r2 = None if residual is None else residual.reshape(-1, K)
+    y, s2, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = apply(
+        _FusedLNMLP, x.reshape(-1, K), r2, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales,
         grad_probe, *cached, cfg
     )
     new_state = None
@@ -633,4 +664,19 @@ def fused_ln_mlp(
         if cfg.recompute:  # fc1's output was quantized (stored in FP8) only then
             seen["fc1_output"] = h_amax
         new_state = state.replace(**{n: getattr(state, n)._observe_amax(a) for n, a in seen.items()})
+    if residual is not None:
+        return (y.reshape(*lead, K2), s2.reshape(*lead, K)), new_state
     return y.reshape(*lead, K2), new_state
+
+
+def _check_residual(residual: Any, x: Any, where: str) -> None:
+    """``residual`` must be a float tensor of x's shape, dtype and device."""
+    check_float_tensor(residual, "residual", where)
+    if not isinstance(x, Tensor):
+        return  # x's own check names it
+    if residual.shape != x.shape:
+        raise ValueError(f"{where}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"{where}: residual must have x's dtype {x.dtype}, got {residual.dtype}; cast one of them")
+    if residual.device != x.device:
+        raise ValueError(f"{where}: residual must be on x's device {x.device}, got {residual.device}")

@@ -669,9 +669,10 @@ def transformer_layer(
                   "weight_cache": (caches.get("fc1.weight"), caches.get("fc2.weight")) if caches else None}
         mlp_params = (p["fc1.weight"], p.get("fc1.bias"), p["fc2.weight"], p.get("fc2.bias"))
         if cfg.norm_position == "pre":
-            s = x + out
-            m, new_state["mlp"] = fused_ln_mlp(s, p["ln2.weight"], p.get("ln2.bias"), *mlp_params, st.get("mlp"),
-                                               recipe=recipe, **mlp_kw)
+            # s = x + out: written by the MLP's norm kernel, which normalises it (and in the
+            # backward adds the residual stream's gradient into its dx).
+            (m, s), new_state["mlp"] = fused_ln_mlp(out, p["ln2.weight"], p.get("ln2.bias"), *mlp_params,
+                                                    st.get("mlp"), recipe=recipe, residual=x, **mlp_kw)
             if mlp_drop > 0:
                 m = F.dropout(m, mlp_drop, training=True)
             y = s + m

@@ -73,12 +73,45 @@ def merge_config(default: dict[str, Any], override: dict[str, Any] | None, *, na
 
 
 # ------------------------------------------------------------------------------------------------
+# Transposed FP8 copies through TMA stores
+
+_TMA_DEVICES: dict[int, bool] = {}
+
+
+def tma_store_ok(out: torch.Tensor) -> bool:
+    """Whether a kernel can write the 2-D FP8 output ``out`` (contiguous, freshly allocated) with TMA
+    stores: a CUDA device of compute capability 9.0 or newer, not the interpreter, a non-empty
+    tensor whose base address and row stride are multiples of 16 bytes (what a tensor map needs)."""
+    if not out.is_cuda or out.numel() == 0 or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if out.stride(0) * out.element_size() % 16 or out.data_ptr() % 16 or out.stride(1) != 1:
+        return False
+    index = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    ok = _TMA_DEVICES.get(index)
+    if ok is None:
+        ok = _TMA_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
+
+
+def transposed_store(qt: torch.Tensor, tma: bool, block_rows: int, block_cols: int) -> Any:
+    """The kernel argument that receives a transposed tile: a TMA tensor descriptor of ``qt``
+    (rows, cols) with (block_rows, block_cols) tiles when ``tma``, else ``qt`` itself (the kernel then
+    stores through pointers and never reads the descriptor slot)."""
+    if not tma:
+        return qt
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(qt, list(qt.shape), [qt.stride(0), 1], [block_rows, block_cols])
+
+
+# ------------------------------------------------------------------------------------------------
 # The launch path of a compiled kernel
 
 
 def _spec(v: Any) -> Any:
     """What a Triton compilation may depend on in a runtime argument, or finer: a tensor's dtype and
-    16-byte alignment; an int's value 1, divisibility by 16 and width; a bool's value; a float; None."""
+    16-byte alignment; an int's value 1, divisibility by 16 and width; a bool's value; a float; None;
+    a host TMA descriptor's element type, block shape and padding (with the alignments)."""
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
     if isinstance(v, bool):
@@ -89,6 +122,11 @@ def _spec(v: Any) -> Any:
         return "f"
     if v is None:
         return None
+    if type(v).__name__ == "TensorDescriptor" and hasattr(v, "block_shape"):  # a host TMA descriptor
+        # Triton specializes on the element type and the block shape (and a padding option where it
+        # has one); the base's alignment and the shape/strides' divisibility are kept in the key too
+        return ("desc", v.base.dtype, tuple(v.block_shape), getattr(v, "padding", None), v.base.data_ptr() % 16 == 0,
+                tuple(int(d) % 16 == 0 for d in v.shape), tuple(int(d) % 16 == 0 for d in v.strides))
     raise TypeError(f"fast_launch: unsupported kernel argument of type {type(v).__name__}")
 
 

@@ -49,20 +49,20 @@ def main() -> None:
     kernel = kq._cast_transpose_fwd_kernel
 
     def bare() -> object:
-        return kernel[grid](x, q, qt, dbias_ptr=None, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
-                            BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=False, num_warps=cfg["num_warps"],
+        return kernel[grid](x, q, qt, qt, dbias_ptr=None, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
+                            BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=False, TMA_T=False, num_warps=cfg["num_warps"],
                             **kw)
 
     jit = getattr(kernel, "fn", kernel)  # the JIT function under the cached launch path
 
     def triton_path() -> object:
-        return jit[grid](x, q, qt, dbias_ptr=None, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
-                         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=False, num_warps=cfg["num_warps"],
+        return jit[grid](x, q, qt, qt, dbias_ptr=None, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
+                         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=False, TMA_T=False, num_warps=cfg["num_warps"],
                          **kw)
 
     ck = triton_path()
     values = dict(x_ptr=x, q_ptr=q, qt_ptr=qt, dbias_ptr=None, M=M, K=K, stride_xm=x.stride(0),
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=False, **kw)
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=False, TMA_T=False, **kw)
     args = [values[n] for n in kernel.arg_names]
     stream = torch.cuda.current_stream().cuda_stream
     runner = ck[(grid[0], 1, 1)]

@@ -152,7 +152,7 @@ def sweep_act(case: str, Fs: list[int], quick: bool, log: list[dict[str, Any]]) 
 
         ref = run(*sets[0])
         base = _time(run, sets)
-        default = ka._FWD_CFG if case == "act_fwd" else ka._BWD_CFG
+        default = ka._FWD_CFG_TMA if case == "act_fwd" else ka._BWD_CFG
         print(f"{case} {M}x{F}: default {default} {base:.1f} us", flush=True)
         log.append({"case": case, "F": F, "config": "default", "us": base, "default": dict(default)})
         best = (base, "default")

@@ -247,3 +247,28 @@ def test_opcheck_cuda() -> None:
     torch.library.opcheck(ops.act_bwd.default, (da, h, "swiglu", True, s, None, 0, False, E5M2, True, True))
     torch.library.opcheck(ops.act_bwd_amax.default, (da, h, "swiglu"))
     assert K.ACTIVATIONS == ACTIVATIONS
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "swiglu"])
+@pytest.mark.parametrize("shape", [(8192, 2048), (4112, 200), (100, 48), (64, 16)])
+@pytest.mark.parametrize("current", [False, True])
+def test_transposed_copy_through_tma_is_the_pointer_stores_bytes(act, shape, current):
+    """The forward's transposed FP8 copy stored through a TMA tensor map (64 x 64 tiles, clipped
+    at the edges: 4112 x 200 ends in partial tiles both ways) writes the same bytes as the pointer
+    stores of the 32 x 128 tiles, with the same amax and q; 100 rows (a row of q^T of 100 bytes,
+    not a multiple of 16) cannot use a tensor map and takes the pointer stores."""
+    from fp8ops.kernels._library import tma_store_ok
+
+    M, F = shape
+    g = torch.Generator(device="cuda").manual_seed(M + F)
+    h = (2 * torch.randn(M, 2 * F if act in GATED else F, device="cuda", generator=g)).bfloat16()
+    scale = torch.tensor(32.0, device="cuda")
+    amax_in = K.act_amax_launch(h, act) if current else None
+    outs = [K.act_fwd_launch(h, act, False, scale, amax_in, 0, False, E4M3, True, True, config=cfg)
+            for cfg in (None, {"TMA": False})]
+    (_, q1, qt1, a1, i1), (_, q0, qt0, a0, i0) = outs
+    assert tma_store_ok(qt1) == (M % 16 == 0)
+    assert torch.equal(qt1.view(torch.uint8), qt0.view(torch.uint8))
+    assert torch.equal(qt1.view(torch.uint8), q1.view(torch.uint8).t())
+    assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8))
+    assert torch.equal(a1, a0) and torch.equal(i1, i0)

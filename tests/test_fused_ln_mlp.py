@@ -546,3 +546,108 @@ def test_weight_cache_under_func_grad_and_compile():
         x, w1, w2, torch.zeros(2)))
     for name, a, c, f in zip(["dx", "dw1", "dw2", "probe"], *grads):
         assert torch.equal(a, c) and torch.equal(a, f), name
+
+
+# ------------------------------------------------------------------------------------------------
+# residual=: the norm kernel adds the residual stream and returns s = x + residual
+
+
+def _residual_case(dtype, seed=5):
+    args, dy = _mlp_data(12, 16, 24, "gelu_tanh", dtype, False, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    r = (torch.randn(12, 16, generator=g) * 3).to(dtype)
+    ds = (torch.randn(12, 16, generator=g) * 1e-2).to(dtype)
+    return args, r, dy, ds
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_equals_the_add_in_front_with_every_gradient(rname, dtype):
+    """fused_ln_mlp(x, ..., residual=r) returns (y, s) with s = x + r as torch adds it and y the op
+    on s, bit for bit; x and r get the gradient of s: dy through the MLP and norm plus ds, the
+    gradient that reached s directly."""
+    recipe = RECIPES[rname]
+    args, r, dy, ds = _residual_case(dtype)
+    st = _mlp_state(recipe, True)
+    outs = []
+    for fused in (True, False):
+        leaves = [_leaf(t) for t in args]
+        rl = r.clone().requires_grad_()
+        p = fp8ops.make_probes(st) if st is not None else None
+        if fused:
+            (y, s), st2 = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, grad_probe=p, residual=rl)
+        else:
+            s = leaves[0] + rl
+            y, st2 = fp8ops.fused_ln_mlp(s, *leaves[1:], st, recipe=recipe, grad_probe=p)
+        torch.autograd.backward([y, s], [dy, ds])
+        outs.append((y.detach(), s.detach(), [t.grad for t in leaves if t is not None], rl.grad,
+                     None if p is None else p.grad, st2))
+    (y1, s1, g1, r1, p1, st1), (y0, s0, g0, r0, p0, st0) = outs
+    assert torch.equal(s1, s0) and torch.equal(y1, y0)
+    # the fused backward adds ds to the norm's dx in fp32 and rounds once; the unfused one rounds
+    # the norm's dx first, then adds in x's dtype
+    tol = 0 if dtype == torch.float32 and recipe is None else (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(g1[0], r1), "x and the residual share the gradient of s"
+    assert rel_error(g1[0], g0[0]) <= max(tol, 1e-6), rel_error(g1[0], g0[0])
+    for a, b in zip(g1[1:], g0[1:]):
+        assert torch.equal(a, b)
+    if recipe is not None:
+        assert torch.equal(p1, p0)
+        assert torch.equal(st1.fc1_input.pending_amax, st0.fc1_input.pending_amax)
+
+
+def test_residual_sum_is_rounded_once_to_x_dtype():
+    """Hand-computed: in bfloat16, 1 + 2^-9 rounds to 1 (8 bits of mantissa), 1 + 3 * 2^-9 to
+    1 + 2^-7 (round half to even at 1.5 ulps), and s carries those values."""
+    x = torch.tensor([[1.0, 1.0, 256.0, -3.0]], dtype=torch.bfloat16)
+    r = torch.tensor([[2.0**-9, 3 * 2.0**-9, 1.0, 0.5]], dtype=torch.bfloat16)
+    K = 4
+    args = [x, torch.ones(K, dtype=torch.bfloat16), torch.zeros(K, dtype=torch.bfloat16),
+            torch.eye(K, dtype=torch.bfloat16), None, torch.eye(K, dtype=torch.bfloat16), None]
+    (y, s), _ = fp8ops.fused_ln_mlp(*args, None, recipe=None, activation="relu", residual=r)
+    assert s.tolist() == [[1.0, 1.0 + 2.0**-7, 256.0, -2.5]]
+    want, _ = fp8ops.fused_ln_mlp(s, *args[1:], None, recipe=None, activation="relu")
+    assert torch.equal(y, want)
+
+
+def test_residual_only_s_used_passes_its_gradient_and_observes_nothing():
+    """With y unused, x and the residual get ds unchanged and the probe gets no gradient (an
+    update must not see a zero observation)."""
+    args, r, _, ds = _residual_case(torch.float32)
+    st = _mlp_state(DELAYED, True)
+    x, rl = args[0].clone().requires_grad_(), r.clone().requires_grad_()
+    p = fp8ops.make_probes(st)
+    (y, s), _ = fp8ops.fused_ln_mlp(x, *args[1:], st, recipe=DELAYED, grad_probe=p, residual=rl)
+    s.backward(ds)
+    assert torch.equal(x.grad, ds) and torch.equal(rl.grad, ds)
+    assert p.grad is None
+
+
+def test_residual_under_func_grad_and_compile_matches_eager():
+    args, r, dy, ds = _residual_case(torch.float32)
+    st = _mlp_state(DELAYED, True)
+
+    def loss(x, res):
+        (y, s), _ = fp8ops.fused_ln_mlp(x, *args[1:], st, recipe=DELAYED, residual=res)
+        return (y * dy).sum() + (s * ds).sum()
+
+    x, rl = args[0].clone().requires_grad_(), r.clone().requires_grad_()
+    loss(x, rl).backward()
+    gx, gr = torch.func.grad(loss, argnums=(0, 1))(args[0], r)
+    assert torch.equal(gx, x.grad) and torch.equal(gr, rl.grad)
+    torch._dynamo.reset()
+    x2, r2 = args[0].clone().requires_grad_(), r.clone().requires_grad_()
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(x2, r2).backward()
+    assert torch.equal(x2.grad, x.grad) and torch.equal(r2.grad, rl.grad)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda x: x[:, :-1], r"residual must have x's shape \(12, 16\), got \(12, 15\)"),
+    (lambda x: x.double(), "residual must be float32, bfloat16 or float16, got torch.float64"),
+    (lambda x: x.bfloat16(), "residual must have x's dtype torch.float32, got torch.bfloat16"),
+    (lambda x: "x", "residual must be a torch.Tensor, got str"),
+])
+def test_residual_errors(bad, match):
+    args, r, _, _ = _residual_case(torch.float32)
+    with pytest.raises((TypeError, ValueError), match=f"fused_ln_mlp: {match}"):
+        fp8ops.fused_ln_mlp(*args, None, recipe=None, residual=bad(r))

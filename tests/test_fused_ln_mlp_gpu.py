@@ -191,3 +191,39 @@ def test_weight_cache_gives_the_same_bits_on_the_gpu(rname):
         runs.append(got + [t.grad for t in leaves])
     for i, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(a, b), f"{rname}: output/gradient {i} differs with weight caches"
+
+
+@pytest.mark.parametrize("rname", ["delayed", "current"])
+def test_residual_fused_into_the_norm_on_the_gpu(rname):
+    """residual=: s = x + r written by the norm kernel equals torch's add bit for bit, y equals
+    the op on s bit for bit, and x and r get the norm's dx plus the gradient of s within the
+    rounding of the one add the kernel does in fp32."""
+    recipe = RECIPES[rname]
+    g = torch.Generator(device=DEV).manual_seed(3)
+    M, K, F = 4096, 768, 3072
+    x = torch.randn(M, K, device=DEV, generator=g).to(BF16)
+    r = (3 * torch.randn(M, K, device=DEV, generator=g)).to(BF16)
+    ln_w = (1 + 0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    ln_b = (0.1 * torch.randn(K, device=DEV, generator=g)).to(BF16)
+    w1 = (torch.randn(F, K, device=DEV, generator=g) / K**0.5).to(BF16)
+    w2 = (torch.randn(K, F, device=DEV, generator=g) / F**0.5).to(BF16)
+    dy = (torch.randn(M, K, device=DEV, generator=g) * 1e-3).to(BF16)
+    ds = (torch.randn(M, K, device=DEV, generator=g) * 1e-3).to(BF16)
+    st = _calibrated(LayerNormMLPState, recipe)
+    outs = []
+    for fused in (True, False):
+        xl, rl, wl = x.clone().requires_grad_(), r.clone().requires_grad_(), ln_w.clone().requires_grad_()
+        p = fp8ops.make_probes(st)
+        if fused:
+            (y, s), _ = fp8ops.fused_ln_mlp(xl, wl, ln_b, w1, None, w2, None, st, recipe=recipe, grad_probe=p,
+                                            residual=rl)
+        else:
+            s = xl + rl
+            y, _ = fp8ops.fused_ln_mlp(s, wl, ln_b, w1, None, w2, None, st, recipe=recipe, grad_probe=p)
+        torch.autograd.backward([y, s], [dy, ds])
+        outs.append((y, s, xl.grad, rl.grad, wl.grad, p.grad))
+    (y1, s1, dx1, dr1, dw1, p1), (y0, s0, dx0, dr0, dw0, p0) = outs
+    assert torch.equal(s1, s0) and torch.equal(y1, y0)
+    assert torch.equal(dx1, dr1)
+    assert rel_error(dx1, dx0) < 1e-2, rel_error(dx1, dx0)
+    assert torch.equal(dw1, dw0) and torch.equal(p1, p0)

@@ -109,6 +109,29 @@ def test_what_a_compilation_depends_on_goes_back_through_triton(fk, change):
     assert len(jit.triton_launches) == 2 and len(jit.compiled[1].calls) == 1
 
 
+@pytest.mark.parametrize("change", ["block shape", "dtype"])
+def test_tma_descriptors_are_keyed_by_what_triton_specializes_on(fk, change):
+    """A host TMA descriptor argument (the transposed FP8 stores) reuses the compiled kernel only
+    for the same element type and block shape; the launcher gets the descriptor. (A descriptor
+    of an unaligned base or row stride cannot be built: Triton refuses it.)"""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    k, jit = fk
+    base = torch.zeros(64 * 64)
+    t = base[:32 * 64].view(32, 64)
+    d = TensorDescriptor(t, [32, 64], [64, 1], [16, 16])
+    k[(1,)](d, t, 32, 1.0, BLOCK=16)
+    k[(1,)](TensorDescriptor(t, [32, 64], [64, 1], [16, 16]), t, 32, 1.0, BLOCK=16)  # a new descriptor, same key
+    assert len(jit.triton_launches) == 1 and jit.compiled[0].calls[0][9] is not d
+    if change == "block shape":
+        d = TensorDescriptor(t, [32, 64], [64, 1], [16, 32])
+    else:
+        tb = torch.zeros(32, 64, dtype=torch.bfloat16)
+        d = TensorDescriptor(tb, [32, 64], [64, 1], [16, 16])
+    k[(1,)](d, t, 32, 1.0, BLOCK=16)
+    assert len(jit.triton_launches) == 2
+
+
 def test_unknown_arguments_and_callable_grids_take_tritons_path(fk):
     k, jit = fk
     x = torch.zeros(16)

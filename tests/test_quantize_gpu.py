@@ -609,3 +609,28 @@ def test_transpose_bytes_equals_torch(shape: tuple[int, int], dtype: torch.dtype
     out = torch.empty(shape[1], shape[0], dtype=torch.uint8, device="cuda")
     torch.ops.fp8ops.transpose_bytes_into(x, out)
     assert torch.equal(out, y.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(8192, 1536), (4112, 200), (100, 48), (2048, 512)])
+@pytest.mark.parametrize("dbias", [False, True])
+def test_cast_transpose_through_tma_is_the_pointer_stores_bytes(shape, dbias):
+    """cast_transpose's transposed copy stored through a TMA tensor map (64 x 64 tiles, clipped at
+    the edges) writes the same bytes as the pointer stores of the 64 x 128 tiles, with the same q
+    and amax and (dbias) the same column sums up to float32 rounding; 100 rows cannot use a tensor
+    map (a 100-byte row of q^T)."""
+    from fp8ops.kernels import quantize as kq
+    from fp8ops.kernels._library import tma_store_ok
+
+    M, K = shape
+    g = torch.Generator(device="cuda").manual_seed(M * 7 + K)
+    x = (3 * torch.randn(M, K, device="cuda", generator=g)).bfloat16()
+    scale = torch.tensor(16.0, device="cuda")
+    launch = kq.cast_transpose_dbias_launch if dbias else kq.cast_transpose_launch
+    outs = [launch(x, scale, None, 0, False, torch.float8_e4m3fn, config=cfg) for cfg in (None, {"TMA": False})]
+    assert tma_store_ok(outs[0][1]) == (M % 16 == 0)
+    for a, b in zip(outs[0][:4], outs[1][:4]):  # q, q^T, amax, inv: the same bytes
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    if dbias:  # float32 column sums of tiles 64 (TMA) or 128 (pointer) columns wide: summed in another order
+        torch.testing.assert_close(outs[0][4], outs[1][4], rtol=1e-5, atol=1e-4)
+    assert torch.equal(outs[0][1].view(torch.uint8), outs[0][0].view(torch.uint8).t())
