@@ -18,7 +18,10 @@ GELU-tanh forward with the FP8 cast (delayed scaling) and for the plain cast wit
 for several tiles each, checks that every variant writes the same bytes as the library kernel, and
 prints the best tile of each variant per shape with its ratio to the default.
 
-    python scripts/tma_store_check.py --out DIR [--quick]
+The GELU backward (its FP8 gradient's transposed copy, also for SwiGLU) is timed as the library
+launches it, with and without TMA.
+
+    python scripts/tma_store_check.py --out DIR [--quick] [--only-library]
 
 Writes ``DIR/tma_store_check.json``. Needs a Hopper GPU (TMA).
 """
@@ -207,10 +210,43 @@ def run_case(kind: str, M: int, N: int, quick: bool, log: list[dict[str, Any]]) 
             print(f"   best {v:8s} {best['tile']:>12s} {best['us']:7.1f} µs  {best['us'] / t_default:.3f}x default")
 
 
+def library_tma(kind: str, M: int, N: int, log: list[dict[str, Any]]) -> None:
+    """The library kernel with its transposed copy through TMA (``TMA: True``) against pointer
+    stores (``TMA: False``), same bytes checked."""
+    sets = []
+    for i in range(2):
+        g = torch.Generator(device="cuda").manual_seed(10 + i)
+        a = (torch.randn(M, 2 * N if kind == "act_bwd_gated" else N, generator=g, device="cuda") * 2).bfloat16()
+        b = (torch.randn(M, N, generator=g, device="cuda") * 0.1).bfloat16()
+        sets.append((a, b))
+    scale = torch.tensor(64.0, device="cuda")
+
+    def lib(a: torch.Tensor, b: torch.Tensor, cfg: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        act = "swiglu" if kind == "act_bwd_gated" else "gelu_tanh"
+        return ka.act_bwd_launch(b, a, act, False, scale, None, 0, False, E4M3, True, True, config=cfg)
+
+    cfgs = [{"TMA": False}, {"TMA": True}]
+    ref = lib(*sets[0], cfgs[0])
+    base = None
+    for cfg in cfgs:
+        try:
+            out = lib(*sets[0], cfg)
+            same = all(torch.equal(x.view(torch.uint8) if x.dtype == E4M3 else x, y.view(torch.uint8) if y.dtype == E4M3 else y)
+                       for x, y in zip(out, ref) if x.numel() and x.dtype in (E4M3, torch.bfloat16))
+            t = common.time_cuda(lambda a, b, c=cfg: lib(a, b, c), sets, samples=10, max_calls=32).median_us
+        except Exception as e:  # noqa: BLE001
+            print(f"  {kind} {cfg}: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        base = base if base is not None else t
+        log.append({"kind": kind, "M": M, "N": N, "variant": "library", "config": cfg, "us": t, "same_bytes": same})
+        print(f"{kind} {M}x{N} {cfg}: {t:.1f} µs ({t / base:.3f}x pointer), same bytes: {same}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only-library", action="store_true", help="only the library kernels' TMA on/off")
     args = ap.parse_args()
     _alloc_descriptors()
     log: list[dict[str, Any]] = []
@@ -218,9 +254,15 @@ def main() -> None:
               "cast_transpose": [(8192, 512), (8192, 1536), (8192, 768), (2048, 512), (8192, 4096)]}
     if args.quick:
         shapes = {k: v[:1] for k, v in shapes.items()}
+    if args.only_library:
+        shapes = {}
     for kind, ss in shapes.items():
         for M, N in ss:
             run_case(kind, M, N, args.quick, log)
+    lib_shapes = {"act_bwd": [(8192, 2048), (8192, 3072), (8192, 8192)], "act_bwd_gated": [(8192, 2048)]}
+    for kind, ss in lib_shapes.items():
+        for M, N in (ss[:1] if args.quick else ss):
+            library_tma(kind, M, N, log)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tma_store_check.json").write_text(json.dumps({"env": common.environment(), "rows": log}, indent=1))
 
