@@ -154,3 +154,16 @@ def check_weight(weight: Any, bias: Any, K: int, x: Tensor, name: str, where: st
             raise ValueError(f"{where}: {bname} must have shape (N,) = ({N},), got {tuple(bias.shape)}")
         check_device(bias, bname, x, where)
     return N
+
+
+def check_residual(residual: Any, x: Any, where: str) -> None:
+    """``residual`` must be a float tensor of x's shape, dtype and device."""
+    check_float_tensor(residual, "residual", where)
+    if not isinstance(x, Tensor):
+        return  # x's own check names it
+    if residual.shape != x.shape:
+        raise ValueError(f"{where}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"{where}: residual must have x's dtype {x.dtype}, got {residual.dtype}; cast one of them")
+    if residual.device != x.device:
+        raise ValueError(f"{where}: residual must be on x's device {x.device}, got {residual.device}")

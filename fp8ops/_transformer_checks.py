@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import FLOAT_DTYPES, check_float_tensor, check_recipe
+from ._checks import FLOAT_DTYPES, check_float_tensor, check_recipe, check_residual
+from .attention import MaskMod, modmath
 from .fp8_linear import LinearState, WeightCache
 from .fused_ln_mlp import LayerNormMLPState
 from .layernorm_linear import LayerNormLinearState, check_weight_cache
@@ -121,3 +122,56 @@ def qkv_weight_cache(caches: Mapping[str, WeightCache], w_qkv: Tensor, state: An
     data = torch.cat([c.value.data.view(torch.uint8) for c in parts]).view(dt)  # type: ignore[union-attr]
     data_t = torch.cat([c.value.data_t.view(torch.uint8) for c in parts], dim=1).view(dt)  # type: ignore[union-attr]
     return WeightCache(Float8Value(data, parts[0].value.inv_scale, data_t), None, ws.scale, recipe, w_qkv)  # type: ignore[union-attr]
+
+
+def check_residual_args(residual: Any, return_residual: Any, cfg: Any, x: Tensor, where: str) -> None:
+    """``residual`` / ``return_residual`` of a layer: a bool flag, both for pre-norm layers only, and a
+    residual of x's shape, dtype and device."""
+    if not isinstance(return_residual, bool):
+        raise TypeError(f"{where}: return_residual must be a bool, got {return_residual!r}")
+    if residual is not None or return_residual:
+        if cfg.norm_position != "pre":
+            raise ValueError(f"{where}: residual / return_residual need a pre-norm layer (config.norm_position "
+                             f"'pre'), got norm_position={cfg.norm_position!r}")
+        if residual is not None:
+            check_residual(residual, x, where)
+
+
+def _padding_mask_mod(attention_mask: Tensor) -> MaskMod:
+    """A mask mod that hides padded keys: ``attention_mask`` (B, S) is True at valid tokens."""
+    valid = attention_mask.to(torch.int32).contiguous()
+    seq = int(valid.shape[1])
+
+    def padding(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return modmath.load(valid, b * seq + kv_idx) != 0
+
+    return MaskMod(padding)
+
+
+def attention_mask_mod(attention_mask: Any, cfg: Any, x: Tensor, packed: bool, block_mask: Any, seq_shards: int,
+                       where: str) -> MaskMod | None:
+    """The mask mod of a layer's ``attention_mask`` (None without one), after checking it against the
+    config's mask type, the other mask arguments and x ((S / seq_shards, B, H) with sequence parallelism)."""
+    if attention_mask is None:
+        if cfg.self_attn_mask_type in ("padding", "padding_causal") and not packed and block_mask is None:
+            raise ValueError(f"{where}: config.self_attn_mask_type is {cfg.self_attn_mask_type!r}: pass "
+                             f"attention_mask (B, S) or packed tokens with cu_seqlens")
+        return None
+    if cfg.self_attn_mask_type not in ("padding", "padding_causal"):
+        raise ValueError(f"{where}: attention_mask given but config.self_attn_mask_type is "
+                         f"{cfg.self_attn_mask_type!r}; use 'padding' or 'padding_causal'")
+    if packed:
+        raise ValueError(f"{where}: attention_mask and cu_seqlens are exclusive (packed tokens have no padding)")
+    if block_mask is not None:
+        raise ValueError(f"{where}: attention_mask and block_mask are exclusive; fold the padding into the "
+                         f"block mask's mask_mod")
+    S, B = x.shape[0] * seq_shards, x.shape[1]
+    if not isinstance(attention_mask, Tensor) or attention_mask.dtype != torch.bool \
+            or tuple(attention_mask.shape) != (B, S):
+        got = (f"{tuple(attention_mask.shape)} {attention_mask.dtype}" if isinstance(attention_mask, Tensor)
+               else type(attention_mask).__name__)
+        raise ValueError(f"{where}: attention_mask must be a (B, S) = ({B}, {S}) bool tensor, True at valid "
+                         f"tokens, got {got}")
+    if attention_mask.device != x.device:
+        raise ValueError(f"{where}: attention_mask is on {attention_mask.device} but x is on {x.device}")
+    return _padding_mask_mod(attention_mask)

@@ -42,7 +42,14 @@ from torch import Tensor
 from . import activation as _activation
 from ._parallel import copy_to_tp, row_output, sequence_norm, tp_config
 from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
-from ._checks import check_float_tensor, check_norm_args, check_probe, check_state_recipe, check_weight
+from ._checks import (
+    check_float_tensor,
+    check_norm_args,
+    check_probe,
+    check_residual,
+    check_state_recipe,
+    check_weight,
+)
 from .formats import Role
 from ._operands import (
     HIGH,
@@ -555,7 +562,7 @@ def fused_ln_mlp(
         grad_probe = grad_probes
     tp = tp_config(where, tp_group, None, sequence_parallel)
     if residual is not None:
-        _check_residual(residual, x, where)
+        check_residual(residual, x, where)
         if tp is not None:  # the add in front of the (parallel) op, unfused
             s = x + residual
             y, new_state = fused_ln_mlp(
@@ -668,15 +675,3 @@ def fused_ln_mlp(
         return (y.reshape(*lead, K2), s2.reshape(*lead, K)), new_state
     return y.reshape(*lead, K2), new_state
 
-
-def _check_residual(residual: Any, x: Any, where: str) -> None:
-    """``residual`` must be a float tensor of x's shape, dtype and device."""
-    check_float_tensor(residual, "residual", where)
-    if not isinstance(x, Tensor):
-        return  # x's own check names it
-    if residual.shape != x.shape:
-        raise ValueError(f"{where}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if residual.dtype != x.dtype:
-        raise ValueError(f"{where}: residual must have x's dtype {x.dtype}, got {residual.dtype}; cast one of them")
-    if residual.device != x.device:
-        raise ValueError(f"{where}: residual must be on x's device {x.device}, got {residual.device}")

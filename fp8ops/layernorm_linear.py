@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ._parallel import copy_to_tp, sequence_norm, tp_config
 from ._glue import apply, autocast_dtype, autocast_inputs, cast, refuse_compiled_transform
-from ._checks import check_norm_args, check_probe, check_state_recipe, check_weight
+from ._checks import check_norm_args, check_probe, check_residual, check_state_recipe, check_weight
 from ._operands import (
     HIGH,
     NormCfg,
@@ -39,7 +39,7 @@ from ._operands import (
     gemm_wgrad,
     hp_linear,
     norm_backward,
-    norm_operands,
+    norm_operands_residual,
     or_empty,
     quantize_grad_db,
     quantize_weight_operands,
@@ -124,6 +124,7 @@ class _LayerNormLinear(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         x: Tensor,  # (M, K)
+        r: Tensor | None,  # (M, K) residual: the norm reads s = x + r
         ln_w: Tensor,  # (K,)
         ln_b: Tensor | None,  # (K,)
         w: Tensor,  # (N, K)
@@ -142,9 +143,10 @@ class _LayerNormLinear(torch.autograd.Function):
         need_xt = cfg.need_dw and cfg.wgrad.precision == "fp8"
         need_wt = cfg.need_dx and cfg.dgrad.precision == "fp8" and not cfg.use_cache
         need_hp = cfg.return_ln or not fp8_fwd or (cfg.need_dw and cfg.wgrad.precision != "fp8")
-        # Step 1: the norm, writing the FP8 GEMM operand (and its transpose) directly.
-        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd = norm_operands(
-            x, ln_w, ln_b, cfg.norm, x_scale, cfg.x_spec, need_q=fp8_fwd, need_t=need_xt, need_hp=need_hp
+        # Step 1: the norm, writing the FP8 GEMM operand (and its transpose) directly; with a
+        # residual it also writes s = x + r, which it normalises.
+        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd, s = norm_operands_residual(
+            x, ln_w, ln_b, cfg.norm, x_scale, cfg.x_spec, need_q=fp8_fwd, need_t=need_xt, need_hp=need_hp, residual=r
         )
         # Step 2: the weight, from the cache or quantized now (with its transpose for dgrad).
         if cfg.use_cache:
@@ -157,31 +159,37 @@ class _LayerNormLinear(torch.autograd.Function):
         y = gemm_fprop(lnq, ln_inv, ln, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if not need_wt:
             wq_t = w_inv_t = None
-        return (y, or_empty(ln, x), ln_amax, w_amax, mean, rstd, or_empty(lnq_t, x), or_empty(ln_inv_t, x),
-                or_empty(wq_t, x), or_empty(w_inv_t, x))
+        return (y, or_empty(ln, x), or_empty(s, x), ln_amax, w_amax, mean, rstd, or_empty(lnq_t, x),
+                or_empty(ln_inv_t, x), or_empty(wq_t, x), or_empty(w_inv_t, x))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, ln_w, _, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg = inputs
-        _, ln, _, _, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t = output
+        x, r, ln_w, _, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg = inputs
+        _, ln, s, _, _, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t = output
         if cfg.use_cache and cfg.need_dx and cfg.dgrad.precision == "fp8":
             wq_t, w_inv_t = c_data_t, (c_inv_t if c_inv_t is not None else c_inv)
         # one call: a second mark_non_differentiable replaces the first set
-        ctx.mark_non_differentiable(*output[2:], *(() if cfg.return_ln else (ln,)))
+        ctx.mark_non_differentiable(*output[3:], *(() if cfg.return_ln else (ln,)), *(() if r is not None else (s,)))
         # No zero gradients for the outputs that never get one; dy or dln_out may then be None.
         ctx.set_materialize_grads(False)
         ctx.y_shape = output[0].shape
         keep_ln = cfg.need_dw and cfg.wgrad.precision != "fp8"
         keep_w = cfg.need_dx and cfg.dgrad.precision != "fp8"
         ctx.save_for_backward(
-            x if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t, g_scale,
+            (s if r is not None else x) if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t, g_scale,
             ln if keep_ln else None, w if keep_w else None,
         )
         ctx.cfg = cfg
+        ctx.has_residual = r is not None
         ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor | None, dln_out: Tensor | None, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: Tensor | None, dln_out: Tensor | None, ds: Tensor | None,  # type: ignore[override]
+                 *_: Any) -> tuple[Any, ...]:
+        # x is the normalised input (s = x + r with a residual); ds: the gradient that reached s
+        # directly (the residual stream), added into dx by the norm's backward.
+        if not ctx.has_residual:
+            ds = None
         x, ln_w, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t, g_scale, ln, w = ctx.saved_tensors
         cfg: _Cfg = ctx.cfg
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -210,9 +218,12 @@ class _LayerNormLinear(torch.autograd.Function):
                 dln = gemm_dgrad(dyq, dy_inv, dy, wq_t, w_inv_t, w, cfg.dgrad, x_dtype)
                 if cfg.return_ln and dln_out is not None:
                     dln = dln + dln_out
-                dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm)
+                dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm, ds)
+        if ctx.has_residual and dx is None:  # nothing flowed back through the norm
+            dx = ds
         probe_grad = dy_amax if cfg.has_probe else None
-        return dx, dln_w, dln_b, dw, db, None, None, None, probe_grad, None, None, None, None, None
+        return (dx, dx if ctx.has_residual else None, dln_w, dln_b, dw, db, None, None, None, probe_grad, None, None,
+                None, None, None)
 
 
 _LayerNormLinear.forward.__signature__ = inspect.signature(_LayerNormLinear.forward)  # type: ignore[attr-defined]
@@ -236,6 +247,7 @@ def layernorm_linear(
     tp_group: Any = None,
     parallel_mode: str | None = None,
     sequence_parallel: bool = False,
+    residual: Tensor | None = None,
 ) -> tuple[Any, LayerNormLinearState | None]:
     """LayerNorm / RMSNorm followed by an FP8 linear layer, with the norm writing the FP8 operand.
 
@@ -280,12 +292,18 @@ def layernorm_linear(
             norm runs on the slice (unfused: :func:`fp8ops.layer_norm` / :func:`fp8ops.rms_norm`),
             and :func:`fp8ops.fp8_linear` all-gathers its output before the GEMM (FP8 bytes with
             a per-tensor recipe). Not with ``return_layernorm_output``.
+        residual: (..., K) of x's shape and dtype, or None: the op normalises ``s = x + residual``
+            (added in fp32, rounded to x's dtype, as ``x + residual`` gives) and returns s too: the
+            residual stream of a pre-norm block whose previous branch output is x. The norm kernel
+            writes s in the same pass and, in the backward, adds the gradient that reaches s
+            directly into its dx. With ``tp_group`` (or K = 0) the add runs in front, unfused.
 
     All tensors must be on x's device.
 
     Returns:
         ``(y, new_state)`` with y (..., N), or ``((y, ln_out), new_state)`` with
-        ``return_layernorm_output``; ``new_state`` has amax(ln) and amax(W) recorded (None
+        ``return_layernorm_output``; with a residual, s follows: ``((y, s), new_state)`` or
+        ``((y, ln_out, s), new_state)``; ``new_state`` has amax(ln) and amax(W) recorded (None
         without FP8; amax(W) is recorded by :func:`fp8ops.quantize_weight` when a cache is
         used). With K = 0 the normalised output is empty, y is the bias broadcast to (..., N)
         (zeros without one) and the state comes back unchanged (nothing is observed).
@@ -313,6 +331,16 @@ def layernorm_linear(
     """
     where = "layernorm_linear"
     tp = tp_config(where, tp_group, parallel_mode, sequence_parallel, modes=("column",))
+    if residual is not None:
+        check_residual(residual, x, where)
+        if tp is not None or (isinstance(x, Tensor) and x.shape[-1:] == (0,)):  # the add in front, unfused
+            s = x + residual
+            out, new_state = layernorm_linear(
+                s, ln_weight, ln_bias, weight, bias, state, recipe=recipe, normalization=normalization, eps=eps,
+                zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output,
+                grad_probe=grad_probe, weight_cache=weight_cache, tp_group=tp_group, parallel_mode=parallel_mode,
+                sequence_parallel=sequence_parallel)
+            return ((*out, s) if return_layernorm_output else (out, s)), new_state
     if tp is not None:
         if return_layernorm_output:
             raise ValueError(f"{where}: return_layernorm_output is not supported with tp_group (the norm output "
@@ -334,14 +362,14 @@ def layernorm_linear(
         # torch.autocast: every floating input in the autocast dtype (outside the autograd Function,
         # so gradients reach the originals in their dtype), then the op with autocast off inside. A
         # cached FP8 weight is used as it is (its source weight is not cast: the cache checks identity).
-        x, ln_weight, ln_bias, bias = autocast_inputs(ac, x, ln_weight, ln_bias, bias)
+        x, ln_weight, ln_bias, bias, residual = autocast_inputs(ac, x, ln_weight, ln_bias, bias, residual)
         if weight_cache is None:
             (weight,) = autocast_inputs(ac, weight)
         with torch.autocast(x.device.type, enabled=False):
             return layernorm_linear(
                 x, ln_weight, ln_bias, weight, bias, state, recipe=recipe, normalization=normalization, eps=eps,
                 zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output,
-                grad_probe=grad_probe, weight_cache=weight_cache)
+                grad_probe=grad_probe, weight_cache=weight_cache, residual=residual)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     N = check_weight(weight, bias, K, x, "weight", where)
     fp8 = check_state_recipe(state, recipe, LayerNormLinearState, x, where)
@@ -361,7 +389,8 @@ def layernorm_linear(
         return ((y0, ln0) if return_layernorm_output else y0), state
     grad_on = torch.is_grad_enabled()
     need_norm_grad = grad_on and (x.requires_grad or ln_weight.requires_grad
-                                  or (ln_bias is not None and ln_bias.requires_grad))
+                                  or (ln_bias is not None and ln_bias.requires_grad)
+                                  or (residual is not None and residual.requires_grad))
     if fp8:
         assert state is not None and recipe is not None
         specs = (QuantSpec.of(recipe, "forward", state.input.calibrated),
@@ -388,8 +417,8 @@ def layernorm_linear(
     lead = x.shape[:-1]
     refuse_compiled_transform(where, x)
     c = weight_cache.value if weight_cache is not None else None
-    y, ln, ln_amax, w_amax, *_ = apply(
-        _LayerNormLinear, x.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe,
+    y, ln, s, ln_amax, w_amax, *_ = apply(
+        _LayerNormLinear, x.reshape(-1, K), None if residual is None else residual.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe,
         None if c is None else c.data, None if c is None else c.data_t, None if c is None else c.inv_scale,
         None if weight_cache is None else weight_cache.inv_scale_t, cfg,
     )
@@ -399,6 +428,9 @@ def layernorm_linear(
         assert state is not None
         new_state = state.replace(input=state.input._observe_amax(ln_amax),
                                   weight=state.weight if use_cache else state.weight._observe_amax(w_amax))
+    out: Any = y
     if return_layernorm_output:
-        return (y, ln.reshape(*lead, K)), new_state
-    return y, new_state
+        out = (y, ln.reshape(*lead, K))
+    if residual is not None:
+        out = (*out, s.reshape(*lead, K)) if return_layernorm_output else (y, s.reshape(*lead, K))
+    return out, new_state

@@ -49,10 +49,17 @@ from ._parallel import (
     transformer_shard_shapes,
     transformer_split,
 )
-from ._checks import NORMALIZATIONS, check_float_tensor, check_recipe
-from ._transformer_checks import check_params, check_state, check_weight_caches, qkv_weight_cache
+from ._checks import NORMALIZATIONS, check_float_tensor, check_recipe, check_residual
+from ._transformer_checks import (
+    attention_mask_mod,
+    check_params,
+    check_residual_args,
+    check_state,
+    check_weight_caches,
+    qkv_weight_cache,
+)
 from .activation import ACTIVATIONS, GATED
-from .attention import BlockMask, MaskMod, attention, modmath
+from .attention import BlockMask, attention
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .fp8_linear import LinearState, WeightCache, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
@@ -405,17 +412,6 @@ def init_transformer_state(
 # The layer
 
 
-def _padding_mask_mod(attention_mask: Tensor) -> MaskMod:
-    """A mask mod that hides padded keys: ``attention_mask`` (B, S) is True at valid tokens."""
-    valid = attention_mask.to(torch.int32).contiguous()
-    seq = int(valid.shape[1])
-
-    def padding(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-        return modmath.load(valid, b * seq + kv_idx) != 0
-
-    return MaskMod(padding)
-
-
 def _norm(x: Tensor, params: Mapping[str, Tensor], name: str, cfg: TransformerConfig, residual: Tensor
           ) -> tuple[Tensor, Tensor]:
     """(norm(x + residual), x + residual) with the layer's normalization."""
@@ -449,7 +445,9 @@ def transformer_layer(
     tp_group: Any = None,
     sequence_parallel: bool = False,
     weight_cache: Mapping[str, WeightCache] | None = None,
-) -> tuple[Tensor, dict[str, Any] | None]:
+    residual: Tensor | None = None,
+    return_residual: bool = False,
+) -> tuple[Any, dict[str, Any] | None]:
     """One transformer encoder layer (the seed's GPT layer, generalised) with FP8 GEMMs.
 
     Math (pre-norm; post-norm in the module docstring)::
@@ -508,10 +506,18 @@ def transformer_layer(
             ``state["mlp"].fc1_weight``, ``state["mlp"].fc2_weight``; pass the state
             ``quantize_weight`` returns (it holds amax(W)). Unfused q, k, v caches are used together
             under a calibrated delayed scale; otherwise the op quantizes their concatenation.
+        residual: pre-norm only: x's shape and dtype, or None. The layer's input is then
+            ``x + residual``, added by LN1's kernel (which normalises the sum) instead of a
+            separate add (and, in the backward, LN1 adds the gradient of the sum's other use).
+        return_residual: pre-norm only: return ``(m, s)`` with ``y = s + m`` unsummed (m the MLP
+            branch after its dropout, s the residual stream after the attention block), to be
+            passed on as the next layer's ``(x, residual)``. A stack of layers then runs no
+            residual add kernel of its own: each sum is written by the next norm (the last one by
+            ``fp8ops.layer_norm(m, ..., residual=s)``).
 
     Returns:
-        ``(y, new_state)``: y like x; ``new_state`` with this call's forward amaxes recorded
-        (None without a recipe). Call ``fp8ops.update(state, recipe=..., grad_amax=probe grads)``
+        ``(y, new_state)``: y like x (``((m, s), new_state)`` with ``return_residual``);
+        ``new_state`` with this call's forward amaxes recorded (None without a recipe). Call ``fp8ops.update(state, recipe=..., grad_amax=probe grads)``
         once per optimizer step.
 
     Raises:
@@ -555,11 +561,17 @@ def transformer_layer(
         if x.dim() != 3 or x.shape[2] != H:
             raise ValueError(f"{where}: with layout='bsh', x must be (B, S, H) = (B, S, {H}), got {tuple(x.shape)}")
         # Batch first: run the sequence-first layer on the transposed view (exact), return the view back.
+        if residual is not None:
+            check_residual(residual, x, where)
+            residual = residual.transpose(0, 1)
         y, new_state = transformer_layer(
             params, x.transpose(0, 1), state, config=cfg, recipe=recipe, probes=probes,
             attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=None, max_seqlen=max_seqlen,
             training=training, dropout_seed=dropout_seed, layout="sbh", tp_group=tp_group,
-            sequence_parallel=sequence_parallel, weight_cache=weight_cache)
+            sequence_parallel=sequence_parallel, weight_cache=weight_cache, residual=residual,
+            return_residual=return_residual)
+        if return_residual:
+            return (y[0].transpose(0, 1), y[1].transpose(0, 1)), new_state
         return y.transpose(0, 1), new_state
     if packed:
         if x.dim() != 2 or x.shape[1] != H:
@@ -571,32 +583,12 @@ def transformer_layer(
         )
     check_params(params, cfg, x, where, shard[1])
     check_state(state, probes, recipe, where)
+    check_residual_args(residual, return_residual, cfg, x, where)
     caches = check_weight_caches(weight_cache, params, state, recipe, where)
     if recipe is None and probes is not None:
         raise ValueError(f"{where}: probes given with recipe=None (there is no FP8 state to observe into)")
-    mask_mod = None
-    if attention_mask is not None:
-        if cfg.self_attn_mask_type not in ("padding", "padding_causal"):
-            raise ValueError(f"{where}: attention_mask given but config.self_attn_mask_type is "
-                             f"{cfg.self_attn_mask_type!r}; use 'padding' or 'padding_causal'")
-        if packed:
-            raise ValueError(f"{where}: attention_mask and cu_seqlens are exclusive (packed tokens have no padding)")
-        if block_mask is not None:
-            raise ValueError(f"{where}: attention_mask and block_mask are exclusive; fold the padding into the "
-                             f"block mask's mask_mod")
-        S, B = x.shape[0] * (tp.world if tp is not None and tp.sp else 1), x.shape[1]
-        if not isinstance(attention_mask, Tensor) or attention_mask.dtype != torch.bool \
-                or tuple(attention_mask.shape) != (B, S):
-            got = (f"{tuple(attention_mask.shape)} {attention_mask.dtype}" if isinstance(attention_mask, Tensor)
-                   else type(attention_mask).__name__)
-            raise ValueError(f"{where}: attention_mask must be a (B, S) = ({B}, {S}) bool tensor, True at valid "
-                             f"tokens, got {got}")
-        if attention_mask.device != x.device:
-            raise ValueError(f"{where}: attention_mask is on {attention_mask.device} but x is on {x.device}")
-        mask_mod = _padding_mask_mod(attention_mask)
-    elif cfg.self_attn_mask_type in ("padding", "padding_causal") and not packed and block_mask is None:
-        raise ValueError(f"{where}: config.self_attn_mask_type is {cfg.self_attn_mask_type!r}: pass attention_mask "
-                         f"(B, S) or packed tokens with cu_seqlens")
+    mask_mod = attention_mask_mod(attention_mask, cfg, x, packed, block_mask,
+                                  tp.world if tp is not None and tp.sp else 1, where)
     if not isinstance(training, bool):
         raise TypeError(f"{where}: training must be a bool, got {training!r}")
 
@@ -632,9 +624,12 @@ def transformer_layer(
 
         # Step 2: the QKV projection (fused with LN1 in pre-norm).
         if cfg.norm_position == "pre":
+            # with a residual, LN1's kernel writes x + residual (the layer's input) and normalises it
             qkv, new_state["qkv"] = layernorm_linear(
                 x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
-                grad_probe=pr["qkv"], weight_cache=c_qkv, **norm_kw, **col)
+                grad_probe=pr["qkv"], weight_cache=c_qkv, residual=residual, **norm_kw, **col)
+            if residual is not None:
+                qkv, x = qkv
         elif fp8 or tp:  # post-norm: the QKV input is x itself (a LayerNormLinearState is a LinearState)
             qkv, new_state["qkv"] = fp8_linear(x, w_qkv, b_qkv, st.get("qkv"), recipe=recipe, grad_probe=pr["qkv"],
                                                weight_cache=c_qkv, **col)
@@ -675,6 +670,8 @@ def transformer_layer(
                                                     st.get("mlp"), recipe=recipe, residual=x, **mlp_kw)
             if mlp_drop > 0:
                 m = F.dropout(m, mlp_drop, training=True)
+            if return_residual:
+                return (m, s), (new_state if fp8 else None)
             y = s + m
         else:
             # h = LN1(x + out) is both the MLP input (normalised again inside the fused op, which

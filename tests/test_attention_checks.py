@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fp8ops import modmath
-from fp8ops.transformer_layer import _padding_mask_mod
+from fp8ops._transformer_checks import _padding_mask_mod
 
 A = importlib.import_module("fp8ops.attention")
 A_op = importlib.import_module("fp8ops.attention.op")  # where attention() looks up _use_kernels

@@ -327,3 +327,60 @@ def test_weight_cache_under_func_grad_and_compile():
     grads.append(torch.func.grad(lambda x, w, p: loss(x, w, st, qw, p), argnums=(0, 1, 2))(x, w, torch.zeros(())))
     for name, a, c, f in zip(["dx", "dw", "probe"], *grads):
         assert torch.equal(a, c) and torch.equal(a, f), name
+
+
+# ------------------------------------------------------------------------------------------------
+# residual=: the norm kernel adds the residual stream and returns s = x + residual
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("return_ln", [False, True])
+def test_residual_equals_the_add_in_front_with_every_gradient(rname, dtype, return_ln):
+    """layernorm_linear(x, ..., residual=r) returns s = x + r as torch adds it and y (and ln) of s
+    bit for bit; x and r share the gradient of s: the norm's dx plus ds (in fp32, rounded once)."""
+    recipe = RECIPES[rname]
+    x, ln_w, ln_b, w, b, dy = _lnl_data((3, 4), 16, 24, dtype, False, seed=7)
+    g = torch.Generator().manual_seed(8)
+    r = (torch.randn(3, 4, 16, generator=g) * 2).to(dtype)
+    ds = (torch.randn(3, 4, 16, generator=g) * 1e-2).to(dtype)
+    dln = (torch.randn(3, 4, 16, generator=g) * 1e-2).to(dtype)
+    st = _lnl_state(recipe, True)
+    outs = []
+    for fused in (True, False):
+        leaves = [_leaf(t) for t in (x, ln_w, ln_b, w, b)]
+        rl = r.clone().requires_grad_()
+        p = torch.zeros((), requires_grad=True) if recipe is not None else None
+        kw = {"recipe": recipe, "grad_probe": p, "return_layernorm_output": return_ln}
+        if fused:
+            out, _ = fp8ops.layernorm_linear(*leaves, st, residual=rl, **kw)
+            s = out[-1]
+        else:
+            s = leaves[0] + rl
+            out, _ = fp8ops.layernorm_linear(s, *leaves[1:], st, **kw)
+            out = (*out, s) if return_ln else (out, s)
+        cot = [dy, dln, ds] if return_ln else [dy, ds]
+        torch.autograd.backward(list(out), cot)
+        outs.append(([t.detach() for t in out], [t.grad for t in leaves], rl.grad, None if p is None else p.grad))
+    (o1, g1, r1, p1), (o0, g0, r0, p0) = outs
+    for a, c in zip(o1, o0):
+        assert torch.equal(a, c)
+    assert torch.equal(g1[0], r1)
+    assert rel_error(g1[0], g0[0]) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    for a, c in zip(g1[1:], g0[1:]):
+        assert torch.equal(a, c)
+    if p1 is not None:
+        assert torch.equal(p1, p0)
+
+
+def test_residual_errors_and_unfused_paths():
+    x, ln_w, ln_b, w, b, _ = _lnl_data((5,), 16, 8, torch.float32, False)
+    with pytest.raises(ValueError, match=r"layernorm_linear: residual must have x's shape \(5, 16\), got \(5, 15\)"):
+        fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, None, recipe=None, residual=x[:, :-1])
+    with pytest.raises(ValueError, match="layernorm_linear: residual must have x's dtype torch.float32"):
+        fp8ops.layernorm_linear(x, ln_w, ln_b, w, b, None, recipe=None, residual=x.half())
+    # K = 0: the add in front, then the op's empty-input path
+    x0 = torch.zeros(5, 0)
+    (y, s), _ = fp8ops.layernorm_linear(x0, torch.ones(0), None, torch.zeros(8, 0), b, None, recipe=None,
+                                        residual=x0 + 1)
+    assert s.shape == (5, 0) and torch.equal(y, b.expand(5, 8))

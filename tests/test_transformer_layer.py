@@ -730,3 +730,57 @@ def test_weight_cache_errors_name_the_function_and_argument():
     with pytest.raises(ValueError, match=r"transformer_layer: weight_cache\['proj.weight'\] was built from another"):
         call({"proj.weight": fp8ops.quantize_weight(params["proj.weight"].clone(), state["proj"].weight,
                                                     recipe=recipe)[0]})
+
+
+# ------------------------------------------------------------------------------------------------
+# residual= / return_residual=: a stack of pre-norm layers without residual add kernels
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(), CurrentScaling()], ids=["hp", "delayed", "current"])
+@pytest.mark.parametrize("layout", ["sbh", "bsh"])
+def test_two_layers_handing_on_the_residual_equal_the_summed_stack(recipe, layout):
+    """Layer 1 with return_residual, layer 2 with residual= and return_residual, the final norm with
+    residual=: the same output as the plain stack bit for bit (each sum is the same add, written by the
+    next norm), every gradient within the one rounding the fused backward saves."""
+    cfg = _small(self_attn_mask_type="causal")
+    p1, p2 = _random_params(cfg, 1), _random_params(cfg, 2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 2, 32, generator=g)
+    if layout == "bsh":
+        x = x.transpose(0, 1).contiguous()
+    dy = torch.randn(x.shape, generator=g)
+    lnw, lnb = 1 + 0.1 * torch.randn(32, generator=g), 0.1 * torch.randn(32, generator=g)
+
+    def run(chained):
+        q1, q2 = ({k: _leaf(v) for k, v in p.items()} for p in (p1, p2))
+        xx = _leaf(x)
+        st = [init_transformer_state(cfg, recipe) if recipe is not None else None for _ in range(2)]
+        kw = {"config": cfg, "recipe": recipe, "layout": layout}
+        if chained:
+            (m, s), _ = transformer_layer(q1, xx, st[0], return_residual=True, **kw)
+            (m, s), _ = transformer_layer(q2, m, st[1], residual=s, return_residual=True, **kw)
+            (y, _), _ = fp8ops.layer_norm(m, lnw, lnb, None, residual=s)
+        else:
+            h, _ = transformer_layer(q1, xx, st[0], **kw)
+            h, _ = transformer_layer(q2, h, st[1], **kw)
+            y, _ = fp8ops.layer_norm(h, lnw, lnb, None)
+        y.backward(dy)
+        return y.detach(), xx.grad, {**{f"1.{k}": v.grad for k, v in q1.items()}, **{f"2.{k}": v.grad for k, v in q2.items()}}
+
+    a, e = run(True), run(False)
+    assert torch.equal(a[0], e[0])
+    _assert_all_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_residual_arguments_need_a_pre_norm_layer_and_a_matching_tensor():
+    cfg = _small(norm_position="post")
+    params = _random_params(cfg)
+    x = torch.randn(4, 2, 32)
+    with pytest.raises(ValueError, match="transformer_layer: residual / return_residual need a pre-norm layer"):
+        transformer_layer(params, x, None, config=cfg, recipe=None, return_residual=True)
+    cfg = _small()
+    params = _random_params(cfg)
+    with pytest.raises(ValueError, match=r"transformer_layer: residual must have x's shape \(4, 2, 32\)"):
+        transformer_layer(params, x, None, config=cfg, recipe=None, residual=x[:2])
+    with pytest.raises(TypeError, match="transformer_layer: return_residual must be a bool, got 1"):
+        transformer_layer(params, x, None, config=cfg, recipe=None, return_residual=1)

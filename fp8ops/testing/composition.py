@@ -113,13 +113,25 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
     x = F.embedding(tokens, params["tok"]) + params["pos"][: tokens.shape[1]]  # (B, S, H)
     x = x.to(dtype).transpose(0, 1)  # (S, B, H)
     new_states = []
+    # Pre-norm: each layer hands on its residual stream unsummed, (m, s) with y = s + m, and the
+    # next norm adds them in its own kernel (no residual add kernel between layers).
+    chain = model.config.norm_position == "pre"
+    residual = None
     for i, lp in enumerate(params["layers"]):
         lp = {k: v.to(dtype) for k, v in lp.items()}
         st = None if states is None else states[i]
         pr = None if probes is None else probes[i]
-        x, ns = transformer_layer(lp, x, st, config=model.config, recipe=recipe, probes=pr)
+        if chain:
+            (x, residual), ns = transformer_layer(lp, x, st, config=model.config, recipe=recipe, probes=pr,
+                                                  residual=residual, return_residual=True)
+        else:
+            x, ns = transformer_layer(lp, x, st, config=model.config, recipe=recipe, probes=pr)
         new_states.append(ns)
-    x, _ = layer_norm(x, params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype), None)
+    lnf = (params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype), None)
+    if residual is not None:
+        (x, _), _ = layer_norm(x, *lnf, residual=residual)
+    else:
+        x, _ = layer_norm(x, *lnf)
     logits = x.transpose(0, 1) @ params["tok"].to(dtype).t()  # (B, S, V), head tied to the embedding
     loss = F.cross_entropy(logits.float().reshape(-1, model.vocab), targets.reshape(-1))
     return loss, (new_states if states is not None else None)
