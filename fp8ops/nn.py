@@ -504,12 +504,17 @@ class TransformerLayer(FP8Module):
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None, *, block_mask: Any = None,
                 cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
-                dropout_seed: int | Tensor | None = None) -> Tensor:
+                dropout_seed: int | Tensor | None = None, residual: Tensor | None = None,
+                return_residual: bool = False) -> Any:
+        """The layer on x; ``residual`` / ``return_residual`` (pre-norm) as in
+        :func:`fp8ops.transformer_layer`: ``(m, s)`` is returned unsummed, for the next layer's
+        ``(x, residual)``."""
         params = self.params()
         y, new_state = (gathered_transformer_layer if is_gathered(*params.values()) else transformer_layer)(
             params, x, self.fp8_state, config=self.config, recipe=self.recipe, probes=self._next_probes(),
             attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            training=self.training, dropout_seed=dropout_seed, layout=self.layout)
+            training=self.training, dropout_seed=dropout_seed, layout=self.layout, residual=residual,
+            return_residual=return_residual)
         self._keep_state(new_state)
         return y
 

@@ -259,3 +259,29 @@ def test_transformer_layer_mlp_hidden_dropout_follows_module_mode():
     assert torch.equal(layer(x), base(x))                           # eval: no dropout, the same layer
     layer.train()
     assert not torch.equal(layer(x), base(x))                       # only the MLP branch is dropped
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling()], ids=["hp", "delayed"])
+def test_transformer_layers_handing_on_the_residual_equal_the_plain_stack(recipe):
+    """Two TransformerLayer modules chained with return_residual / residual= give the plain stack's
+    output bit for bit, and its gradients within the one rounding the fused backward saves."""
+    def run(chained):
+        a, b = _layer(recipe), _layer(recipe)
+        with torch.no_grad():  # b differs from a
+            for p in b.parameters():
+                p.mul_(1.1).add_(0.01)
+        x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        if chained:
+            m, s = a(x, return_residual=True)
+            m, s = b(m, residual=s, return_residual=True)
+            y = m + s
+        else:
+            y = b(a(x))
+        y.square().sum().backward()
+        return y.detach(), x.grad, [p.grad for p in (*a.parameters(), *b.parameters())]
+
+    (y1, dx1, g1), (y0, dx0, g0) = run(True), run(False)
+    assert torch.equal(y1, y0)
+    torch.testing.assert_close(dx1, dx0, rtol=1e-4, atol=1e-5)
+    for u, v in zip(g1, g0):
+        torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)
