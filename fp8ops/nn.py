@@ -506,10 +506,7 @@ class TransformerLayer(FP8Module):
                 cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
                 dropout_seed: int | Tensor | None = None, residual: Tensor | None = None,
                 return_residual: bool = False) -> Any:
-        """The layer on x; ``residual`` / ``return_residual`` (pre-norm) as in
-        :func:`fp8ops.transformer_layer`: ``(m, s)`` is returned unsummed, for the next layer's
-        ``(x, residual)``."""
-        params = self.params()
+        params = self.params()  # residual / return_residual: as in fp8ops.transformer_layer
         y, new_state = (gathered_transformer_layer if is_gathered(*params.values()) else transformer_layer)(
             params, x, self.fp8_state, config=self.config, recipe=self.recipe, probes=self._next_probes(),
             attention_mask=attention_mask, block_mask=block_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
