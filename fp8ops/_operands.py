@@ -33,7 +33,6 @@ __all__ = [
     "hp_linear",
     "norm_backward",
     "norm_operands",
-    "norm_operands_residual",
     "or_empty",
     "quantize_grad",
     "quantize_grad_db",
@@ -173,28 +172,17 @@ class NormCfg(NamedTuple):
 def norm_operands(
     x: Tensor, w: Tensor, b: Tensor | None, ncfg: NormCfg, scale: Tensor | None, spec: QuantSpec | None,
     *, need_q: bool, need_t: bool, need_hp: bool, residual: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]:
-    """Normalise ``x`` (M, K) into the forms the following GEMMs need, in one kernel where it can.
-
-    Returns ``(hp, q, inv, q_t, inv_t, amax, mean, rstd)``: ``hp`` the normalised output in
-    ``x.dtype`` (when ``need_hp``), ``q`` / ``q_t`` its FP8 copy (M, K) / (K, M) with inverse
-    scales, ``amax`` of the normalised output, ``mean`` / ``rstd`` the saved statistics.
-    Row-wise scaling writes the high-precision output and quantizes it separately (per-row
-    scales need the whole row's amax before the cast). With a ``residual`` (M, K) the kernel
-    normalises ``s = x + residual`` (added in fp32, rounded to x's dtype): use
-    :func:`norm_operands_residual`, which also returns s.
-    """
-    return norm_operands_residual(x, w, b, ncfg, scale, spec, need_q=need_q, need_t=need_t, need_hp=need_hp,
-                                  residual=residual)[:8]  # type: ignore[return-value]
-
-
-def norm_operands_residual(
-    x: Tensor, w: Tensor, b: Tensor | None, ncfg: NormCfg, scale: Tensor | None, spec: QuantSpec | None,
-    *, need_q: bool, need_t: bool, need_hp: bool, residual: Tensor | None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor,
            Tensor | None]:
-    """:func:`norm_operands` plus, last, the sum ``s = x + residual`` the kernel normalised (None
-    without a residual)."""
+    """Normalise ``x`` (M, K) into the forms the following GEMMs need, in one kernel where it can.
+
+    Returns ``(hp, q, inv, q_t, inv_t, amax, mean, rstd, s)``: ``hp`` the normalised output in
+    ``x.dtype`` (when ``need_hp``), ``q`` / ``q_t`` its FP8 copy (M, K) / (K, M) with inverse
+    scales, ``amax`` of the normalised output, ``mean`` / ``rstd`` the saved statistics, and ``s``:
+    with a ``residual`` (M, K) the kernel normalises ``s = x + residual`` (added in fp32, rounded to
+    x's dtype) and returns it, else None. Row-wise scaling writes the high-precision output and
+    quantizes it separately (per-row scales need the whole row's amax before the cast).
+    """
     fp8 = need_q or need_t
     r = residual
     if not fp8 or spec is None or spec.mode == "rowwise":

@@ -58,7 +58,7 @@ from ._operands import (
     gemm_fprop,
     gemm_wgrad,
     norm_backward,
-    norm_operands_residual,
+    norm_operands,
     or_empty,
     quantize_grad,
     quantize_grad_db,
@@ -238,7 +238,7 @@ class _FusedLNMLP(torch.autograd.Function):
         fp8_wgrad, fp8_dgrad = cfg.wgrad.precision == "fp8", cfg.dgrad.precision == "fp8"
         # Step 1: the norm writes fc1's FP8 operand (and its transpose for fc1's wgrad).
         # With a residual the kernel also writes s = x + r, which it normalises.
-        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd, s = norm_operands_residual(
+        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd, s = norm_operands(
             x, ln_w, ln_b, cfg.norm, s_x1, sp_x1, need_q=fp8_fwd, need_t=cfg.need_dw1 and fp8_wgrad,
             need_hp=not fp8_fwd or (cfg.need_dw1 and not fp8_wgrad), residual=r,
         )

@@ -39,7 +39,7 @@ from ._operands import (
     gemm_wgrad,
     hp_linear,
     norm_backward,
-    norm_operands_residual,
+    norm_operands,
     or_empty,
     quantize_grad_db,
     quantize_weight_operands,
@@ -145,7 +145,7 @@ class _LayerNormLinear(torch.autograd.Function):
         need_hp = cfg.return_ln or not fp8_fwd or (cfg.need_dw and cfg.wgrad.precision != "fp8")
         # Step 1: the norm, writing the FP8 GEMM operand (and its transpose) directly; with a
         # residual it also writes s = x + r, which it normalises.
-        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd, s = norm_operands_residual(
+        ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd, s = norm_operands(
             x, ln_w, ln_b, cfg.norm, x_scale, cfg.x_spec, need_q=fp8_fwd, need_t=need_xt, need_hp=need_hp, residual=r
         )
         # Step 2: the weight, from the cache or quantized now (with its transpose for dgrad).

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["FastKernel", "OpSpec", "contiguous_args", "define", "fast_launch", "merge_config"]
 
@@ -99,8 +100,6 @@ def transposed_store(qt: torch.Tensor, tma: bool, block_rows: int, block_cols: i
     stores through pointers and never reads the descriptor slot)."""
     if not tma:
         return qt
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     return TensorDescriptor(qt, list(qt.shape), [qt.stride(0), 1], [block_rows, block_cols])
 
 
@@ -122,7 +121,7 @@ def _spec(v: Any) -> Any:
         return "f"
     if v is None:
         return None
-    if type(v).__name__ == "TensorDescriptor" and hasattr(v, "block_shape"):  # a host TMA descriptor
+    if isinstance(v, TensorDescriptor):  # a host TMA descriptor
         # Triton specializes on the element type and the block shape (and a padding option where it
         # has one); the base's alignment and the shape/strides' divisibility are kept in the key too
         return ("desc", v.base.dtype, tuple(v.block_shape), getattr(v, "padding", None), v.base.data_ptr() % 16 == 0,

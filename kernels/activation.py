@@ -146,13 +146,13 @@ def _load_h(ptrs, mask, h_inv_ptr, H_FP8: tl.constexpr):
 
 @triton.jit
 def _tile(num_m, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # This program's tile: (pid, pid_m, row indices, column indices), in grouped order along M so
-    # that neighbouring programs write neighbouring rows of the transposed copy.
+    # This program's tile: (pid, pid_m, pid_n, row indices, column indices), in grouped order along M
+    # so that neighbouring programs write neighbouring rows of the transposed copy.
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, GROUP_M * num_n, num_m, GROUP_M=GROUP_M)
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return pid, pid_m, rm, rn
+    return pid, pid_m, pid_n, rm, rn
 
 
 @fast_launch
@@ -190,7 +190,7 @@ def _act_fwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     # Step 1: tile coordinates.
-    pid, pid_m, rm, rn = _tile(num_m, num_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M)
+    pid, pid_m, pid_n, rm, rn = _tile(num_m, num_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M)
     mask = (rm[:, None] < M) & (rn[None, :] < F)
     # Step 2: load the tile of h (and of the gate half; dequantized when h is FP8), activation in fp32.
     h_rows = h_ptr + rm[:, None] * stride_hm
@@ -212,7 +212,6 @@ def _act_fwd_kernel(
             tl.store(q_ptr + rm[:, None] * F + rn[None, :], q, mask=mask)
         if TRANSPOSE:
             if TMA_T:  # the tensor map clips the tile at the edges
-                _, pid_n = grouped_tile(pid, GROUP_M * num_n, num_m, GROUP_M=GROUP_M)
                 qt_desc.store([pid_n * BLOCK_N, pid_m * BLOCK_M], tl.trans(q))
             else:
                 tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -300,11 +299,8 @@ def _act_bwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     # Step 1: tile coordinates (over the (M, F) grid of da).
-    pid, pid_m, rm, rn = _tile(num_m, num_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M)
-    col0 = 0
-    if TMA_T:
-        _, pid_n = grouped_tile(pid, GROUP_M * num_n, num_m, GROUP_M=GROUP_M)
-        col0 = pid_n * BLOCK_N
+    pid, pid_m, pid_n, rm, rn = _tile(num_m, num_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M)
+    col0 = pid_n * BLOCK_N  # this tile's first column (where a TMA store of q^T starts)
     col_ok = rn < F
     mask = (rm[:, None] < M) & col_ok[None, :]
     # Step 2: the scale.

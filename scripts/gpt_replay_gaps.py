@@ -27,19 +27,9 @@ from typing import Any
 
 import torch
 
+from fp8ops.bench.common import device_events
 from fp8ops.bench.gpt import SIZES, _size
 from fp8ops.bench.step import _variant
-
-
-def _device_events(fn: Any, calls: int) -> list[Any]:
-    """The device operations (kernels, memsets, copies) of ``calls`` calls of ``fn``, by start time."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sorted(evs, key=lambda e: e.time_range.start)
 
 
 def _gaps(evs: list[Any], calls: int, top: int) -> dict[str, Any]:
@@ -71,7 +61,7 @@ def measure(impl: str, size: dict[str, int], replays: int, top: int) -> dict[str
 
     for _ in range(4):
         plain()
-    unreplayed = _gaps(_device_events(plain, 2), 2, top)
+    unreplayed = _gaps(device_events(plain, 2), 2, top)
     graphed = fp8ops.graph_step(step)
 
     def replay() -> None:
@@ -85,7 +75,7 @@ def measure(impl: str, size: dict[str, int], replays: int, top: int) -> dict[str
         replay()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / 10 * 1e3
-    replayed = _gaps(_device_events(replay, replays), replays, top)
+    replayed = _gaps(device_events(replay, replays), replays, top)
     return {"impl": impl, "step_ms": wall, "replay": replayed, "unreplayed": unreplayed}
 
 

@@ -110,16 +110,22 @@ def _alloc_descriptors() -> None:
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
+def _outputs(x: torch.Tensor, bm: int, bn: int) -> tuple[Any, ...]:
+    """The FP8 outputs of a cast of x (M, N) with its transposed copy, and the descriptors of x, q
+    and q^T for (bm, bn) tiles: ``(q, qt, amax, inv, x_desc, q_desc, qt_desc)``."""
+    M, N = x.shape
+    q = torch.empty((M, N), dtype=E4M3, device=x.device)
+    qt = torch.empty((N, M), dtype=E4M3, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    inv = torch.empty((), dtype=torch.float32, device=x.device)
+    return (q, qt, amax, inv, TensorDescriptor(x, [M, N], [x.stride(0), 1], [bm, bn]),
+            TensorDescriptor(q, [M, N], [N, 1], [bm, bn]), TensorDescriptor(qt, [N, M], [M, 1], [bn, bm]))
+
+
 def act_variant(h: torch.Tensor, scale: torch.Tensor, variant: str, bm: int, bn: int, warps: int,
                 group_m: int = 8) -> tuple[torch.Tensor, ...]:
     M, F = h.shape
-    q = torch.empty((M, F), dtype=E4M3, device=h.device)
-    qt = torch.empty((F, M), dtype=E4M3, device=h.device)
-    amax = torch.zeros((), dtype=torch.float32, device=h.device)
-    inv = torch.empty((), dtype=torch.float32, device=h.device)
-    h_desc = TensorDescriptor(h, [M, F], [h.stride(0), 1], [bm, bn])
-    q_desc = TensorDescriptor(q, [M, F], [F, 1], [bm, bn])
-    qt_desc = TensorDescriptor(qt, [F, M], [M, 1], [bn, bm])
+    q, qt, amax, inv, h_desc, q_desc, qt_desc = _outputs(h, bm, bn)
     num_m, num_n = triton.cdiv(M, bm), triton.cdiv(F, bn)
     _act_fwd_tma[(num_m * num_n,)](
         h, h_desc, q_desc, qt_desc, scale, amax, inv, M, F, h.stride(0), num_m, num_n,
@@ -137,13 +143,7 @@ def act_library(h: torch.Tensor, scale: torch.Tensor, cfg: dict[str, int] | None
 def cast_variant(x: torch.Tensor, scale: torch.Tensor, variant: str, bm: int, bk: int, warps: int,
                  group_m: int = 8) -> tuple[torch.Tensor, ...]:
     M, K = x.shape
-    q = torch.empty((M, K), dtype=E4M3, device=x.device)
-    qt = torch.empty((K, M), dtype=E4M3, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    inv = torch.empty((), dtype=torch.float32, device=x.device)
-    x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk])
-    q_desc = TensorDescriptor(q, [M, K], [K, 1], [bm, bk])
-    qt_desc = TensorDescriptor(qt, [K, M], [M, 1], [bk, bm])
+    q, qt, amax, inv, x_desc, q_desc, qt_desc = _outputs(x, bm, bk)
     grid = (triton.cdiv(M, bm) * triton.cdiv(K, bk),)
     _cast_t_tma[grid](x, x_desc, q_desc, qt_desc, scale, amax, inv, M, K, x.stride(0), FP8_MAX=FP8_MAX,
                       BLOCK_M=bm, BLOCK_K=bk, GROUP_M=group_m, LOAD_TMA=variant == "tma_io",

@@ -40,6 +40,7 @@ __all__ = [
     "Timing",
     "copy_bandwidth",
     "cuda_unavailable_reason",
+    "device_events",
     "device_ops",
     "environment",
     "format_table",
@@ -226,10 +227,9 @@ def host_us(fn: Callable[[], Any], calls: int = 200, *, repeats: int = 1, warmup
     return best
 
 
-def device_ops(fn: Callable[[], Any], calls: int = 2, *, table: str | None = None) -> tuple[float, float]:
-    """(device operations per call, their summed duration in µs per call) of ``fn``, from
-    torch.profiler: kernels, memsets and copies. ``table``: also print the top kernels under
-    that title."""
+def device_events(fn: Callable[[], Any], calls: int = 2, *, table: str | None = None) -> list[Any]:
+    """The device operations (kernels, memsets, copies) of ``calls`` calls of ``fn`` from
+    torch.profiler, in order of their start. ``table``: also print the top kernels under that title."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
@@ -239,6 +239,13 @@ def device_ops(fn: Callable[[], Any], calls: int = 2, *, table: str | None = Non
         print(f"\n==== top CUDA kernels, {calls} calls: {table} ====")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(evs, key=lambda e: e.time_range.start)
+
+
+def device_ops(fn: Callable[[], Any], calls: int = 2, *, table: str | None = None) -> tuple[float, float]:
+    """(device operations per call, their summed duration in µs per call) of ``fn``
+    (:func:`device_events`)."""
+    evs = device_events(fn, calls, table=table)
     return len(evs) / calls, sum(e.device_time for e in evs) / calls
 
 
