@@ -80,14 +80,12 @@ def quantize_grad(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool,
 
 FUSE_DBIAS = False
 """Whether :func:`quantize_grad_db` takes the bias gradient from the quantizing pass
-(``fp8ops::cast_transpose_dbias``) in eager execution (True) or from ``dy.sum(0)`` (False, the
-default). Off by default so that every execution mode computes the bias gradient with the same
-reduction: the fused per-tile partial sums differ from ``dy.sum(0)`` in the last bits of float32,
-and ``torch.compile`` keeps ``dy.sum(0)`` in any case (Inductor fuses that sum into the kernel that
-produces dy, which is cheaper than summing inside the opaque cast: on full GPT training steps at
-hidden 768, compiled and graphed, H200, 15.93 / 15.83 ms with the sum in the cast against
-15.53 / 15.50 ms, two runs). With it on, eager steps save one reduction kernel per linear layer and
-compiled gradients of the biases differ from eager ones by float32 rounding."""
+(``fp8ops::cast_transpose_dbias``: per-tile column sums and one fixed-order finishing kernel) or
+from ``dy.sum(0)`` (False, the default), in every execution mode alike, so that eager and compiled
+steps compute the same bias gradients. Under ``torch.compile`` ``dy.sum(0)`` is Inductor's: a
+reduction of its own, or fused into the kernel that assembles dy where that kernel is Inductor's
+(the QKV projection's dy, the concatenation of dq, dk, dv). ``scripts/gpt_dbias_check.py`` times
+compiled, graphed GPT steps with the flag off and on."""
 
 
 def quantize_grad_db(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool, need_q: bool, need_t: bool,
@@ -95,14 +93,14 @@ def quantize_grad_db(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bo
                                              Tensor | None]:
     """:func:`quantize_grad` plus, with ``need_db``, the float32 column sums of dy (the bias
     gradient): ``(q, inv, q_t, inv_t, amax, db)``. The sums are ``dy.sum(0)``, or, with
-    :data:`FUSE_DBIAS` on in eager execution where the cast writes the transposed copy with a
-    per-tensor scale, come out of that same pass over dy."""
+    :data:`FUSE_DBIAS` on where the cast writes the transposed copy with a per-tensor scale, come
+    out of that same pass over dy."""
     if not (need_q or need_t):
         return None, None, None, None, _ops.amax(dy), (dy.sum(0, dtype=torch.float32) if need_db else None)
     if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
         spec = spec._replace(calibrated=False)
     scale = g_scale if has_probe else None
-    if need_db and need_t and spec.mode != "rowwise" and FUSE_DBIAS and not torch.compiler.is_compiling():
+    if need_db and need_t and spec.mode != "rowwise" and FUSE_DBIAS:
         q, inv, q_t, amax, db = quantize_2d_dbias(dy, scale, spec)
         return q, inv, q_t, inv, amax, db
     q, inv, q_t, inv_t, amax = quantize_pair(dy, scale, spec, need_t)

@@ -1,6 +1,9 @@
 """The seed layer's fp8ops delayed step, eager and under torch.compile(fullgraph=True), side by side:
-CUDA-event time of each (median of 20 steps), the kernels of a profiled step grouped by name with
-the rows where the two differ, and the GPU's largest idle gaps between kernels.
+CUDA-event time of each (median of 20 steps, each started on an idle GPU, as ``bench layer`` times
+them), the per-step time of 10 steps launched back to back (steady state: the host prepares a step
+while the GPU runs the one before), the host time of one step started on an idle GPU, the kernels of
+a profiled step grouped by name with the rows where the two differ, and the GPU's largest idle gaps
+between kernels.
 
     python scripts/layer_compile_profile.py [--dropout 0.1] [--rows 40]
 """
@@ -8,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -53,6 +58,9 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--rows", type=int, default=40)
     ap.add_argument("--gaps", type=int, default=12, help="print the largest GPU idle gaps (0: none)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also print the cProfile top N host functions of 5 steps of each mode (backward on the "
+                         "calling thread)")
     args = ap.parse_args()
     H, Fh, h, S, B = (SEED[k] for k in ("hidden", "ffn", "heads", "seq", "batch"))
     cfg = TransformerConfig(hidden_size=H, ffn_hidden_size=Fh, num_attention_heads=h, hidden_dropout=args.dropout,
@@ -69,7 +77,29 @@ def main() -> None:
         for _ in range(3):
             fn(x, dy)
         t = common.time_cuda(fn, [(x, dy)], samples=20, use_graph=False)
-        print(f"{label}:", flush=True)
+        loop = statistics.median(common._loop_times(fn, [(x, dy)], 10, 5))
+        host = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(x, dy)
+            host.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        if args.host_profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            with torch.autograd.set_multithreading_enabled(False):
+                prof.enable()
+                for _ in range(5):
+                    fn(x, dy)
+                torch.cuda.synchronize()
+                prof.disable()
+            print(f"== {label}: cProfile of 5 steps, top {args.host_profile} by tottime")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.host_profile)
+        print(f"{label}: step started on an idle GPU {t.median_us:.0f} µs; 10 steps back to back {loop:.0f} µs "
+              f"per step; host time of a step {statistics.median(host):.0f} µs", flush=True)
         k, total = kernels(fn, x, dy, args.gaps)
         res[label] = (t.median_us, k, total)
         print(f"{label}: step {t.median_us:.0f} µs, {sum(n for n, _ in k.values())} kernels, "
