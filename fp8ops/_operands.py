@@ -84,7 +84,7 @@ FUSE_DBIAS = False
 from ``dy.sum(0)`` (False, the default), in every execution mode alike, so that eager and compiled
 steps compute the same bias gradients. Under ``torch.compile`` ``dy.sum(0)`` is Inductor's: a
 reduction of its own, or fused into the kernel that assembles dy where that kernel is Inductor's
-(the QKV projection's dy, the concatenation of dq, dk, dv). ``scripts/gpt_dbias_check.py`` times
+(the QKV projection's dy, the concatenation of dq, dk, dv). ``scripts/gpt_ab_check.py`` times
 compiled, graphed GPT steps with the flag off and on."""
 
 

@@ -41,6 +41,8 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from .kernels._library import AMAX_CHAIN
+
 __all__ = ["GraphStep", "graph_step"]
 
 
@@ -124,6 +126,7 @@ class _Entry:
         self.carry_out: Any = None
         self.out_leaves: list[Any] = []
         self.out_spec: Any = None
+        self.amax_words: list[Tensor] = []  # kept with the graph (kernels._library.AmaxChain.capturing)
 
 
 class GraphStep:
@@ -220,7 +223,9 @@ class GraphStep:
         entry.static_args = [a if ref else _static_copy(a) for a, ref in zip(arg_leaves, entry.by_reference)]
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph), AMAX_CHAIN.capturing(torch.device("cuda")) as amax_words:
+                # the amax words of the captured kernels are zeroed by the kernel before them, in the graph
+                entry.amax_words = amax_words  # the last one, zeroed at every replay, lives with the graph
                 new_carry, out = self._call_fn(pytree.tree_unflatten(entry.static_carry, carry_spec),
                                                pytree.tree_unflatten(entry.static_args, args_spec))
                 # the same structure as the carry: the warm-up call of this signature checked it

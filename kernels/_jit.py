@@ -18,6 +18,8 @@ The FP8 cast (``kernels/quantize.py`` gives the math)::
   float max.
 - ``atomic_amax``: folds a program's largest ``abs_bits`` value into the fp32 amax word (zero
   initialised) with one integer ``atomic_max``.
+- ``clear_next_amax``: program 0 zeroes the amax word of the next amax-producing launch on the
+  stream (``_library.AmaxChain``), so that no fill kernel precedes it.
 - ``grouped_tile``: the grouped program order of 2-D tilings: ``GROUP_M`` consecutive tile rows
   walk the tile columns together, so the operand strip (GEMM) or output rows (transposed copies)
   they share stay in L2.
@@ -35,6 +37,7 @@ __all__ = [
     "abs_bits",
     "atomic_amax",
     "cast_fp8",
+    "clear_next_amax",
     "fp8_scale",
     "grouped_tile",
     "saturate",
@@ -108,6 +111,15 @@ def atomic_amax(
     bits,  # () int32: the program's largest abs_bits value
 ):
     tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), bits, sem="relaxed")
+
+
+@triton.jit
+def clear_next_amax(
+    amax_next_ptr,  # () fp32: the amax output of the next amax-producing launch on this stream
+    pid,  # this program's id
+):
+    if pid == 0:
+        tl.store(amax_next_ptr, 0.0)
 
 
 @triton.jit

@@ -11,15 +11,18 @@ output shapes) and have no autograd kernel: fp8ops calls them inside its autogra
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["FastKernel", "OpSpec", "contiguous_args", "define", "fast_launch", "merge_config"]
+__all__ = ["AMAX_CHAIN", "AmaxChain", "FastKernel", "OpSpec", "contiguous_args", "define", "fast_launch",
+           "merge_config"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -217,3 +220,104 @@ def fast_launch(fn: Any) -> Any:
     if os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(fn, "arg_names"):
         return fn
     return FastKernel(fn)
+
+
+# ------------------------------------------------------------------------------------------------
+# Amax outputs without a fill kernel each
+
+
+class AmaxChain:
+    """Zero-initialised amax outputs for the kernels that fold their tiles' maxima into one word
+    with integer atomics, without a fill kernel per launch inside a captured CUDA graph.
+
+    Each such kernel also zeroes one more word, ``amax_next``, from its program 0: the amax output
+    of the next such launch on the same stream, which kernel order on a stream makes zero before
+    that launch starts. :meth:`output` hands a launch ``(amax, amax_next)``: ``amax`` is the word the
+    launch before zeroed, or a ``torch.zeros`` (a fill) when there is none; each launch gets a new
+    tensor, its caller's. ``amax_next`` is a new uninitialised word, kept for the next launch once
+    this one has been issued. The launch happens inside the ``with`` block, under a lock, so that
+    words are handed on in launch order also when several threads launch on one stream.
+
+    Which launches are chained:
+
+    - those of a CUDA graph capture that :meth:`capturing` announced (``fp8ops.graph_step``), per
+      (device, capture stream): the capture's first amax word is a fill node of the graph, the
+      others are zeroed inside the graph by the kernel before them, at every replay;
+    - plain launches (outside captures) only with :attr:`eager` on, per (device, stream). It is
+      off by default: ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``) run their
+      warm-up calls with allocations from their own memory pool, and a word kept for the next
+      launch would stay alive in that pool, which they reject ("tensor(s) in the cudagraph pool not
+      tracked as outputs");
+    - no launch of any other capture, and none when :attr:`enabled` is off.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._captures: dict[tuple[int, int], object] = {}
+        self.chained = 0  # launches that took a word zeroed by the launch before (for tests)
+        self.enabled = True  # False: a torch.zeros for every launch (for measurements)
+        self.eager = False  # chain plain launches too (see the class notes)
+
+    def _key(self, device: torch.device) -> tuple[Any, ...] | None:
+        if not self.enabled:
+            return None
+        if device.type != "cuda":  # the interpreter: kernels run one after the other
+            return (device.type,) if self.eager else None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        if torch.cuda.is_current_stream_capturing():
+            token = self._captures.get((index, stream))
+            return None if token is None else (index, stream, token)
+        return (index, stream) if self.eager else None
+
+    @contextlib.contextmanager
+    def output(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(amax, amax_next)`` for one launch on ``device``'s current stream, made inside the block."""
+        with self._lock:
+            key = self._key(device)
+            amax = None if key is None else self._next.pop(key, None)
+            if amax is None:
+                amax = torch.zeros((), dtype=torch.float32, device=device)
+            else:
+                self.chained += 1
+            amax_next = self._word(device)
+            yield amax, amax_next
+            # issued: the next launch on this stream may take amax_next (on an exception it takes a
+            # fresh torch.zeros instead, as the word was popped above)
+            if key is not None:
+                self._next[key] = amax_next
+
+    @contextlib.contextmanager
+    def capturing(self, device: torch.device) -> Iterator[list[torch.Tensor]]:
+        """Chain the launches of a CUDA graph capture in progress on ``device``'s current stream,
+        within the block (entered after the capture began, left before it ends). Yields a list that
+        receives, on exit, the word the capture's last launch zeroes at every replay: keep it as
+        long as the graph, so that its memory is not handed to another tensor meanwhile."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        where = (index, torch._C._cuda_getCurrentRawStream(index))
+        token = object()
+        keep: list[torch.Tensor] = []
+        with self._lock:
+            self._captures[where] = token
+        try:
+            yield keep
+        finally:
+            with self._lock:
+                self._captures.pop(where, None)
+                last = self._next.pop((*where, token), None)
+            if last is not None:
+                keep.append(last)
+
+    def _word(self, device: torch.device) -> torch.Tensor:
+        # a new uninitialised () float32 word (tests substitute words full of garbage)
+        return torch.empty((), dtype=torch.float32, device=device)
+
+    def reset(self) -> None:
+        """Forget every chain: the next launch on each stream takes a ``torch.zeros``."""
+        with self._lock:
+            self._next.clear()
+
+
+AMAX_CHAIN = AmaxChain()
+"""The process's :class:`AmaxChain`, shared by every launcher of an amax-producing kernel."""

@@ -66,8 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile
-from ._library import OpSpec, contiguous_args, fast_launch, merge_config, tma_store_ok, transposed_store
+from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale, grouped_tile
+from ._library import AMAX_CHAIN, OpSpec, contiguous_args, fast_launch, merge_config, tma_store_ok, transposed_store
 from ._reduce import column_sums
 
 __all__ = [
@@ -166,6 +166,7 @@ def _act_fwd_kernel(
     scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
     amax_in_ptr,  # () fp32 amax of act(h) (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    amax_next_ptr,  # () fp32: zeroed by program 0 (the next launch's amax, _library.AmaxChain)
     inv_ptr,  # () fp32 output: 1 / scale (written when HAS_FP8)
     h_inv_ptr,  # () fp32 inverse scale of h (read when H_FP8: h holds FP8 codes, h = code * h_inv)
     M,
@@ -218,6 +219,7 @@ def _act_fwd_kernel(
     # Step 5: amax of the tile on the float bits, one atomic per program.
     bits = tl.where(mask, tl.abs(a), 0.0).to(tl.int32, bitcast=True)
     atomic_amax(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+    clear_next_amax(amax_next_ptr, pid)
 
 
 @triton.jit
@@ -274,6 +276,7 @@ def _act_bwd_kernel(
     scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
     amax_in_ptr,  # () fp32 amax of dh32 (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    amax_next_ptr,  # () fp32: zeroed by program 0 (the next launch's amax, _library.AmaxChain)
     inv_ptr,  # () fp32 output: 1 / scale (written when HAS_FP8)
     h_inv_ptr,  # () fp32 inverse scale of h (read when H_FP8: h holds FP8 codes, h = code * h_inv)
     M,
@@ -332,6 +335,7 @@ def _act_bwd_kernel(
                                  TMA_T=TMA_T, BLOCK_M=BLOCK_M)
     # Step 4: the amax, one atomic per program.
     atomic_amax(amax_ptr, tile_max)
+    clear_next_amax(amax_next_ptr, pid)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -417,26 +421,25 @@ def _cast_args(
     margin: int,
     power_2: bool,
     out_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """Validate the FP8 cast of a launch; returns ``(amax, inv_scale, kwargs)``: the () float32
-    amax output, the inverse-scale output (empty (0,) without ``out_dtype``) and the cast arguments
-    of the kernel launch (pointers and constexprs)."""
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Validate the FP8 cast of a launch; returns ``(inv_scale, kwargs)``: the inverse-scale output
+    (empty (0,) without ``out_dtype``) and the cast arguments of the kernel launch (pointers and
+    constexprs) but the amax words, which the launch takes from ``AMAX_CHAIN``."""
     _check_scalar(name, "scale", scale)
     _check_scalar(name, "amax_in", amax_in)
     has_fp8 = out_dtype is not None
     if has_fp8 and out_dtype not in _FP8_MAX:
         raise ValueError(f"{name}: out_dtype must be torch.float8_e4m3fn, torch.float8_e5m2 or None, got {out_dtype}")
     dev = h.device
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
     inv = torch.empty((), dtype=torch.float32, device=dev) if has_fp8 else h.new_empty(0, dtype=torch.float32)
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=dev)
     kwargs = dict(
-        scale_ptr=scale, amax_in_ptr=amax_in if amax_in is not None else amax, amax_ptr=amax,
-        inv_ptr=inv if has_fp8 else amax, HAS_FP8=has_fp8, FP8_MAX=_FP8_MAX[out_dtype] if has_fp8 else 0.0,
+        scale_ptr=scale, amax_in_ptr=amax_in if amax_in is not None else scale,
+        inv_ptr=inv if has_fp8 else scale, HAS_FP8=has_fp8, FP8_MAX=_FP8_MAX[out_dtype] if has_fp8 else 0.0,
         MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=bool(power_2),
     )
-    return amax, inv, kwargs
+    return inv, kwargs
 
 
 def _output(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, written: bool) -> torch.Tensor:
@@ -487,7 +490,7 @@ def act_fwd_launch(
     ACT, gated = _check_act(name, act)
     ydt = _check_h(name, h, h_inv, hp_dtype, bool(store_y))
     F = _check_width(name, h, gated, act)
-    amax, inv, cast = _cast_args(name, h, scale, amax_in, margin, power_2, out_dtype)
+    inv, cast = _cast_args(name, h, scale, amax_in, margin, power_2, out_dtype)
     M = h.shape[0]
     dev = h.device
     has_fp8 = out_dtype is not None
@@ -500,14 +503,16 @@ def act_fwd_launch(
     cfg = merge_config(_FWD_CFG_TMA if tma else _FWD_CFG, config, name=name)
     tma = tma and bool(cfg["TMA"])
     num_m, num_n = _tiles(M, F, cfg)
-    _act_fwd_kernel[(num_m * num_n,)](
-        h, y, q, qt, transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"]),
-        h_inv_ptr=h_inv if h_inv is not None else amax,
-        M=M, F=F, stride_hm=h.stride(0), num_m=num_m, num_n=num_n,
-        ACT=ACT, GATED=gated, H_FP8=h_inv is not None, STORE_Y=bool(store_y), STORE_Q=store_q, TRANSPOSE=transpose,
-        TMA_T=tma,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **cast,
-    )
+    desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])
+    with AMAX_CHAIN.output(dev) as (amax, amax_next):
+        _act_fwd_kernel[(num_m * num_n,)](
+            h, y, q, qt, desc, amax_ptr=amax, amax_next_ptr=amax_next,
+            h_inv_ptr=h_inv if h_inv is not None else cast["scale_ptr"],
+            M=M, F=F, stride_hm=h.stride(0), num_m=num_m, num_n=num_n,
+            ACT=ACT, GATED=gated, H_FP8=h_inv is not None, STORE_Y=bool(store_y), STORE_Q=store_q,
+            TRANSPOSE=transpose, TMA_T=tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"], **cast,
+        )
     return y, q, qt, amax, inv
 
 
@@ -560,7 +565,7 @@ def act_bwd_launch(
     if tuple(da.shape) != (M, F):
         raise ValueError(f"{name}: da must have shape (M, F) = {(M, F)} for h of shape {tuple(h.shape)} and "
                          f"act={act!r}, got {tuple(da.shape)}")
-    amax, inv, cast = _cast_args(name, h, scale, amax_in, margin, power_2, out_dtype)
+    inv, cast = _cast_args(name, h, scale, amax_in, margin, power_2, out_dtype)
     cfg = merge_config(_BWD_CFG, config, name=name)
     dev = h.device
     has_fp8 = out_dtype is not None
@@ -572,15 +577,17 @@ def act_bwd_launch(
     # TMA store of q^T (see _FWD_CFG_TMA); a gated tile must not cross from one half into the other
     tma = (transpose and bool(cfg["TMA"]) and tma_store_ok(qt) and not (gated and F % cfg["BLOCK_N"]))
     num_m, num_n = _tiles(M, F, cfg)
-    part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else amax
-    _act_bwd_kernel[(num_m * num_n,)](
-        da, h, dh, q, qt, transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"]), part,
-        h_inv_ptr=h_inv if h_inv is not None else amax,
-        M=M, F=F, stride_dam=da.stride(0), stride_hm=h.stride(0), num_m=num_m, num_n=num_n,
-        ACT=ACT, GATED=gated, H_FP8=h_inv is not None, STORE_DH=bool(store_dh), TRANSPOSE=transpose, TMA_T=tma,
-        DBIAS=bool(dbias),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **cast,
-    )
+    part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else cast["scale_ptr"]
+    desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])
+    with AMAX_CHAIN.output(dev) as (amax, amax_next):
+        _act_bwd_kernel[(num_m * num_n,)](
+            da, h, dh, q, qt, desc, part, amax_ptr=amax, amax_next_ptr=amax_next,
+            h_inv_ptr=h_inv if h_inv is not None else cast["scale_ptr"],
+            M=M, F=F, stride_dam=da.stride(0), stride_hm=h.stride(0), num_m=num_m, num_n=num_n,
+            ACT=ACT, GATED=gated, H_FP8=h_inv is not None, STORE_DH=bool(store_dh), TRANSPOSE=transpose, TMA_T=tma,
+            DBIAS=bool(dbias), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"], **cast,
+        )
     # Finalize the bias gradient: a fixed-order sum over the row tiles' partial sums.
     db = column_sums(part)[0] if dbias else h.new_empty(0, dtype=torch.float32)
     return dh, q, qt, amax, inv, db

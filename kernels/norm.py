@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale
-from ._library import OpSpec, contiguous_args, fast_launch, merge_config
+from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale
+from ._library import AMAX_CHAIN, OpSpec, contiguous_args, fast_launch, merge_config
 from ._reduce import column_sums
 
 __all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
@@ -230,6 +230,7 @@ def _norm_fwd_kernel(
     scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
     amax_in_ptr,  # () fp32 amax of y32 (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    amax_next_ptr,  # () fp32: zeroed by program 0 (the next launch's amax, _library.AmaxChain)
     inv_ptr,  # () fp32 output: 1 / scale (HAS_Q)
     mean_ptr,  # (M,) fp32 output (STORE_STATS and not RMS)
     rstd_ptr,  # (M,) fp32 output (STORE_STATS)
@@ -360,6 +361,7 @@ def _norm_fwd_kernel(
             amax_bits = tl.maximum(amax_bits, tile_bits)
     # Step 5: one atomic per program on the float bits (|y| >= 0: integer order is float order).
     atomic_amax(amax_ptr, tl.max(amax_bits, axis=0))
+    clear_next_amax(amax_next_ptr, pid)
 
 
 @triton.jit
@@ -684,7 +686,6 @@ def _launch_fwd(
             scale = torch.ones((), dtype=torch.float32, device=dev)
     else:
         q, q_t, inv = x.new_empty(0), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
     f32 = torch.float32
     mean = torch.empty((M,), dtype=f32, device=dev) if store_stats and not rms else x.new_empty(0, dtype=f32)
     rstd = torch.empty((M,), dtype=f32, device=dev) if store_stats else x.new_empty(0, dtype=f32)
@@ -695,15 +696,16 @@ def _launch_fwd(
     if single:
         blocks = min(blocks, _num_sms(dev) * cfg["PROGRAMS_PER_SM"])
     grid = (max(1, blocks),)
-    _norm_fwd_kernel[grid](
-        x, residual if residual is not None else x, weight, bias if bias is not None else weight,
-        y, s, q, q_t, scale if scale is not None else amax, amax_in if amax_in is not None else amax,
-        amax, inv, mean, rstd, M, K, float(eps),
-        RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        STORE_Y=store_y, STORE_S=store_s, STORE_STATS=store_stats, HAS_Q=has_q, TRANSPOSE=transpose,
-        FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
-        SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
-    )
+    with AMAX_CHAIN.output(dev) as (amax, amax_next):
+        _norm_fwd_kernel[grid](
+            x, residual if residual is not None else x, weight, bias if bias is not None else weight,
+            y, s, q, q_t, scale if scale is not None else amax, amax_in if amax_in is not None else amax,
+            amax, amax_next, inv, mean, rstd, M, K, float(eps),
+            RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+            STORE_Y=store_y, STORE_S=store_s, STORE_STATS=store_stats, HAS_Q=has_q, TRANSPOSE=transpose,
+            FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
+            SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        )
     return y, s, q, q_t, amax, inv, mean, rstd
 
 

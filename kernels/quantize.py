@@ -53,8 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import abs_bits, atomic_amax, cast_fp8, fp8_scale, grouped_tile, saturate, scale_from_amax
-from ._library import OpSpec, contiguous_args, fast_launch, merge_config, tma_store_ok, transposed_store
+from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale, grouped_tile, saturate, scale_from_amax
+from ._library import AMAX_CHAIN, OpSpec, contiguous_args, fast_launch, merge_config, tma_store_ok, transposed_store
 from ._reduce import column_sums
 
 __all__ = [
@@ -80,6 +80,7 @@ def _cast_fwd_kernel(
     scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
     amax_in_ptr,  # () fp32 amax of x (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    amax_next_ptr,  # () fp32: zeroed by program 0 (the next launch's amax, _library.AmaxChain)
     inv_ptr,  # () fp32 output: 1 / scale
     n_elements,
     FP8_MAX: tl.constexpr,
@@ -100,6 +101,7 @@ def _cast_fwd_kernel(
     tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
     # Step 3: amax of the block on the bit patterns, one atomic per program.
     atomic_amax(amax_ptr, tl.max(abs_bits(x), axis=0))
+    clear_next_amax(amax_next_ptr, pid)
 
 
 @fast_launch
@@ -112,6 +114,7 @@ def _cast_transpose_fwd_kernel(
     scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
     amax_in_ptr,  # () fp32 amax of x (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
+    amax_next_ptr,  # () fp32: zeroed by program 0 (the next launch's amax, _library.AmaxChain)
     inv_ptr,  # () fp32 output: 1 / scale
     dbias_ptr,  # (cdiv(M, BLOCK_M), K) fp32 output with DBIAS: column sums of each tile row of x
     M,
@@ -148,6 +151,7 @@ def _cast_transpose_fwd_kernel(
         tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
     # Step 4: amax of the tile.
     atomic_amax(amax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+    clear_next_amax(amax_next_ptr, pid)
     # Step 5 (DBIAS): the tile's column sums, one row of partial sums per tile row (no atomics: the
     # sum over tile rows that follows is deterministic). Rows past M were loaded as zeros.
     if DBIAS:
@@ -161,6 +165,7 @@ def _cast_rowwise_fwd_kernel(
     q_ptr,  # (M, K) fp8 output, contiguous
     inv_ptr,  # (M,) fp32 output: 1 / scale of each row
     amax_ptr,  # () fp32 output, zero-initialised: amax of the whole tensor
+    amax_next_ptr,  # () fp32: zeroed by program 0 (the next launch's amax, _library.AmaxChain)
     M,
     K,
     stride_xm,
@@ -193,6 +198,7 @@ def _cast_rowwise_fwd_kernel(
         tl.store(q_ptr + rm[:, None] * K + rk[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     # Step 4: the tensor amax.
     atomic_amax(amax_ptr, tl.max(acc, axis=0))
+    clear_next_amax(amax_next_ptr, pid)
 
 
 @fast_launch
@@ -200,6 +206,7 @@ def _cast_rowwise_fwd_kernel(
 def _amax_fwd_kernel(
     x_ptr,  # (N,) input, contiguous
     amax_ptr,  # () fp32 output, zero-initialised
+    amax_next_ptr,  # () fp32: zeroed by program 0 (the next launch's amax, _library.AmaxChain)
     n_elements,
     BLOCK: tl.constexpr,
 ):
@@ -207,6 +214,7 @@ def _amax_fwd_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n_elements, other=0.0).to(tl.float32)
     atomic_amax(amax_ptr, tl.max(abs_bits(x), axis=0))
+    clear_next_amax(amax_next_ptr, pid)
 
 
 @fast_launch
@@ -277,31 +285,32 @@ def _cast_args(
     out_dtype: torch.dtype,
     *,
     flat: bool,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """Validate a per-tensor cast; returns ``(amax, inv_scale, kwargs)``: the two () float32
-    outputs and the FP8 cast arguments of the kernel launch (pointers and constexprs)."""
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Validate a per-tensor cast; returns ``(inv_scale, kwargs)``: the () float32 inverse-scale
+    output and the FP8 cast arguments of the kernel launch (pointers and constexprs) but the amax
+    words, which the launch takes from ``AMAX_CHAIN``."""
     _check_input(name, x, flat=flat)
     fp8_max = _check_out_dtype(name, out_dtype)
     _check_scalar(name, "scale", scale)
     _check_scalar(name, "amax_in", amax_in)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
     inv = torch.empty((), dtype=torch.float32, device=x.device)
     kwargs = dict(
-        scale_ptr=scale, amax_in_ptr=amax_in if amax_in is not None else amax, amax_ptr=amax, inv_ptr=inv,
+        scale_ptr=scale, amax_in_ptr=amax_in if amax_in is not None else scale, inv_ptr=inv,
         FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
     )
-    return amax, inv, kwargs
+    return inv, kwargs
 
 
 def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> torch.Tensor:
     """max |x| as a 0-d float32 tensor (NaN if x holds a NaN). x: any shape, contiguous."""
     _check_input("amax", x, flat=True)
     cfg = merge_config(_AMAX_CFG, config, name="amax")
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
     n = x.numel()
-    if n:
+    if not n:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    with AMAX_CHAIN.output(x.device) as (amax, amax_next):
         grid = (triton.cdiv(n, cfg["BLOCK"]),)
-        _amax_fwd_kernel[grid](x, amax, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+        _amax_fwd_kernel[grid](x, amax, amax_next, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return amax
 
 
@@ -362,12 +371,14 @@ def cast_launch(
     Returns:
         ``(q, amax, inv_scale)``: q (...) FP8, amax () and inv_scale () float32.
     """
-    amax, inv, cast = _cast_args("cast", x, scale, amax_in, margin, power_2, out_dtype, flat=True)
+    inv, cast = _cast_args("cast", x, scale, amax_in, margin, power_2, out_dtype, flat=True)
     cfg = merge_config(_CAST_CFG, config, name="cast")
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     n = x.numel()
     grid = (max(1, triton.cdiv(n, cfg["BLOCK"])),)
-    _cast_fwd_kernel[grid](x, q, n_elements=n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], **cast)
+    with AMAX_CHAIN.output(x.device) as (amax, amax_next):
+        _cast_fwd_kernel[grid](x, q, n_elements=n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], amax_ptr=amax,
+                               amax_next_ptr=amax_next, **cast)
     return q, amax, inv
 
 
@@ -421,7 +432,7 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
                     power_2: bool, out_dtype: torch.dtype, dbias: bool, config: dict[str, Any] | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     name = "cast_transpose_dbias" if dbias else "cast_transpose"
-    amax, inv, cast = _cast_args(name, x, scale, amax_in, margin, power_2, out_dtype, flat=False)
+    inv, cast = _cast_args(name, x, scale, amax_in, margin, power_2, out_dtype, flat=False)
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     qt = torch.empty((K, M), dtype=out_dtype, device=x.device)
@@ -433,12 +444,13 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
     partial = (torch.empty((max(1, triton.cdiv(M, cfg["BLOCK_M"])), K), dtype=torch.float32, device=x.device)
                if dbias else None)
     grid = (max(1, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"])),)
-    _cast_transpose_fwd_kernel[grid](
-        x, q, qt, transposed_store(qt, tma, cfg["BLOCK_K"], cfg["BLOCK_M"]), dbias_ptr=partial, M=M, K=K,
-        stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=dbias,
-        TMA_T=tma,
-        num_warps=cfg["num_warps"], **cast,
-    )
+    desc = transposed_store(qt, tma, cfg["BLOCK_K"], cfg["BLOCK_M"])
+    with AMAX_CHAIN.output(x.device) as (amax, amax_next):
+        _cast_transpose_fwd_kernel[grid](
+            x, q, qt, desc, dbias_ptr=partial, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=dbias, TMA_T=tma, num_warps=cfg["num_warps"],
+            amax_ptr=amax, amax_next_ptr=amax_next, **cast,
+        )
     return q, qt, amax, inv, partial
 
 
@@ -464,11 +476,12 @@ def cast_rowwise_launch(
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    if M:
+    if not M:
+        return q, inv, torch.zeros((), dtype=torch.float32, device=x.device)
+    with AMAX_CHAIN.output(x.device) as (amax, amax_next):
         grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
         _cast_rowwise_fwd_kernel[grid](
-            x, q, inv, amax, M, K, x.stride(0),
+            x, q, inv, amax, amax_next, M, K, x.stride(0),
             FP8_MAX=fp8_max, MARGIN=margin, POWER_2=power_2,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         )

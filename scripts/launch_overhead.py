@@ -44,7 +44,8 @@ def main() -> None:
     amax = torch.zeros((), device="cuda")
     inv = torch.empty((), device="cuda")
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
-    kw = dict(scale_ptr=scale, amax_in_ptr=amax, amax_ptr=amax, inv_ptr=inv, FP8_MAX=448.0, MARGIN=0,
+    amax_next = torch.empty((), device="cuda")
+    kw = dict(scale_ptr=scale, amax_in_ptr=amax, amax_ptr=amax, amax_next_ptr=amax_next, inv_ptr=inv, FP8_MAX=448.0, MARGIN=0,
               SCALE_FROM_AMAX=False, POWER_2=False)
     kernel = kq._cast_transpose_fwd_kernel
 

@@ -70,3 +70,120 @@ def test_cuda_graph_capture_of_cached_launches():
     torch.cuda.synchronize()
     torch.testing.assert_close(q.view(torch.uint8), _expected(x, 8.0).view(torch.uint8), rtol=0, atol=0)
     assert float(amax) == float(x.float().abs().max())
+
+
+# ------------------------------------------------------------------------------------------------
+# Amax words handed from launch to launch (kernels/_library.AmaxChain). The chain's new words are
+# poisoned with a huge value: an amax that reads one a kernel did not zero is wrong by that much.
+
+POISON = 3.0e38
+
+
+@pytest.fixture
+def poisoned_words(monkeypatch):
+    monkeypatch.setattr(L.AMAX_CHAIN, "_word", lambda device: torch.full((), POISON, device=device))
+    L.AMAX_CHAIN.reset()
+    yield L.AMAX_CHAIN
+    L.AMAX_CHAIN.reset()
+
+
+@pytest.fixture
+def poisoned(poisoned_words, monkeypatch):
+    monkeypatch.setattr(L.AMAX_CHAIN, "eager", True)  # plain launches chained too (off by default)
+    return poisoned_words
+
+
+def _casts(xs, scale):
+    """One cast with its transposed copy per tensor: their amaxes."""
+    return [kq.cast_transpose_launch(x, scale, None, 0, False, E4M3)[2] for x in xs]
+
+
+def _maxima(xs):
+    return [float(x.float().abs().max()) for x in xs]
+
+
+def test_amax_words_chain_on_a_stream(poisoned):
+    xs = [torch.randn(64, 128, device="cuda").bfloat16() * m for m in (4.0, 0.5, 2.0, 0.125)]
+    scale = torch.tensor(4.0, device="cuda")
+    chained = poisoned.chained
+    got = _casts(xs, scale)
+    assert poisoned.chained - chained == len(xs) - 1  # all but the first took the word zeroed before them
+    assert [float(a) for a in got] == _maxima(xs)
+
+
+def test_amax_words_chain_per_stream(poisoned):
+    # launches alternate between two streams: each stream's chain hands its own words on
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    xs = [torch.randn(256, 512, device="cuda").bfloat16() * (1.0 + i) for i in range(6)]
+    scale = torch.tensor(1.0, device="cuda")
+    for s in (a, b):
+        s.wait_stream(torch.cuda.current_stream())
+    got = []
+    for i, x in enumerate(xs):
+        with torch.cuda.stream(a if i % 2 else b):
+            got.append(kq.cast_transpose_launch(x, scale, None, 0, False, E4M3)[2])
+    torch.cuda.synchronize()
+    assert [float(t) for t in got] == _maxima(xs)
+
+
+def test_amax_words_chain_across_threads_on_one_stream(poisoned):
+    import threading
+
+    xs = [torch.randn(128, 256, device="cuda").bfloat16() * (0.5 + i) for i in range(8)]
+    scale = torch.tensor(1.0, device="cuda")
+    got: dict[int, torch.Tensor] = {}
+
+    def work(i: int) -> None:
+        for _ in range(20):
+            got[i] = kq.cast_transpose_launch(xs[i], scale, None, 0, False, E4M3)[2]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert [float(got[i]) for i in range(len(xs))] == _maxima(xs)
+
+
+def test_amax_words_under_graph_capture(poisoned_words):
+    # the default: plain launches and a capture nobody announced take a torch.zeros per launch; a
+    # graph_step capture is chained, its words zeroed in the graph at every replay; all give the
+    # replayed inputs' amaxes, replay after replay
+    import fp8ops
+
+    poisoned = poisoned_words
+    assert not poisoned.eager
+
+    xs = [torch.randn(128, 256, device="cuda").bfloat16() for _ in range(3)]
+    scale = torch.tensor(2.0, device="cuda")
+    _casts(xs, scale)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _casts(xs, scale)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    chained = poisoned.chained
+    with torch.cuda.graph(g):
+        plain = _casts(xs, scale)
+    assert poisoned.chained == chained
+
+    def step(carry, a, b, c):
+        return carry, torch.stack(_casts([a, b, c], scale))
+
+    graphed = fp8ops.graph_step(step)
+    chained_plain = poisoned.chained
+    for k in range(5):
+        ins = [torch.randn(128, 256, device="cuda").bfloat16() * (k + 1) * m for m in (1.0, 0.25, 3.0)]
+        for x, new in zip(xs, ins):
+            x.copy_(new)
+        g.replay()
+        _, out = graphed(None, *ins)
+        torch.cuda.synchronize()
+        assert [float(a) for a in plain] == _maxima(ins)
+        assert out.tolist() == _maxima(ins), f"call {k}"
+    # only the capture chained: two of its three casts took the word zeroed before them
+    assert chained_plain == chained and poisoned.chained - chained == 2
+    assert graphed.stats["captures"] == 1 and graphed.stats["replays"] >= 2

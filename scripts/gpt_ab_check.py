@@ -1,15 +1,18 @@
-"""Bias gradients from the quantizing pass or from ``dy.sum(0)``: compiled, graphed GPT training
-steps of ``python -m fp8ops.bench gpt`` with :data:`fp8ops._operands.FUSE_DBIAS` off and on.
+"""A switch of fp8ops off and on, on compiled, graphed GPT training steps of
+``python -m fp8ops.bench gpt``: ``--switch fuse_dbias`` (:data:`fp8ops._operands.FUSE_DBIAS`) or
+``--switch amax_chain`` (``fp8ops.kernels._library.AMAX_CHAIN.enabled``: amax words zeroed by the
+kernel before, or a fill kernel per launch).
 
-With the flag off, each linear layer's bias gradient is ``dy.sum(0)``: under ``torch.compile``
+``fuse_dbias``: with the flag off, each linear layer's bias gradient is ``dy.sum(0)``: under ``torch.compile``
 Inductor emits it as a reduction of its own (fused with the kernel that assembles dy where that
 kernel is Inductor's, as for the QKV projection, whose dy is the concatenation of dq, dk, dv). With
 it on, ``fp8ops::cast_transpose_dbias`` writes per-tile column sums in the pass that quantizes dy
 and one fixed-order column-sum kernel finishes them. This script times both builds side by side
 in one process (the torch bf16 step as the reference), alternating them ``--rounds`` times, and
-prints ms per step and the ratios.
+prints ms per step, kernels per step and the ratios.
 
-    python scripts/gpt_dbias_check.py [--hidden 768 2048] [--rounds 2] [--steps 20] [--json OUT]
+    python scripts/gpt_ab_check.py [--switch fuse_dbias|amax_chain] [--hidden 768 2048] [--rounds 2]
+                                   [--steps 20] [--json OUT]
 
 Needs a CUDA GPU.
 """
@@ -23,6 +26,7 @@ import torch
 
 import fp8ops
 from fp8ops import _operands
+from fp8ops.kernels import _library
 from fp8ops.bench.gpt import SIZES, _size
 from fp8ops.bench.step import _measure, _variant
 
@@ -39,11 +43,23 @@ def time_build(impl: str, size: dict[str, int], steps: int) -> dict[str, float]:
     return {"ms": r["ms"], "kernels": r["kernels"], "device_ms": r["device_ms"], "loss": r["loss"]}
 
 
+DEFAULTS = {"fuse_dbias": False, "amax_chain": True}
+
+
+def _set(switch: str, on: bool) -> None:
+    if switch == "fuse_dbias":
+        _operands.FUSE_DBIAS = on
+    else:
+        _library.AMAX_CHAIN.enabled = on
+        _library.AMAX_CHAIN.reset()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[768, 2048], choices=sorted(SIZES))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--switch", choices=["fuse_dbias", "amax_chain"], default="fuse_dbias")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = []
@@ -53,21 +69,21 @@ def main() -> None:
         torch_row = time_build("torch", size, args.steps)
         rows = []
         for r in range(args.rounds):
-            for fuse in (False, True):
-                _operands.FUSE_DBIAS = fuse
+            for on in (False, True):
+                _set(args.switch, on)
                 try:
                     got = time_build("fp8ops FP8", size, args.steps)
                 finally:
-                    _operands.FUSE_DBIAS = False
-                got.update(fuse_dbias=fuse, round=r, over_bf16=got["ms"] / torch_row["ms"])
+                    _set(args.switch, DEFAULTS[args.switch])
+                got.update(on=on, round=r, over_bf16=got["ms"] / torch_row["ms"])
                 rows.append(got)
-                print(f"hidden {hidden} round {r} FUSE_DBIAS={fuse!s:5}: {got['ms']:.3f} ms/step, "
+                print(f"hidden {hidden} round {r} {args.switch}={on!s:5}: {got['ms']:.3f} ms/step, "
                       f"{got['kernels']:.0f} kernels, device {got['device_ms']:.3f} ms, "
                       f"FP8/bf16 {got['over_bf16']:.3f} (bf16 {torch_row['ms']:.3f} ms)", flush=True)
-        for fuse in (False, True):
-            ms = [x["ms"] for x in rows if x["fuse_dbias"] is fuse]
-            print(f"hidden {hidden} FUSE_DBIAS={fuse!s:5}: best {min(ms):.3f} ms, FP8/bf16 {min(ms) / torch_row['ms']:.3f}")
-        out.append({"hidden": hidden, "torch": torch_row, "fp8": rows})
+        for on in (False, True):
+            ms = [x["ms"] for x in rows if x["on"] is on]
+            print(f"hidden {hidden} {args.switch}={on!s:5}: best {min(ms):.3f} ms, FP8/bf16 {min(ms) / torch_row['ms']:.3f}")
+        out.append({"hidden": hidden, "switch": args.switch, "torch": torch_row, "fp8": rows})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
