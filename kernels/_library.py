@@ -264,12 +264,11 @@ class AmaxChain:
             return None
         if device.type != "cuda":  # the interpreter: kernels run one after the other
             return (device.type,) if self.eager else None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch._C._cuda_getCurrentRawStream(index)
+        where = _current_stream(device)
         if torch.cuda.is_current_stream_capturing():
-            token = self._captures.get((index, stream))
-            return None if token is None else (index, stream, token)
-        return (index, stream) if self.eager else None
+            token = self._captures.get(where)
+            return None if token is None else (*where, token)
+        return where if self.eager else None
 
     @contextlib.contextmanager
     def output(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -294,8 +293,7 @@ class AmaxChain:
         within the block (entered after the capture began, left before it ends). Yields a list that
         receives, on exit, the word the capture's last launch zeroes at every replay: keep it as
         long as the graph, so that its memory is not handed to another tensor meanwhile."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        where = (index, torch._C._cuda_getCurrentRawStream(index))
+        where = _current_stream(device)
         token = object()
         keep: list[torch.Tensor] = []
         with self._lock:
@@ -317,6 +315,12 @@ class AmaxChain:
         """Forget every chain: the next launch on each stream takes a ``torch.zeros``."""
         with self._lock:
             self._next.clear()
+
+
+def _current_stream(device: torch.device) -> tuple[int, int]:
+    """(device index, raw handle of its current stream) of a CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch._C._cuda_getCurrentRawStream(index)
 
 
 AMAX_CHAIN = AmaxChain()
