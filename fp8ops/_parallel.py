@@ -397,15 +397,17 @@ def check_divisible(where: str, what: str, n: int, world: int) -> int:
 
 
 def sequence_norm(x: Tensor, weight: Tensor, bias: Tensor | None, normalization: str, eps: float,
-                  zero_centered_gamma: bool, group: Any) -> Tensor:
+                  zero_centered_gamma: bool, group: Any, residual: Tensor | None = None) -> Any:
     """The norm in front of a column-parallel GEMM under sequence parallelism: on this rank's slice
-    of the sequence, with the replicated weight and bias, whose gradients are summed over the group."""
-    kw: dict[str, Any] = {"eps": eps, "zero_centered_gamma": zero_centered_gamma}
+    of the sequence, with the replicated weight and bias, whose gradients are summed over the group.
+    With a residual (this rank's slice too): ``(norm(x + residual), x + residual)``, the sum written
+    by the norm's kernel (and its gradient added into dx by the norm's backward)."""
+    kw: dict[str, Any] = {"eps": eps, "zero_centered_gamma": zero_centered_gamma, "residual": residual}
     if normalization == "RMSNorm":
-        ln, _ = rms_norm(x, copy_to_tp(weight, group), None, **kw)
+        out, _ = rms_norm(x, copy_to_tp(weight, group), None, **kw)
     else:
-        ln, _ = layer_norm(x, copy_to_tp(weight, group), copy_to_tp(bias, group), None, **kw)
-    return ln
+        out, _ = layer_norm(x, copy_to_tp(weight, group), copy_to_tp(bias, group), None, **kw)
+    return out
 
 
 def column_input(x: Tensor, tp: TP, where: str) -> Tensor:

@@ -404,10 +404,11 @@ def _weight_caches(weight_cache: Any, fc1_weight: Tensor, fc2_weight: Tensor, st
 def _sequence_parallel(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1_weight: Tensor,
                        fc1_bias: Tensor | None, fc2_weight: Tensor, fc2_bias: Tensor | None, state: Any, recipe: Any,
                        normalization: str, activation: str, eps: float, zero_centered_gamma: bool, recompute: Any,
-                       grad_probe: Tensor | None, weight_cache: Any, tp_group: Any
-                       ) -> tuple[Tensor, LayerNormMLPState | None]:
+                       grad_probe: Tensor | None, weight_cache: Any, tp_group: Any, residual: Tensor | None
+                       ) -> tuple[Any, LayerNormMLPState | None]:
     """fused_ln_mlp under sequence parallelism, unfused: norm on the slice -> fc1 (column-parallel)
-    -> activation -> fc2 (row-parallel), with the states of fc1 and fc2 as two LinearStates."""
+    -> activation -> fc2 (row-parallel), with the states of fc1 and fc2 as two LinearStates. With a
+    residual the norm's kernel writes s = x + residual, and the output is ``(y, s)``."""
     where = "fused_ln_mlp"
     if recompute is not None:
         raise ValueError(f"{where}: recompute={recompute!r} is not supported with sequence_parallel; "
@@ -417,7 +418,10 @@ def _sequence_parallel(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1
     _activation.check_activation(activation, where)
     c1, c2 = _weight_caches(weight_cache, fc1_weight, fc2_weight, state, recipe, fp8, where)
     # Step 1: the norm on this rank's slice; its parameters' gradients are partial sums over the group.
-    ln = sequence_norm(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, tp_group)
+    ln = sequence_norm(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, tp_group, residual)
+    s = None
+    if residual is not None:
+        ln, s = ln
     # Step 2: fc1 (all-gathers ln), the activation, fc2 (reduce-scatters y), each with its LinearState.
     st1 = st2 = None
     if fp8:
@@ -429,10 +433,11 @@ def _sequence_parallel(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1
                         parallel_mode="column", **tp)
     y, st2 = fp8_linear(_activation.activation(h, activation), fc2_weight, fc2_bias, st2, recipe=recipe,
                         grad_probe=p2, weight_cache=c2, parallel_mode="row", **tp)
+    out = y if s is None else (y, s)
     if not fp8:
-        return y, None
+        return out, None
     assert st1 is not None and st2 is not None
-    return y, state.replace(fc1_input=st1.input, fc1_weight=st1.weight, fc2_input=st2.input, fc2_weight=st2.weight)
+    return out, state.replace(fc1_input=st1.input, fc1_weight=st1.weight, fc2_input=st2.input, fc2_weight=st2.weight)
 
 
 def fused_ln_mlp(
@@ -524,7 +529,8 @@ def fused_ln_mlp(
             the next residual stream of a pre-norm block (``s = x + attn; y = s + mlp(s)``). The
             norm kernel writes s in the same pass, and in the backward it adds the gradient that
             reaches s directly to the norm's dx: no separate add kernel either way. With
-            ``tp_group`` the add runs in front of the op, unfused.
+            ``tp_group`` and no sequence parallelism the add runs in front of the op, unfused; with
+            ``sequence_parallel`` the norm on this rank's slice adds it in its kernel.
 
     Returns:
         ``(y, new_state)``, or ``((y, s), new_state)`` with a residual: y (..., K2); ``new_state`` with the amaxes of the normalised input,
@@ -563,7 +569,7 @@ def fused_ln_mlp(
     tp = tp_config(where, tp_group, None, sequence_parallel)
     if residual is not None:
         check_residual(residual, x, where)
-        if tp is not None:  # the add in front of the (parallel) op, unfused
+        if tp is not None and not tp.sp:  # the add in front of the tensor-parallel op, unfused
             s = x + residual
             y, new_state = fused_ln_mlp(
                 s, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state, recipe=recipe,
@@ -579,7 +585,7 @@ def fused_ln_mlp(
         if tp.sp:
             return _sequence_parallel(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state,
                                       recipe, normalization, activation, eps, zero_centered_gamma, recompute,
-                                      grad_probe, weight_cache, tp_group)
+                                      grad_probe, weight_cache, tp_group, residual)
         y, new_state = fused_ln_mlp(
             copy_to_tp(x, g), copy_to_tp(ln_weight, g), copy_to_tp(ln_bias, g), fc1_weight, fc1_bias,
             fc2_weight, None, state, recipe=recipe, normalization=normalization, activation=activation, eps=eps,

@@ -296,7 +296,8 @@ def layernorm_linear(
             (added in fp32, rounded to x's dtype, as ``x + residual`` gives) and returns s too: the
             residual stream of a pre-norm block whose previous branch output is x. The norm kernel
             writes s in the same pass and, in the backward, adds the gradient that reaches s
-            directly into its dx. With ``tp_group`` (or K = 0) the add runs in front, unfused.
+            directly into its dx. With ``tp_group`` and no sequence parallelism (or K = 0) the add
+            runs in front, unfused; with ``sequence_parallel`` the slice's norm kernel adds it.
 
     All tensors must be on x's device.
 
@@ -333,7 +334,8 @@ def layernorm_linear(
     tp = tp_config(where, tp_group, parallel_mode, sequence_parallel, modes=("column",))
     if residual is not None:
         check_residual(residual, x, where)
-        if tp is not None or (isinstance(x, Tensor) and x.shape[-1:] == (0,)):  # the add in front, unfused
+        # the add in front, unfused (a sequence-parallel norm's kernel adds it itself)
+        if (tp is not None and not tp.sp) or (isinstance(x, Tensor) and x.shape[-1:] == (0,)):
             s = x + residual
             out, new_state = layernorm_linear(
                 s, ln_weight, ln_bias, weight, bias, state, recipe=recipe, normalization=normalization, eps=eps,
@@ -348,11 +350,16 @@ def layernorm_linear(
         check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
         g = tp.group
         if tp.sp:
-            # SP: the norm on this rank's slice (its parameters' gradients are partial sums), then the
-            # column-parallel GEMM all-gathers its output (FP8 bytes with a per-tensor recipe).
-            ln = sequence_norm(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, g)
-            return fp8_linear(ln, weight, bias, state, recipe=recipe, grad_probe=grad_probe, weight_cache=weight_cache,
-                              tp_group=g, parallel_mode="column", sequence_parallel=True)
+            # SP: the norm on this rank's slice (its parameters' gradients are partial sums; with a
+            # residual its kernel writes x + residual too), then the column-parallel GEMM all-gathers
+            # its output (FP8 bytes with a per-tensor recipe).
+            ln = sequence_norm(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, g, residual)
+            if residual is not None:
+                ln, s = ln
+            out, new_state = fp8_linear(ln, weight, bias, state, recipe=recipe, grad_probe=grad_probe,
+                                        weight_cache=weight_cache, tp_group=g, parallel_mode="column",
+                                        sequence_parallel=True)
+            return ((out, s) if residual is not None else out), new_state
         return layernorm_linear(
             copy_to_tp(x, g), copy_to_tp(ln_weight, g), copy_to_tp(ln_bias, g), weight, bias,
             state, recipe=recipe, normalization=normalization, eps=eps, zero_centered_gamma=zero_centered_gamma,

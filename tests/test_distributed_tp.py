@@ -3,7 +3,8 @@ TP / TP+SP transformer layer on 2 and 4 ranks equals the single-process layer (o
 recipe=None (tightly) and FP8 delayed / current scaling (within the FP8 error budget); the scaling
 states are identical on every rank after ``update(group=)``; with sequence parallelism the FP8
 all-gathers move FP8 bytes; a 2 x 2 DP x TP mesh training a TP+SP layer under DDP (over "dp")
-against single-process training; torch.compile(fullgraph=True) of a TP+SP layer;
+against single-process training; two TP+SP layers chained through ``residual`` /
+``return_residual``; torch.compile(fullgraph=True) of a TP+SP layer;
 uneven splits and bad arguments raise clear errors.
 
 Each world size is one ``mp.spawn``: every rank runs every case and records mismatches instead of
@@ -428,6 +429,44 @@ def _replicated(rank, world, group, bad):
         bad.append(f"replicated: copy_to_tp_many gave {a.grad}, {b.grad}, {c.grad}")
 
 
+def _residual_chain(rank, world, group, bad):
+    """Two pre-norm layers chained through ``residual`` / ``return_residual`` under TP+SP equal the
+    single-process chain (m, s, dx, d residual, every gathered parameter gradient), recipe=None
+    tightly; the residual sums come from the norm kernels (no separate add in the graph)."""
+    cfg = fp8ops.TransformerConfig(**CONFIGS["pre"])
+    g = torch.Generator().manual_seed(5)
+    params = [fp8ops.init_transformer_params(cfg, generator=g) for _ in range(2)]
+    x, r, gm, gs = (torch.randn(S, B, cfg.hidden_size, generator=g) for _ in range(4))
+    sl = slice(rank * S // world, (rank + 1) * S // world)
+
+    def chain(ps, x, r, **tp):
+        ps = [{k: v.detach().requires_grad_() for k, v in p.items()} for p in ps]
+        x, r = x.detach().requires_grad_(), r.detach().requires_grad_()
+        (h, s), _ = fp8ops.transformer_layer(ps[0], x, None, config=cfg, recipe=None, residual=r,
+                                             return_residual=True, **tp)
+        (m, s2), _ = fp8ops.transformer_layer(ps[1], h, None, config=cfg, recipe=None, residual=s,
+                                              return_residual=True, **tp)
+        adds = [t.grad_fn.name() for t in (s, s2) if "Add" in t.grad_fn.name()]
+        ((m * gm[sl if tp else slice(None)]).sum() + (s2 * gs[sl if tp else slice(None)]).sum()).backward()
+        return m.detach(), s2.detach(), x.grad, r.grad, [{k: v.grad for k, v in p.items()} for p in ps], adds
+
+    ref = chain(params, x, r)
+    shards = [fp8ops.shard_transformer_params(p, cfg, rank=rank, world_size=world) for p in params]
+    out = chain(shards, x[sl], r[sl], tp_group=group, sequence_parallel=True)
+    if out[5]:
+        bad.append(f"residual chain: the residual sums came from separate adds: {out[5]}")
+    pairs = [("m", out[0], ref[0][sl]), ("s", out[1], ref[1][sl]), ("dx", out[2], ref[2][sl]),
+             ("d residual", out[3], ref[3][sl])]
+    for i in range(2):
+        every: list = [None] * world
+        dist.all_gather_object(every, out[4][i], group=group)
+        full = fp8ops.gather_transformer_params(every, cfg)
+        pairs += [(f"layer {i} grad[{k}]", full[k], v) for k, v in ref[4][i].items()]
+    for what, a, b in pairs:
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+            bad.append(f"residual chain w={world}: {what} differs by {float((a - b).abs().max()):.3g}")
+
+
 def _worker(rank, world, init_file, out_dir, cases):
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -441,6 +480,7 @@ def _worker(rank, world, init_file, out_dir, cases):
         _errors(rank, world, group, bad)
         _fp8_comm(rank, world, group, bad)
         _replicated(rank, world, group, bad)
+        _residual_chain(rank, world, group, bad)
         if world == 2:
             _row_chunks(rank, world, group, bad)
         if world == 4:
