@@ -20,6 +20,18 @@ of CUDA-event-timed iterations after warm-up, on random data, with the weight an
 reset to None before each backward (as after ``zero_grad(set_to_none=True)``). "fwd µs" and "fwd+bwd µs"
 time plain launches from Python (what an eager training loop sees, host overhead included);
 "graph µs" times CUDA-graph replays of forward+backward (device time), where capture works.
+
+Full training steps (the suite's first table, the one its target is on): at each shape, one step of
+a single linear layer as a training loop runs it: fresh probe, forward, backward (dy given),
+:func:`fp8ops.update` (FP8), and a fused, capturable AdamW step on the weight; x requires grad (the
+layer's input gradient is computed, as inside a model). Each implementation runs in each of its
+modes (eager, ``torch.compile``, one CUDA graph per step through :func:`fp8ops.graph_step`, and
+both), timed by :func:`fp8ops.bench.step._measure` (steps back to back), and the comparison takes
+each one's fastest mode: bf16 ``F.linear`` (eager, compile, graph, compile + graph), fp8ops delayed
+scaling with cuBLAS GEMMs (eager, compile with ``fullgraph=True``, graph, compile + graph) and
+torchao float8 tensorwise (compile, compile + graph). Target: fp8ops >= 1.1x torchao at every shape.
+``--ops`` adds the op-level table (forward, forward+backward, graph replays, every recipe and GEMM
+backend) after it.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from . import common
 
@@ -39,10 +52,22 @@ SHAPES = [(8192, 4096, 12288), (8192, 4096, 4096), (8192, 4096, 16384), (8192, 1
 QUICK_SHAPES = [(8192, 4096, 4096)]
 
 
+TARGET_VS_TORCHAO = 1.1
+"""fp8ops's full step over torchao tensorwise + compile's, fastest modes, at every shape."""
+STEP_IMPLS = {"bf16 F.linear": ("eager", "compile", "graph", "compile + graph"),
+              "fp8ops delayed": ("eager", "compile", "graph", "compile + graph"),
+              "torchao tensorwise": ("compile", "compile + graph")}
+"""implementation -> its modes in the full-step table."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of this suite."""
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao peers")
     parser.add_argument("--samples", type=int, default=None, help="timed samples per case")
+    parser.add_argument("--steps", type=int, default=20, help="timed full steps per variant (default 20)")
+    parser.add_argument("--ops", action="store_true",
+                        help="also the op-level table: forward, forward+backward and graph replays of every "
+                        "recipe and GEMM backend")
     prof = parser.add_argument_group("profile mode (replaces the timed comparison)")
     prof.add_argument("--profile", action="store_true",
                       help="where the host time of fp8_linear goes: host µs per call of each piece, graph-replay "
@@ -126,6 +151,173 @@ def _torchao_case(M, K, N, recipe_name):  # type: ignore[no-untyped-def]
     return fwd, fwd_bwd
 
 
+def step_case(impl: str, mode: str, M: int, K: int, N: int, device: str = "cuda",
+              dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any, tuple[Any, ...]]:
+    """``(step, carry, batch)``: one full training step of a (M, K) -> (M, N) linear layer without
+    bias, ``step(carry, x, dy) -> (carry, y[0, 0])``: fresh probe (FP8), forward, ``y.backward(dy)``,
+    fused AdamW on the weight (capturable, a tensor learning rate) and :func:`fp8ops.update` (FP8).
+    ``impl`` is a key of :data:`STEP_IMPLS`; ``mode`` containing "compile" compiles the forward
+    (fp8ops: ``fullgraph=True``, and :func:`fp8ops.update`). The caller wraps the step in :func:`fp8ops.graph_step` for a
+    graph mode. x requires grad; its gradient is reset each step. ``step.weight`` is the trained
+    weight."""
+    import fp8ops
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(M, K, device=device, generator=g).to(dtype).requires_grad_()
+    dy = (torch.randn(M, N, device=device, generator=g) * 1e-2).to(dtype)
+    compiled = "compile" in mode
+    fused = device == "cuda"
+    lr = torch.tensor(1e-4, device=device)
+    if impl == "torchao tensorwise":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        m = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False)).to(device=device, dtype=dtype)
+        convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        fwd = torch.compile(m) if compiled else m
+        opt = torch.optim.AdamW(m.parameters(), lr=lr, fused=fused, capturable=fused)
+
+        def torchao_step(carry: Any, xx: Tensor, d: Tensor) -> tuple[Any, Tensor]:
+            opt.zero_grad(set_to_none=True)
+            xx.grad = None
+            y = fwd(xx)
+            y.backward(d)
+            opt.step()
+            return carry, y.detach()[0, 0]
+
+        torchao_step.weight = m[0].weight  # type: ignore[attr-defined]
+        return torchao_step, None, (x, dy)
+    w = (torch.randn(N, K, device=device, generator=g) / K**0.5).to(dtype).requires_grad_()
+    opt = torch.optim.AdamW([w], lr=lr, fused=fused, capturable=fused)
+    if impl == "bf16 F.linear":
+        lin = torch.compile(torch.nn.functional.linear) if compiled else torch.nn.functional.linear
+
+        def torch_step(carry: Any, xx: Tensor, d: Tensor) -> tuple[Any, Tensor]:
+            opt.zero_grad(set_to_none=True)
+            xx.grad = None
+            y = lin(xx, w)
+            y.backward(d)
+            opt.step()
+            return carry, y.detach()[0, 0]
+
+        torch_step.weight = w  # type: ignore[attr-defined]
+        return torch_step, None, (x, dy)
+    if impl != "fp8ops delayed":
+        raise ValueError(f"step_case: impl must be one of {sorted(STEP_IMPLS)}, got {impl!r}")
+    gs = fp8ops.GemmSpec
+    recipe = fp8ops.DelayedScaling(fprop=gs(fast_accum=True, backend="cublas"),
+                                   dgrad=gs(fast_accum=False, backend="cublas"),
+                                   wgrad=gs(fast_accum=False, backend="cublas"))
+
+    def layer(st: Any, probe: Tensor, xx: Tensor) -> Any:
+        return fp8ops.fp8_linear(xx, w, None, st, recipe=recipe, grad_probe=probe)
+
+    f = torch.compile(layer, fullgraph=True) if compiled else layer
+    # compiled: the update too (Inductor fuses its dozen small operations); its first, uncalibrated
+    # calls read the observations on the host (a graph break), the calibrated ones trace whole
+    upd = torch.compile(fp8ops.update) if compiled else fp8ops.update
+
+    def fp8ops_step(st: Any, xx: Tensor, d: Tensor) -> tuple[Any, Tensor]:
+        opt.zero_grad(set_to_none=True)
+        xx.grad = None
+        probe = fp8ops.make_probes(st)
+        y, ns = f(st, probe, xx)
+        y.backward(d)
+        opt.step()
+        return upd(ns, recipe=recipe, grad_amax=probe.grad), y.detach()[0, 0]
+
+    fp8ops_step.weight = w  # type: ignore[attr-defined]
+    return fp8ops_step, fp8ops.LinearState.init(recipe, device=device), (x, dy)
+
+
+def _steps_table(shapes: list[tuple[int, int, int]], args: argparse.Namespace, samples: int
+                 ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The full-step rows of every implementation and mode at each shape (each row marked whether
+    it is its implementation's fastest mode, with the ratios to torchao's and bf16's fastest and to
+    the three GEMMs alone), and a row of the three GEMMs; prints the table and the target verdicts."""
+    import fp8ops
+
+    from .step import _measure
+
+    impls = {k: v for k, v in STEP_IMPLS.items() if not (args.no_torchao and k.startswith("torchao"))}
+    if "torchao tensorwise" in impls:
+        try:
+            import torchao  # noqa: F401
+        except Exception as exc:  # noqa: BLE001  (torchao missing or incompatible: say so, keep going)
+            print(f"torchao unavailable: {type(exc).__name__}: {exc}")
+            del impls["torchao tensorwise"]
+    progress = common.Progress(len(shapes) * sum(len(m) for m in impls.values()), prefix="linear step")
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for M, K, N in shapes:
+        shape = f"{M}x{K}->{N}"
+        ceil = _gemm_ceiling(M, K, N, samples)  # the ceiling: the three GEMMs alone
+        rows.append({"shape": shape, "impl": "3 GEMMs (_scaled_mm)", "mode": "-", "us": sum(ceil.values()),
+                     "gemms": ceil, "tflops": 3 * 2.0 * M * N * K / sum(ceil.values()) / 1e6})
+        for impl, modes in impls.items():
+            for mode in modes:
+                progress.step(f"{shape} {impl} {mode}")
+                torch._dynamo.reset()
+                try:
+                    step, carry, batch = step_case(impl, mode, M, K, N)
+                    fn = fp8ops.graph_step(step) if "graph" in mode else step
+                    r, _ = _measure(fn, carry, batch, args.steps)
+                    if "graph" in mode and not fn.stats["replays"]:  # type: ignore[union-attr]
+                        raise RuntimeError(f"never replayed ({fn.stats})")  # type: ignore[union-attr]
+                except Exception as exc:  # noqa: BLE001  (one failing variant must not hide the others)
+                    failed.append(f"step {shape} {impl} {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                    progress.note(failed[-1])
+                    continue
+                finally:
+                    torch.cuda.synchronize()
+                rows.append({"shape": shape, "impl": impl, "mode": mode, "us": r["ms"] * 1e3,
+                             "host_us": r["host_ms"] * 1e3, "kernels": r["kernels"],
+                             "device_us": r["device_ms"] * 1e3,
+                             "tflops": 3 * 2.0 * M * N * K / (r["ms"] * 1e-3) / 1e12})
+                del step, carry, batch
+                torch.cuda.empty_cache()
+        mine = [r for r in rows if r["shape"] == shape]
+        best = {i: min((r for r in mine if r["impl"] == i), key=lambda r: r["us"]) for i in impls
+                if any(r["impl"] == i for r in mine)}
+        for r in mine:
+            r["fastest"] = best.get(r["impl"]) is r
+            r["over_gemms"] = r["us"] / sum(ceil.values())
+            if "torchao tensorwise" in best:
+                r["x_torchao"] = best["torchao tensorwise"]["us"] / r["us"]
+            if "bf16 F.linear" in best:
+                r["x_bf16"] = best["bf16 F.linear"]["us"] / r["us"]
+    cols = [("shape", "shape", "s"), ("impl", "implementation", "s"), ("mode", "mode", "s"),
+            ("us", "µs/step", ".0f"), ("tflops", "TFLOP/s", ".0f"), ("host_us", "host µs", ".0f"),
+            ("kernels", "kernels", ".0f"), ("device_us", "device µs", ".0f"),
+            ("x_torchao", "x torchao best", ".3f"), ("x_bf16", "x bf16 best", ".3f"),
+            ("over_gemms", "/ 3 GEMMs", ".3f")]
+    print("\nFull training steps (probe, forward, backward, update, AdamW), µs per step back to back:")
+    print(common.format_table(rows, cols))
+    for M, K, N in shapes:
+        shape = f"{M}x{K}->{N}"
+        ours = next((r for r in rows if r["shape"] == shape and r["impl"] == "fp8ops delayed" and r["fastest"]), None)
+        if ours is None or "x_torchao" not in ours:
+            print(f"target {shape}: no comparison (a variant failed or torchao is missing)")
+            continue
+        verdict = "met" if ours["x_torchao"] >= TARGET_VS_TORCHAO else f"missed by {TARGET_VS_TORCHAO - ours['x_torchao']:.3f}"
+        print(f"target {shape}: fp8ops delayed ({ours['mode']}) {ours['x_torchao']:.3f}x torchao tensorwise's "
+              f"fastest mode (>= {TARGET_VS_TORCHAO}): {verdict}; {ours['over_gemms']:.3f}x the GEMMs alone")
+    return rows, failed
+
+
+def _step_chart(path: Path, steps: list[dict[str, Any]]) -> None:
+    """µs per full step of each implementation's fastest mode and of the GEMMs alone, per shape."""
+    try:
+        shapes = list(dict.fromkeys(r["shape"] for r in steps))
+        impls = list(dict.fromkeys(r["impl"] for r in steps if r.get("fastest") or r["mode"] == "-"))
+        series = {i: [next((r["us"] for r in steps if r["shape"] == s and r["impl"] == i
+                            and (r.get("fastest") or r["mode"] == "-")), None) for s in shapes] for i in impls}
+        common.write_bar_chart(path, [{"title": "full training step, fastest mode", "groups": shapes,
+                                       "series": series}],
+                               title=f"linear layer steps ({torch.cuda.get_device_name()})", ylabel="µs per step")
+    except Exception as exc:  # noqa: BLE001  (the plot is a convenience; the JSON and the table are the record)
+        print(f"plot skipped: {type(exc).__name__}: {exc}")
+
+
 def _gemm_ceiling(M, K, N, samples):  # type: ignore[no-untyped-def]
     """Median times (µs) of the three GEMMs alone through _scaled_mm on pre-quantized operands."""
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -162,6 +354,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes = QUICK_SHAPES if args.quick else SHAPES
     env = common.environment()
     print(common.describe_environment(env))
+    t0 = time.perf_counter()
+    steps, failed = _steps_table(shapes, args, samples)
+    record: dict[str, Any] = {"suite": "linear", "environment": env, "steps": steps, "rows": [],
+                              "failed_checks": failed}
+    _step_chart(out / "linear.png", steps)
+    if not getattr(args, "ops", False):
+        record["seconds"] = time.perf_counter() - t0
+        common.write_json(out / "linear.json", record)
+        return record
     impls: list[tuple[str, Any]] = [("bf16 F.linear", lambda M, K, N: _bf16_case(M, K, N))]
     for label, recipe in (("delayed", fp8ops.DelayedScaling()), ("current", fp8ops.CurrentScaling()),
                           ("rowwise", fp8ops.CurrentScaling(granularity="row"))):
@@ -179,9 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as exc:  # torchao missing or incompatible: say so, keep going
             print(f"torchao unavailable: {type(exc).__name__}: {exc}")
     progress = common.Progress(len(shapes) * (len(impls) + 1), prefix="linear")
-    rows: list[dict[str, Any]] = []
-    failed: list[str] = []
-    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = record["rows"]
     for M, K, N in shapes:
         flops = 2.0 * M * N * K
         x_sets = [(torch.randn(M, K, device="cuda").bfloat16().requires_grad_(),
@@ -225,8 +424,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("speedup_vs_torchao_tw", "x torchao tw", ".3f")]
     print()
     print(common.format_table(rows, cols))
-    record = {"suite": "linear", "environment": env, "rows": rows, "failed_checks": failed,
-              "seconds": time.perf_counter() - t0}
+    record["seconds"] = time.perf_counter() - t0
     common.write_json(out / "linear.json", record)
     try:
         shape_names = list(dict.fromkeys(r["shape"] for r in rows))
@@ -236,7 +434,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             series = {i: [next((r[key] for r in rows if r["shape"] == s and r["impl"] == i), None)
                           for s in shape_names] for i in impl_names}
             panels.append({"title": title, "groups": shape_names, "series": series})
-        common.write_bar_chart(out / "linear.png", panels, title="fp8_linear TFLOP/s (M x K -> N)", ylabel="TFLOP/s")
+        common.write_bar_chart(out / "linear_ops.png", panels, title="fp8_linear TFLOP/s (M x K -> N)",
+                               ylabel="TFLOP/s")
     except Exception as exc:  # the plot is a convenience; the JSON and the table are the record
         print(f"plot skipped: {type(exc).__name__}: {exc}")
     return record
