@@ -222,11 +222,18 @@ class Recipe:
         return self.update_many([state], obs.reshape(1))[0]
 
     def update_many(self, states: Sequence[ScalingState], obs: Tensor) -> list[ScalingState]:
-        """Batched :meth:`update`: ``obs`` (S,) holds one merged observation per state.
+        """Batched :meth:`update`: ``obs`` (S,) holds one merged observation per state, or (2, S)
+        two observations per state (a pending and a gradient amax), merged by their maximum.
 
         Host sync: only when some uncalibrated state was observed (``observed`` not False), one
         read of those states' observations (whether each saw anything decides its static
         ``calibrated``); calibrated and unobserved states never sync.
+
+        On a GPU, in eager mode and with the default ``amax_from_history`` and ``scale_from_amax``
+        (``amax_compute_algo`` "max" or "most_recent", no ``scaling_factor_compute_algo``), the
+        arithmetic of all states runs in one kernel (``kernels/_update.py``) instead of a dozen
+        torch operations; the histories and scales of states that the previous update returned
+        are read where they are, without a stack.
         """
         where = f"{type(self).__name__}.update"
         for s in states:
@@ -242,22 +249,38 @@ class Recipe:
         if not states:
             return []
         S = len(states)
-        hist = torch.stack([s.amax_history for s in states])  # (S, L)
-        scale = torch.stack([s.scale for s in states])  # (S,)
-        fmax = _constants(tuple(self.fp8_max(s.role) for s in states), hist.device)
-        o = obs.to(device=hist.device, dtype=torch.float32).reshape(S)
-        # (x.abs() < inf is isfinite in two kernels instead of four; NaN compares False)
-        finite = o.abs() < _INF
-        seen = finite & (o > 0)  # (S,) the step observed something
-        # A non-finite observation is recorded as 0 ("no information"): it never enters the history.
-        o = torch.where(finite, o, 0.0)
-        hist = torch.cat([o[:, None], hist[:, :-1]], dim=1)
-        amax = self.amax_from_history(hist)
-        _check_result(amax, (S,), where=where, what=self._amax_algo_name(), of=f"a history of shape {tuple(hist.shape)}",
-                      hint="reduce over the last dim only, e.g. h.amax(-1)")
-        new_scale = self.scale_from_amax(amax, scale, fmax)
-        _check_result(new_scale, (S,), where=where, what=self._scale_algo_name(), of=f"amaxes of shape {(S,)}",
-                      hint="compute elementwise")
+        device = states[0].amax_history.device
+        fmax = _constants(tuple(self.fp8_max(s.role) for s in states), device)
+        if obs.dim() == 2 and tuple(obs.shape) != (2, S):
+            raise ValueError(f"{where}: obs must have shape ({S},) or (2, {S}), got {tuple(obs.shape)}")
+        algo = self._fused_algo()
+        zeros_out = None
+        if algo is not None and device.type == "cuda" and _eager_kernels_ok(obs, states):
+            from fp8ops.kernels._update import scale_update_launch
+
+            o2 = obs.to(dtype=torch.float32).reshape(-1)
+            if o2.numel() == S:
+                o2 = o2.repeat(2)
+            hist, new_scale, seen, zeros_out = scale_update_launch(
+                o2, _rows([s.amax_history for s in states]), _rows([s.scale for s in states]), fmax,
+                margin=self.margin, power_2=self.power_2_scale, most_recent=algo == "most_recent")
+        else:
+            hist = torch.stack([s.amax_history for s in states])  # (S, L)
+            scale = torch.stack([s.scale for s in states])  # (S,)
+            o = obs.to(device=device, dtype=torch.float32)
+            o = o.amax(0) if o.dim() == 2 else o.reshape(S)  # NaN propagates, as in torch.maximum
+            # (x.abs() < inf is isfinite in two kernels instead of four; NaN compares False)
+            finite = o.abs() < _INF
+            seen = finite & (o > 0)  # (S,) the step observed something
+            # A non-finite observation is recorded as 0 ("no information"): it never enters the history.
+            o = torch.where(finite, o, 0.0)
+            hist = torch.cat([o[:, None], hist[:, :-1]], dim=1)
+            amax = self.amax_from_history(hist)
+            _check_result(amax, (S,), where=where, what=self._amax_algo_name(),
+                          of=f"a history of shape {tuple(hist.shape)}", hint="reduce over the last dim only, e.g. h.amax(-1)")
+            new_scale = self.scale_from_amax(amax, scale, fmax)
+            _check_result(new_scale, (S,), where=where, what=self._scale_algo_name(), of=f"amaxes of shape {(S,)}",
+                          hint="compute elementwise")
         # An update that observed nothing must not calibrate a state: `calibrated` is static, so
         # this reads the observations of the uncalibrated states on the host (first steps only).
         # A state no op observed (static `observed` False) saw nothing, no read needed.
@@ -268,7 +291,7 @@ class Recipe:
             skip |= {j for j, f in zip(uncal, flags) if not f}
         # every cleared pending amax is a view of one zero vector: one kernel, not one per state;
         # the per-state rows come from one unbind each (one dispatcher call, not one per state)
-        zeros = torch.zeros(S, dtype=torch.float32, device=hist.device).unbind(0)
+        zeros = (zeros_out if zeros_out is not None else torch.zeros(S, dtype=torch.float32, device=device)).unbind(0)
         cleared = [zeros[j] if s.pending_amax.dim() == 0 and s.pending_amax.device == hist.device
                    else torch.zeros_like(s.pending_amax) for j, s in enumerate(states)]
         hist_rows, scale_rows = hist.unbind(0), new_scale.unbind(0)
@@ -285,11 +308,44 @@ class Recipe:
             for j, s in enumerate(states)
         ]
 
+    def _fused_algo(self) -> str | None:
+        """"max" or "most_recent" when this recipe's update is the default arithmetic that the
+        fused kernel computes (``amax_from_history`` and ``scale_from_amax`` not overridden), else None."""
+        cls = type(self)
+        if cls.amax_from_history is Recipe.amax_from_history and cls.scale_from_amax is Recipe.scale_from_amax:
+            return "max"
+        return None
+
     def _amax_algo_name(self) -> str:
         return "amax_from_history"
 
     def _scale_algo_name(self) -> str:
         return "scale_from_amax"
+
+
+def _eager_kernels_ok(obs: Tensor, states: Sequence[ScalingState]) -> bool:
+    """Whether the fused update kernel may run: eager mode (torch.compile traces the torch
+    operations, which Inductor fuses itself), no torch.func transform, plain tensors on one device."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    dev = obs.device
+    return type(obs) is Tensor and all(
+        type(s.amax_history) is Tensor and type(s.scale) is Tensor and s.amax_history.device == dev
+        and s.scale.device == dev and s.amax_history.dtype == torch.float32 and s.scale.dtype == torch.float32
+        for s in states)
+
+
+def _rows(ts: Sequence[Tensor]) -> Tensor:
+    """``torch.stack(ts)``, or, when the tensors are already consecutive rows of one buffer (as the
+    rows an update returned are), that buffer viewed as (len(ts), ...) without a copy."""
+    first = ts[0]
+    n = first.numel()
+    if first.dim() <= 1 and (first.dim() == 0 or first.stride(0) == 1):
+        base, off = first.untyped_storage().data_ptr(), first.storage_offset()
+        if all(t.shape == first.shape and (t.dim() == 0 or t.stride(0) == 1) and t.untyped_storage().data_ptr() == base
+               and t.storage_offset() == off + j * n for j, t in enumerate(ts)):
+            return first.as_strided((len(ts), *first.shape), (n, *first.stride()))
+    return torch.stack(list(ts))
 
 
 _CONSTANTS: dict[tuple[torch.device, tuple[float, ...]], Tensor] = {}
@@ -387,6 +443,14 @@ class DelayedScaling(Recipe):
     @property
     def history_len(self) -> int:
         return self.amax_history_len
+
+    def _fused_algo(self) -> str | None:
+        cls = type(self)
+        if (self.scaling_factor_compute_algo is None and not callable(self.amax_compute_algo)
+                and cls.amax_from_history is DelayedScaling.amax_from_history
+                and cls.scale_from_amax is DelayedScaling.scale_from_amax):
+            return str(self.amax_compute_algo)
+        return None
 
     def _amax_algo_name(self) -> str:
         return "amax_compute_algo" if callable(self.amax_compute_algo) else "amax_from_history"

@@ -132,14 +132,16 @@ def update(
         tensor(64.)
     """
     from ._checks import check_recipe  # _checks imports recipes, which imports this module
+    from .recipes import Recipe
 
     check_recipe(recipe, "update")
     nodes, spec, pairs = _pairs(states, grad_amax, "update")
     flat = [p for row in pairs for p in row]
     if not flat:
         return states
-    # One merged observation per state, max(pending amax, gradient amax), in two kernels for the
-    # whole tree (one stack of both lists and a maximum over it) rather than one per state.
+    # One merged observation per state, max(pending amax, gradient amax), for the whole tree at
+    # once: one stack of both lists, (2, S), merged by the recipe's update (inside its fused kernel
+    # on a GPU) or, before an all-reduce, by a maximum here.
     pending, grads = [], []
     for s, g, key in flat:
         _check_built_for(s, recipe, where=f"update: {key}")
@@ -159,7 +161,9 @@ def update(
                 g = g.reshape(())
         grads.append(p if g is None else g)
     to_update = [s if g is None else s.replace(observed=True) for s, g, _ in flat]
-    obs_t = torch.stack(pending + grads).view(2, len(flat)).amax(0)  # NaN propagates, as in torch.maximum
+    obs_t = torch.stack(pending + grads).view(2, len(flat))
+    if group is not None or type(recipe).update_many is not Recipe.update_many:
+        obs_t = obs_t.amax(0)  # NaN propagates, as in torch.maximum
     if group is not None:
         import torch.distributed as dist
 

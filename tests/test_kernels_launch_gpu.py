@@ -187,3 +187,58 @@ def test_amax_words_under_graph_capture(poisoned_words):
     # only the capture chained: two of its three casts took the word zeroed before them
     assert chained_plain == chained and poisoned.chained - chained == 2
     assert graphed.stats["captures"] == 1 and graphed.stats["replays"] >= 2
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(margin=1, power_2_scale=True), dict(amax_compute_algo="most_recent")])
+def test_fused_update_equals_the_torch_update(kw, monkeypatch):
+    """fp8ops.update of a transformer_layer state on the GPU: the fused kernel (kernels/_update.py)
+    gives the states the torch operations give, bit for bit, over three steps (the second and third
+    reading the histories and scales the first returned, without a stack), NaN and inf observations
+    included; it runs as one kernel plus the stack of the observations."""
+    from torch.utils import _pytree as pytree
+
+    import fp8ops
+    from fp8ops import recipes
+
+    recipe = fp8ops.DelayedScaling(amax_history_len=4, **kw)
+    cfg = fp8ops.TransformerConfig(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def observed(st, step):
+        def obs(s):
+            v = torch.rand((), device="cuda", generator=g) * 10 ** (step - 1)
+            if step == 1 and s.role == "backward":
+                v = torch.tensor(float("nan") if s.pending_amax.numel() else 0.0, device="cuda")
+            return s.observe(v)
+        return pytree.tree_map(obs, st, is_leaf=lambda x: isinstance(x, fp8ops.ScalingState))
+
+    from fp8ops.kernels import _update
+
+    calls = []
+    orig = _update.scale_update_launch
+
+    def run(fused):
+        monkeypatch.setattr(_update, "scale_update_launch", lambda *a, **k: calls.append(1) or orig(*a, **k))
+        if not fused:
+            monkeypatch.setattr(recipes.Recipe, "_fused_algo", lambda self: None)
+            monkeypatch.setattr(recipes.DelayedScaling, "_fused_algo", lambda self: None)
+        st = fp8ops.init_transformer_state(cfg, recipe, device="cuda")
+        out = []
+        torch.manual_seed(0)
+        g.manual_seed(0)
+        for step in range(3):
+            probes = fp8ops.make_probes(st)
+            grads = {k: torch.full_like(p, float("inf") if step == 2 else 0.5) for k, p in probes.items()}
+            st = fp8ops.update(observed(st, step), recipe=recipe, grad_amax=grads)
+            out.append(fp8ops.state_dict(st))
+        monkeypatch.undo()
+        return out
+
+    fused = run(True)
+    assert len(calls) == 3  # one fused update per step
+    plain = run(False)
+    assert len(calls) == 3
+    for a, b in zip(fused, plain):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k

@@ -209,3 +209,34 @@ def test_a_never_observed_state_keeps_its_history_and_scale_next_to_observed_one
         st = fp8ops.update({**obs, "c": st["c"]}, recipe=r)  # "c": no op observed it
     assert not st["c"].calibrated and st["c"].amax_history.tolist() == [3.0, 1.0] and st["c"].scale.item() == 2.0
     assert st["a"].amax_history.tolist() == [0.5, 4.0] and st["b"].amax_history.tolist() == [16.0, 8.0]
+
+
+def test_update_many_takes_two_observations_per_state():
+    """update_many with (2, S) observations equals the one with their maximum; another shape raises."""
+    r = fp8ops.DelayedScaling(amax_history_len=3)
+    states = [r.init(role="forward").replace(observed=True), r.init(role="backward").replace(observed=True)]
+    pair = torch.tensor([[3.5, float("nan")], [1.0, 2.0]])
+    a = r.update_many(states, pair)
+    b = r.update_many(states, pair.amax(0))
+    assert [s.scale.item() for s in a] == [128.0, 1.0] and [s.calibrated for s in a] == [True, False]
+    assert all(torch.equal(x.amax_history, y.amax_history) and torch.equal(x.scale, y.scale) for x, y in zip(a, b))
+    with pytest.raises(ValueError, match=r"obs must have shape \(2,\) or \(2, 2\)"):
+        r.update_many(states, torch.ones(3, 2))
+
+
+def test_rows_reads_an_update_s_rows_in_place():
+    """recipes._rows: the rows an update returned (consecutive rows of one buffer) are viewed, not
+    stacked; rows in another order, or of different buffers, are stacked."""
+    from fp8ops.recipes import _rows
+
+    buf = torch.arange(12.0).reshape(4, 3)
+    rows = buf.unbind(0)
+    v = _rows(rows)
+    assert v.data_ptr() == buf.data_ptr() and torch.equal(v, buf)
+    scalars = torch.arange(4.0).unbind(0)
+    assert _rows(scalars).data_ptr() == scalars[0].data_ptr()
+    shuffled = [rows[1], rows[0], rows[2], rows[3]]
+    s = _rows(shuffled)
+    assert s.data_ptr() != buf.data_ptr() and torch.equal(s, torch.stack(shuffled))
+    mixed = [rows[0], rows[1].clone()]
+    assert torch.equal(_rows(mixed), torch.stack(mixed)) and _rows(mixed).data_ptr() != buf.data_ptr()
