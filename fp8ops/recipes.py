@@ -239,13 +239,20 @@ class Recipe:
         for s in states:
             if not isinstance(s, ScalingState):
                 raise TypeError(f"{where}: expected ScalingStates, got a {type(s).__name__}")
+            _check_built_for(s, self, where=where)
+        return self._update_built(states, obs)
+
+    def _update_built(self, states: Sequence[ScalingState], obs: Tensor) -> list[ScalingState]:
+        """:meth:`update_many` of states already checked to be ScalingStates built for this recipe
+        (``fp8ops.update`` checks each one as it collects them)."""
+        where = f"{type(self).__name__}.update"
+        for s in states:
             L = s.amax_history.shape[-1]
             if L != self.history_len:
                 raise ValueError(
                     f"{where}: state.amax_history has length {L} but this recipe "
                     f"keeps {self.history_len}; build the state with this recipe's init()"
                 )
-            _check_built_for(s, self, where=where)
         if not states:
             return []
         S = len(states)

@@ -162,7 +162,8 @@ def update(
         grads.append(p if g is None else g)
     to_update = [s if g is None else s.replace(observed=True) for s, g, _ in flat]
     obs_t = torch.stack(pending + grads).view(2, len(flat))
-    if group is not None or type(recipe).update_many is not Recipe.update_many:
+    own = type(recipe).update_many is Recipe.update_many  # not overridden: the states are checked above
+    if group is not None or not own:
         obs_t = obs_t.amax(0)  # NaN propagates, as in torch.maximum
     if group is not None:
         import torch.distributed as dist
@@ -170,7 +171,7 @@ def update(
         # NaN is not reliably propagated by a MAX reduction; inf is, and is dropped the same way.
         obs_t = torch.where(torch.isnan(obs_t), torch.full_like(obs_t, float("inf")), obs_t)
         dist.all_reduce(obs_t, op=dist.ReduceOp.MAX, group=group)
-    new_flat = recipe.update_many(to_update, obs_t)
+    new_flat = recipe._update_built(to_update, obs_t) if own else recipe.update_many(to_update, obs_t)
     it = iter(new_flat)
     new_nodes = []
     for node, row in zip(nodes, pairs):
