@@ -332,10 +332,13 @@ class Recipe:
 
 def _eager_kernels_ok(obs: Tensor, states: Sequence[ScalingState]) -> bool:
     """Whether the fused update kernel may run: eager mode (torch.compile traces the torch
-    operations, which Inductor fuses itself), no torch.func transform, plain tensors on one device."""
+    operations, which Inductor fuses itself), no torch.func transform, plain float32 tensors on
+    one device, histories of at most 4096 steps."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
     dev = obs.device
+    if states[0].amax_history.shape[-1] > 4096:  # the kernel keeps a whole history row in registers
+        return False
     return type(obs) is Tensor and all(
         type(s.amax_history) is Tensor and type(s.scale) is Tensor and s.amax_history.device == dev
         and s.scale.device == dev and s.amax_history.dtype == torch.float32 and s.scale.dtype == torch.float32

@@ -240,3 +240,30 @@ def test_rows_reads_an_update_s_rows_in_place():
     assert s.data_ptr() != buf.data_ptr() and torch.equal(s, torch.stack(shuffled))
     mixed = [rows[0], rows[1].clone()]
     assert torch.equal(_rows(mixed), torch.stack(mixed)) and _rows(mixed).data_ptr() != buf.data_ptr()
+
+
+def test_when_the_fused_update_kernel_may_run():
+    """recipes._eager_kernels_ok / Recipe._fused_algo: the fused kernel (GPU, eager) only for plain
+    float32 states of the recipe's default hooks, histories of at most 4096 steps, outside
+    torch.func transforms; the torch operations otherwise."""
+    from fp8ops.recipes import _eager_kernels_ok
+
+    r = fp8ops.DelayedScaling(amax_history_len=4)
+    states = [r.init(), r.init(role="backward")]
+    obs = torch.zeros(2, 2)
+    assert _eager_kernels_ok(obs, states)
+    assert not _eager_kernels_ok(obs, [s.replace(amax_history=torch.zeros(4097)) for s in states])
+    assert not _eager_kernels_ok(obs, [states[0].replace(scale=torch.ones((), dtype=torch.float64)), states[1]])
+    seen = []
+    torch.func.vmap(lambda t: seen.append(_eager_kernels_ok(obs, states)) or t)(torch.zeros(2))
+    assert seen == [False]
+    assert r._fused_algo() == "max"
+    assert fp8ops.DelayedScaling(amax_compute_algo="most_recent")._fused_algo() == "most_recent"
+    assert fp8ops.DelayedScaling(amax_compute_algo=lambda h: h.amax(-1))._fused_algo() is None
+    assert fp8ops.DelayedScaling(scaling_factor_compute_algo=lambda a, s, m, r: m / a)._fused_algo() is None
+
+    class Mine(fp8ops.DelayedScaling):
+        def scale_from_amax(self, amax, old_scale, fp8_max):
+            return old_scale
+
+    assert Mine()._fused_algo() is None
