@@ -265,11 +265,8 @@ class Recipe:
         if algo is not None and device.type == "cuda" and _eager_kernels_ok(obs, states):
             from fp8ops.kernels._update import scale_update_launch
 
-            o2 = obs.to(dtype=torch.float32).reshape(-1)
-            if o2.numel() == S:
-                o2 = o2.repeat(2)
             hist, new_scale, seen, zeros_out = scale_update_launch(
-                o2, _rows([s.amax_history for s in states]), _rows([s.scale for s in states]), fmax,
+                obs.to(dtype=torch.float32).reshape(-1), _rows([s.amax_history for s in states]), _rows([s.scale for s in states]), fmax,
                 margin=self.margin, power_2=self.power_2_scale, most_recent=algo == "most_recent")
         else:
             hist = torch.stack([s.amax_history for s in states])  # (S, L)

@@ -9,7 +9,8 @@ The FP8 cast (``kernels/quantize.py`` gives the math)::
 - ``saturate``: clamps to the format's finite range; a NaN passes through.
 - ``scale_from_amax``: the current-scaling scale of an amax (a scalar or a tile of row amaxes):
   ``fmax / amax / 2**margin``, clamped to the normal float32 range, optionally rounded down to a
-  power of two; ``fallback`` where the amax is 0 or not finite.
+  power of two; ``fallback`` where the amax is 0 or not finite. ``scale_from_fmax``: the same with
+  the format's maximum as a tensor (one per state in ``kernels/_update.py``).
 - ``fp8_scale``: a kernel's cast prologue: the scale read from memory or computed just in time
   from the tensor's amax; program 0 also writes ``1 / scale``.
 - ``cast_fp8``: ``saturate(y * scale)`` converted to the element type of an FP8 output pointer.
@@ -42,6 +43,7 @@ __all__ = [
     "grouped_tile",
     "saturate",
     "scale_from_amax",
+    "scale_from_fmax",
 ]
 
 
@@ -59,8 +61,19 @@ def scale_from_amax(
     MARGIN: tl.constexpr,
     POWER_2: tl.constexpr,
 ):
+    return scale_from_fmax(amax, fallback, FP8_MAX + tl.zeros_like(amax), MARGIN=MARGIN, POWER_2=POWER_2)
+
+
+@triton.jit
+def scale_from_fmax(
+    amax,  # () or (BLOCK,) fp32 amax
+    fallback,  # fp32 scale used where the amax is 0 or not finite
+    fmax,  # fp32 largest value of the FP8 format, amax's shape (one per state in the fused update)
+    MARGIN: tl.constexpr,
+    POWER_2: tl.constexpr,
+):
     # Step: fmax / amax / 2**margin, clamped to the normal float32 range.
-    sf = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), amax)
+    sf = tl.math.div_rn(fmax, amax)
     if MARGIN > 0:
         sf = sf * (0.5**MARGIN)  # exact: a power of two
     sf = tl.minimum(tl.maximum(sf, 1.1754943508222875e-38), 3.4028234663852886e38)

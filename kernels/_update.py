@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._jit import scale_from_fmax
 from ._library import fast_launch
 
 __all__ = ["scale_update_launch"]
@@ -31,7 +32,7 @@ __all__ = ["scale_update_launch"]
 
 @triton.jit
 def _scale_update_kernel(
-    obs_ptr,  # (2S,) fp32: the pending amaxes, then the gradient amaxes
+    obs_ptr,  # (2S,) fp32: the pending amaxes, then the gradient amaxes (or (S,) merged ones)
     hist_ptr,  # (S, L) fp32 amax histories, row stride hist_stride
     scale_ptr,  # (S,) fp32 old scales, stride scale_stride
     fmax_ptr,  # (S,) fp32 the format's largest value per state
@@ -41,6 +42,7 @@ def _scale_update_kernel(
     zeros_ptr,  # (S,) fp32 out: zeros (the cleared pending amaxes)
     S,
     L,
+    obs_b,  # offset of the second observations in obs: S, or 0 when obs holds one per state
     hist_stride,
     scale_stride,
     MARGIN: tl.constexpr,
@@ -53,7 +55,7 @@ def _scale_update_kernel(
     rs = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     ok = rs < S
     a = tl.load(obs_ptr + rs, mask=ok, other=0.0)
-    b = tl.load(obs_ptr + S + rs, mask=ok, other=0.0)
+    b = tl.load(obs_ptr + obs_b + rs, mask=ok, other=0.0)
     o = tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))  # a NaN propagates, as in torch
     finite = tl.abs(o) < float("inf")  # NaN compares False
     o = tl.where(finite, o, 0.0)
@@ -74,17 +76,10 @@ def _scale_update_kernel(
         has_nan = tl.max(tl.where(inside & (hist != hist), 1, 0), axis=1) > 0
         amax = tl.where(has_nan, float("nan"), amax)
     # Step 4: fmax / amax / 2**margin, clamped to the normal float32 range; the old scale where the
-    # amax is 0 or not finite.
+    # amax is 0 or not finite (the casts' just-in-time scale, with a maximum per state).
     fmax = tl.load(fmax_ptr + rs, mask=ok, other=1.0)
     old_scale = tl.load(scale_ptr + rs * scale_stride, mask=ok, other=1.0)
-    sf = tl.math.div_rn(fmax, amax)
-    if MARGIN > 0:
-        sf = sf * (0.5**MARGIN)  # exact: a power of two
-    sf = tl.minimum(tl.maximum(sf, 1.1754943508222875e-38), 3.4028234663852886e38)
-    if POWER_2:
-        sf = (sf.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    valid = (amax > 0.0) & (amax < float("inf"))
-    tl.store(new_scale_ptr + rs, tl.where(valid, sf, old_scale), mask=ok)
+    tl.store(new_scale_ptr + rs, scale_from_fmax(amax, old_scale, fmax, MARGIN=MARGIN, POWER_2=POWER_2), mask=ok)
 
 
 _KERNEL = fast_launch(_scale_update_kernel)
@@ -97,15 +92,15 @@ def scale_update_launch(obs: torch.Tensor, hist: torch.Tensor, scale: torch.Tens
 
     Args:
         obs: (2S,) float32, the pending amaxes followed by the gradient amaxes (a state without a
-            gradient amax repeats its pending amax).
+            gradient amax repeats its pending amax), or (S,): one merged observation per state.
         hist: (S, L) float32 with unit column stride (rows may be strided); scale: (S,) float32
             (any stride); fmax: (S,) float32 contiguous; all on one device.
         margin, power_2, most_recent: the recipe's margin, power-of-two rounding, and whether the
             amax is the newest observation instead of the history's maximum.
     """
     S, L = hist.shape
-    if obs.shape != (2 * S,) or scale.shape != (S,) or fmax.shape != (S,) or hist.stride(1) != 1:
-        raise ValueError(f"scale_update_launch: expected obs (2S,), hist (S, L) with unit column stride, scale "
+    if obs.shape not in ((2 * S,), (S,)) or scale.shape != (S,) or fmax.shape != (S,) or hist.stride(1) != 1:
+        raise ValueError(f"scale_update_launch: expected obs (2S,) or (S,), hist (S, L) with unit column stride, scale "
                          f"and fmax (S,), got {tuple(obs.shape)}, {tuple(hist.shape)} stride {hist.stride()}, "
                          f"{tuple(scale.shape)}, {tuple(fmax.shape)}")
     dev = hist.device
@@ -116,7 +111,8 @@ def scale_update_launch(obs: torch.Tensor, hist: torch.Tensor, scale: torch.Tens
     block_l = triton.next_power_of_2(max(L, 1))
     block_s = max(1, min(64, 4096 // block_l, triton.next_power_of_2(S)))
     _KERNEL[(triton.cdiv(S, block_s),)](
-        obs.contiguous(), hist, scale, fmax.contiguous(), new_hist, new_scale, seen, zeros, S, L, hist.stride(0),
+        obs.contiguous(), hist, scale, fmax.contiguous(), new_hist, new_scale, seen, zeros, S, L,
+        S if obs.numel() == 2 * S else 0, hist.stride(0),
         scale.stride(0), MARGIN=margin, POWER_2=power_2, MOST_RECENT=most_recent, BLOCK_S=block_s,
         BLOCK_L=block_l, num_warps=4)
     return new_hist, new_scale, seen.view(torch.bool), zeros

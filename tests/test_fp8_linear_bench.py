@@ -40,3 +40,30 @@ def test_step_case_rejects_an_unknown_implementation() -> None:
     assert "fp8ops delayed" in STEP_IMPLS
     with pytest.raises(ValueError, match="step_case: impl must be one of"):
         step_case("fp8ops current", "eager", 8, 8, 8, device="cpu")
+
+
+def test_measure_variant_times_a_step_and_reports_failures(monkeypatch) -> None:
+    """fp8ops.bench.step.measure_variant (shared by bench step, bench linear) on the CPU, with the
+    CUDA calls stubbed: a record for a step run as built; for a graph mode that never replays (on
+    the CPU graph_step runs eagerly) or a build that raises, None and a message naming the variant."""
+    from fp8ops.bench import step as bench_step
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(bench_step, "device_ops", lambda fn, calls, table=None: (fn(), (7.0, 21.0))[1])
+    failed: list[str] = []
+    progress = bench_step.Progress(3, prefix="t")
+
+    def build():
+        return step_case("fp8ops delayed", "eager", 32, 16, 24, device="cpu", dtype=torch.float32)
+
+    r = bench_step.measure_variant(build, "eager", 2, "eager case", failed, progress)
+    assert r is not None and r["ms"] > 0 and r["kernels"] == 7.0 and r["device_ms"] == 0.021 and failed == []
+    assert bench_step.measure_variant(build, "graph", 2, "graph case", failed, progress) is None
+    assert len(failed) == 1 and failed[0].startswith("graph case: RuntimeError: never captured")
+
+    def broken():
+        raise ValueError("no such variant")
+
+    assert bench_step.measure_variant(broken, "eager", 2, "broken case", failed, progress) is None
+    assert failed[1] == "broken case: ValueError: no such variant"

@@ -88,6 +88,10 @@ def test_random_states_equal_the_torch_update(L, kw):
         most_recent=recipe.amax_compute_algo == "most_recent")
     assert torch.equal(new_hist, torch.stack([s.amax_history for s in ref]))
     assert torch.equal(new_scale, torch.stack([s.scale for s in ref]))
+    # one merged observation per state, (S,): the same outputs
+    merged = scale_update_launch(obs.amax(0), hbuf[::2, :L], sbuf[::2], fmax, margin=recipe.margin,
+                                 power_2=recipe.power_2_scale, most_recent=recipe.amax_compute_algo == "most_recent")
+    assert torch.equal(merged[0], new_hist) and torch.equal(merged[1], new_scale) and torch.equal(merged[2], seen)
     o = obs.amax(0)
     assert seen.tolist() == [bool(math.isfinite(v) and v > 0) for v in o.tolist()]
     assert not zeros.any()

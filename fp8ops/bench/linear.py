@@ -162,6 +162,8 @@ def step_case(impl: str, mode: str, M: int, K: int, N: int, device: str = "cuda"
     weight."""
     import fp8ops
 
+    if impl not in STEP_IMPLS:
+        raise ValueError(f"step_case: impl must be one of {sorted(STEP_IMPLS)}, got {impl!r}")
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(M, K, device=device, generator=g).to(dtype).requires_grad_()
     dy = (torch.randn(M, N, device=device, generator=g) * 1e-2).to(dtype)
@@ -173,10 +175,16 @@ def step_case(impl: str, mode: str, M: int, K: int, N: int, device: str = "cuda"
 
         m = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False)).to(device=device, dtype=dtype)
         convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("tensorwise"))
-        fwd = torch.compile(m) if compiled else m
-        opt = torch.optim.AdamW(m.parameters(), lr=lr, fused=fused, capturable=fused)
+        w = m[0].weight
+        fwd: Any = torch.compile(m) if compiled else m
+    else:
+        w = (torch.randn(N, K, device=device, generator=g) / K**0.5).to(dtype).requires_grad_()
+        lin = torch.compile(torch.nn.functional.linear) if compiled else torch.nn.functional.linear
+        fwd = lambda xx: lin(xx, w)  # noqa: E731
+    opt = torch.optim.AdamW([w], lr=lr, fused=fused, capturable=fused)
+    if impl in ("torchao tensorwise", "bf16 F.linear"):
 
-        def torchao_step(carry: Any, xx: Tensor, d: Tensor) -> tuple[Any, Tensor]:
+        def plain_step(carry: Any, xx: Tensor, d: Tensor) -> tuple[Any, Tensor]:
             opt.zero_grad(set_to_none=True)
             xx.grad = None
             y = fwd(xx)
@@ -184,25 +192,8 @@ def step_case(impl: str, mode: str, M: int, K: int, N: int, device: str = "cuda"
             opt.step()
             return carry, y.detach()[0, 0]
 
-        torchao_step.weight = m[0].weight  # type: ignore[attr-defined]
-        return torchao_step, None, (x, dy)
-    w = (torch.randn(N, K, device=device, generator=g) / K**0.5).to(dtype).requires_grad_()
-    opt = torch.optim.AdamW([w], lr=lr, fused=fused, capturable=fused)
-    if impl == "bf16 F.linear":
-        lin = torch.compile(torch.nn.functional.linear) if compiled else torch.nn.functional.linear
-
-        def torch_step(carry: Any, xx: Tensor, d: Tensor) -> tuple[Any, Tensor]:
-            opt.zero_grad(set_to_none=True)
-            xx.grad = None
-            y = lin(xx, w)
-            y.backward(d)
-            opt.step()
-            return carry, y.detach()[0, 0]
-
-        torch_step.weight = w  # type: ignore[attr-defined]
-        return torch_step, None, (x, dy)
-    if impl != "fp8ops delayed":
-        raise ValueError(f"step_case: impl must be one of {sorted(STEP_IMPLS)}, got {impl!r}")
+        plain_step.weight = w  # type: ignore[attr-defined]
+        return plain_step, None, (x, dy)
     gs = fp8ops.GemmSpec
     recipe = fp8ops.DelayedScaling(fprop=gs(fast_accum=True, backend="cublas"),
                                    dgrad=gs(fast_accum=False, backend="cublas"),
@@ -234,9 +225,7 @@ def _steps_table(shapes: list[tuple[int, int, int]], args: argparse.Namespace, s
     """The full-step rows of every implementation and mode at each shape (each row marked whether
     it is its implementation's fastest mode, with the ratios to torchao's and bf16's fastest and to
     the three GEMMs alone), and a row of the three GEMMs; prints the table and the target verdicts."""
-    import fp8ops
-
-    from .step import _measure
+    from .step import measure_variant
 
     impls = {k: v for k, v in STEP_IMPLS.items() if not (args.no_torchao and k.startswith("torchao"))}
     if "torchao tensorwise" in impls:
@@ -256,25 +245,14 @@ def _steps_table(shapes: list[tuple[int, int, int]], args: argparse.Namespace, s
         for impl, modes in impls.items():
             for mode in modes:
                 progress.step(f"{shape} {impl} {mode}")
-                torch._dynamo.reset()
-                try:
-                    step, carry, batch = step_case(impl, mode, M, K, N)
-                    fn = fp8ops.graph_step(step) if "graph" in mode else step
-                    r, _ = _measure(fn, carry, batch, args.steps)
-                    if "graph" in mode and not fn.stats["replays"]:  # type: ignore[union-attr]
-                        raise RuntimeError(f"never replayed ({fn.stats})")  # type: ignore[union-attr]
-                except Exception as exc:  # noqa: BLE001  (one failing variant must not hide the others)
-                    failed.append(f"step {shape} {impl} {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-                    progress.note(failed[-1])
+                r = measure_variant(lambda: step_case(impl, mode, M, K, N), mode, args.steps,  # noqa: B023
+                                    f"step {shape} {impl} {mode}", failed, progress)
+                if r is None:
                     continue
-                finally:
-                    torch.cuda.synchronize()
                 rows.append({"shape": shape, "impl": impl, "mode": mode, "us": r["ms"] * 1e3,
                              "host_us": r["host_ms"] * 1e3, "kernels": r["kernels"],
                              "device_us": r["device_ms"] * 1e3,
                              "tflops": 3 * 2.0 * M * N * K / (r["ms"] * 1e-3) / 1e12})
-                del step, carry, batch
-                torch.cuda.empty_cache()
         mine = [r for r in rows if r["shape"] == shape]
         best = {i: min((r for r in mine if r["impl"] == i), key=lambda r: r["us"]) for i in impls
                 if any(r["impl"] == i for r in mine)}

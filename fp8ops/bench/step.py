@@ -220,9 +220,36 @@ def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps
              "device_ms": device_us / 1e3, "loss": float(loss)}, state["carry"])
 
 
+def measure_variant(build: Callable[[], tuple[Callable[..., Any], Any, tuple[Any, ...]]], mode: str, steps: int,
+                    tag: str, failed: list[str], progress: Progress, profile: str | None = None) -> dict[str, Any] | None:
+    """Build a variant's ``(step, carry, batch)``, run the step as built or, for a ``mode``
+    containing "graph", through :func:`fp8ops.graph_step`, and time it (:func:`_measure`; graph
+    modes also record ``graph_stats``). Returns the record, or None after appending a message
+    naming ``tag`` to ``failed`` (an exception, or a graph that never replayed), so that one failing
+    variant does not hide the others. Resets Dynamo first and frees the variant's memory after."""
+    import fp8ops
+
+    torch._dynamo.reset()
+    try:
+        step, carry, batch = build()
+        fn = fp8ops.graph_step(step) if "graph" in mode else step
+        r, _ = _measure(fn, carry, batch, steps, profile)
+        if "graph" in mode:
+            r["graph_stats"] = dict(fn.stats)  # type: ignore[union-attr]
+            if not fn.stats["replays"]:  # type: ignore[union-attr]
+                raise RuntimeError(f"never captured ({fn.stats})")  # type: ignore[union-attr]
+        return r
+    except Exception as exc:  # noqa: BLE001  (one failing variant must not hide the others)
+        failed.append(f"{tag}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        progress.note(failed[-1])
+        return None
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time every variant of every model; print the tables; write step.json and step.png."""
-    import fp8ops
 
     sizes = QUICK if args.quick else SIZES
     variants = [v for v in VARIANTS if not (args.no_compile and "compile" in v[1])]
@@ -232,27 +259,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for model in args.models:
         for impl, mode in variants:
             progress.step(f"{model}: {impl} {mode}")
-            torch._dynamo.reset()
-            try:
-                step, carry, batch = _variant(model, impl, mode, sizes[model])
-                fn = fp8ops.graph_step(step) if "graph" in mode else step
-                show = args.profile and (mode == "eager" or (impl == "torch" and mode == "compile"))
-                r, _ = _measure(fn, carry, batch, args.steps, f"{model} {impl} {mode}" if show else None)
-                if "graph" in mode:
-                    r["graph_stats"] = dict(fn.stats)  # type: ignore[union-attr]
-                    if not fn.stats["replays"]:  # type: ignore[union-attr]
-                        failed.append(f"{model} {impl} {mode}: never captured ({fn.stats})")  # type: ignore[union-attr]
-            except Exception as exc:  # noqa: BLE001  (one failing variant must not hide the others)
-                failed.append(f"{model} {impl} {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-                progress.note(failed[-1])
+            show = args.profile and (mode == "eager" or (impl == "torch" and mode == "compile"))
+            r = measure_variant(lambda: _variant(model, impl, mode, sizes[model]), mode, args.steps,  # noqa: B023
+                                f"{model} {impl} {mode}", failed, progress, f"{model} {impl} {mode}" if show else None)
+            if r is None:
                 continue
-            finally:
-                torch.cuda.synchronize()
             if not math.isfinite(r["loss"]):
                 failed.append(f"{model} {impl} {mode}: non-finite loss")
             rows.append({"model": model, "impl": impl, "mode": mode, **r})
-            del step, carry, batch
-            torch.cuda.empty_cache()
     for model in args.models:
         mine = [r for r in rows if r["model"] == model]
         base = next((r for r in mine if r["impl"] == "torch" and r["mode"] == "eager"), None)
