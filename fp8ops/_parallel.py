@@ -28,6 +28,8 @@ References:
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -52,6 +54,8 @@ __all__ = [
     "fp8_group_quantize",
     "gather_seq",
     "gather_seq_fp8",
+    "overlap_carveout",
+    "overlap_sm_carveout",
     "probe_sink",
     "reduce_from_tp",
     "reduce_scatter",
@@ -125,6 +129,47 @@ def row_fprop_chunks(n_out: int) -> int:
     FP8 GEMMs take), else 1."""
     c = ROW_FPROP_CHUNKS[0]
     return c if c > 1 and n_out % c == 0 and (n_out // c) % 16 == 0 else 1
+
+
+# SMs that a GEMM leaves free while a collective of the same op is in flight (the row-parallel
+# forward chunks after the first; wgrad while dx is reduce-scattered): a GEMM that fills every SM
+# keeps the collective's kernel waiting for SMs until it ends, so nothing overlaps. 0: every SM. A
+# plain list read when an op is called, in eager mode and CUDA graph captures (torch.compile traces
+# no host setting: compiled calls use every SM). Applied through cuBLAS's SM count target
+# (torch._C._set_sm_carveout_experimental) around those GEMMs only.
+OVERLAP_SM_CARVEOUT = [0]
+
+
+class _Carveout:
+    __slots__ = ("sms", "prev")
+
+    def __init__(self, sms: int) -> None:
+        self.sms = sms
+        self.prev: int | None = None
+
+    def __enter__(self) -> None:
+        self.prev = torch._C._get_sm_carveout_experimental()
+        with warnings.catch_warnings():  # torch announces the setting as experimental, once
+            warnings.simplefilter("ignore")
+            torch._C._set_sm_carveout_experimental(self.sms)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch._C._set_sm_carveout_experimental(self.prev)
+
+
+def overlap_carveout(sms: int) -> Any:
+    """A context in which cuBLAS GEMMs leave ``sms`` SMs free for a collective in flight, restoring
+    the previous setting on exit; a null context for 0."""
+    return _Carveout(sms) if sms > 0 else contextlib.nullcontext()
+
+
+def overlap_sm_carveout(device: torch.device) -> int:
+    """The setting of :data:`OVERLAP_SM_CARVEOUT` for an op on ``device``: 0 off CUDA and under
+    torch.compile."""
+    sms = OVERLAP_SM_CARVEOUT[0]
+    if not isinstance(sms, int) or sms < 0:
+        raise ValueError(f"fp8ops._parallel.OVERLAP_SM_CARVEOUT: expected a number of SMs >= 0, got {sms!r}")
+    return sms if device.type == "cuda" and not torch.compiler.is_compiling() else 0
 
 
 def _conjugate(name: str, fwd: Any, bwd: Any) -> Any:

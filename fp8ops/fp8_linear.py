@@ -29,6 +29,8 @@ from ._parallel import (
     copy_to_tp,
     fp8_group_quantize,
     gather_seq_fp8,
+    overlap_carveout,
+    overlap_sm_carveout,
     probe_sink,
     reduce_scatter,
     reduce_scatter_async,
@@ -172,6 +174,8 @@ class _Cfg(NamedTuple):
     # "row": the forward GEMM in this many column chunks, each reduce-scattered while the next one
     # is computed (_parallel.ROW_FPROP_CHUNKS).
     row_chunks: int = 1
+    # SMs the GEMMs that overlap a collective of this op leave free (_parallel.OVERLAP_SM_CARVEOUT).
+    carveout: int = 0
 
 
 def _gathered_fp8(full: Tensor, dtype: torch.dtype, need_t: bool) -> tuple[Tensor, Tensor | None]:
@@ -184,15 +188,17 @@ def _row_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor, wq: Tensor | 
                w: Tensor, cfg: _Cfg, group: Any) -> Tensor:
     """A row-parallel forward GEMM (no bias) reduce-scattered along dim 0: (M/w, N). In
     ``cfg.row_chunks`` column chunks, each chunk's reduce-scatter runs while the next chunk's GEMM
-    does; the same sums either way (a column of y is one dot product over this rank's K)."""
+    does (that GEMM leaving ``cfg.carveout`` SMs to it); the same sums either way (a column of y is
+    one dot product over this rank's K)."""
     if cfg.row_chunks == 1:
         return reduce_scatter(gemm_fprop(xq, x_inv, x, wq, w_inv, w, None, cfg.fprop, x.dtype), group)
     n = w.shape[0] // cfg.row_chunks
-    parts = [
-        reduce_scatter_async(gemm_fprop(xq, x_inv, x, None if wq is None else wq[c * n:(c + 1) * n], w_inv,
-                                        w[c * n:(c + 1) * n], None, cfg.fprop, x.dtype), group)
-        for c in range(cfg.row_chunks)
-    ]
+    parts = []
+    for c in range(cfg.row_chunks):  # the chunks after the first run while a reduce-scatter is in flight
+        with overlap_carveout(cfg.carveout if c else 0):
+            y = gemm_fprop(xq, x_inv, x, None if wq is None else wq[c * n:(c + 1) * n], w_inv,
+                           w[c * n:(c + 1) * n], None, cfg.fprop, x.dtype)
+        parts.append(reduce_scatter_async(y, group))
     return torch.cat([wait(p) for p in parts], dim=1)
 
 
@@ -295,7 +301,8 @@ class _FP8Linear(torch.autograd.Function):
                 if cfg.sp == "column":
                     dx = reduce_scatter_async(dx, ctx.group)
             if cfg.need_dw:
-                dw = gemm_wgrad(dyq_t, dy_inv_t, dy, xq_t, x_inv_t, x, cfg.wgrad, cfg.wgrad_dtype)
+                with overlap_carveout(cfg.carveout if cfg.sp == "column" and dx is not None else 0):
+                    dw = gemm_wgrad(dyq_t, dy_inv_t, dy, xq_t, x_inv_t, x, cfg.wgrad, cfg.wgrad_dtype)
             if cfg.need_db:
                 db = (db32 if db32 is not None else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
             if cfg.sp == "column" and dx is not None:
@@ -603,7 +610,7 @@ def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearSta
         if sp[0] == "row":  # dy is gathered with the group's scale: a recorded one needs a probe
             cfg = cfg._replace(g_spec=QuantSpec.of(recipe, "backward", state.grad_output.calibrated and cfg.has_probe),
                                row_chunks=row_fprop_chunks(N))
-        cfg = cfg._replace(sp=sp[0])
+        cfg = cfg._replace(sp=sp[0], carveout=overlap_sm_carveout(x.device))
     x2 = x.reshape(-1, K)
     x_scale, w_scale, g_scale = state.input.scale, state.weight.scale, state.grad_output.scale
     # autograd.Function under torch.compile rejects one tensor passed twice.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 
 import pytest
 
@@ -13,7 +14,7 @@ P = importlib.import_module("fp8ops.bench.parallel")
 
 def _opts(**kw):
     base = {"quick": False, "steps": 10, "no_torchao": False, "no_compile": False, "no_fsdp": False,
-            "no_seed": False, "fsdp_batch": None, "profile": False, "row_chunks": [2, 4]}
+            "no_seed": False, "fsdp_batch": None, "profile": False, "overlap": ["c2", "s16+hp"]}
     base.update(kw)
     return base
 
@@ -22,10 +23,12 @@ def test_variants_by_part_and_fsdp_batch():
     every = P._variants(_opts(), 0, 2, None)
     parts = [part for part, _, _ in every]
     assert parts.count("seed") == 8 and sum(p.startswith("fsdp2") for p in parts) == 6
-    chunked = [name for _, name, _ in every if "row chunks" in name]
-    assert chunked == ["fp8ops FP8, TP=2+SP, graph, row chunks 2", "fp8ops FP8, TP=2+SP, graph, row chunks 4"]
-    assert [P._row_chunks_of(n) for n in ("fp8ops FP8, TP=2+SP, graph", *chunked)] == [1, 2, 4]
-    assert sum(part == "seed" for part, _, _ in P._variants(_opts(row_chunks=[]), 0, 2, None)) == 6
+    overlapped = [name for _, name, _ in every if "overlap" in name]
+    assert overlapped == ["fp8ops FP8, TP=2+SP, graph, overlap c2", "fp8ops FP8, TP=2+SP, graph, overlap s16+hp"]
+    assert [P._overlap_of(n) for n in ("fp8ops FP8, TP=2+SP, graph", *overlapped)] == [
+        (1, 0, False), (2, 0, False), (1, 16, True)]
+    assert P._overlap_of("x, overlap c4+s32") == (4, 32, False)
+    assert sum(part == "seed" for part, _, _ in P._variants(_opts(overlap=[]), 0, 2, None)) == 6
     fsdp_only = P._variants(_opts(no_seed=True), 0, 2, None)
     assert [name for _, name, _ in fsdp_only] == [name for part, name, _ in every if part != "seed"]
     seed_only = P._variants(_opts(no_fsdp=True, no_torchao=True), 0, 2, None)
@@ -45,16 +48,17 @@ def test_options_that_leave_nothing_or_no_batch_raise():
         P.run(parser.parse_args(["--no-seed", "--no-fsdp"]))
     with pytest.raises(ValueError, match="--fsdp-batch must be a positive"):
         P.run(parser.parse_args(["--fsdp-batch", "0"]))
-    with pytest.raises(ValueError, match=r"--row-chunks takes chunk counts >= 2 .*got \[1\]"):
-        P.run(parser.parse_args(["--row-chunks", "2", "1"]))
+    for bad, part in (("c1", "c1"), ("s0+hp", "s0"), ("c2+x", "x"), ("hp+", "")):
+        with pytest.raises(ValueError, match=rf"--overlap '{re.escape(bad)}'.*c<N> .*N >= 2.*s<N>.*got '{part}'"):
+            P.run(parser.parse_args(["--overlap", "c2", bad]))
 
 
-def test_ratios_use_the_default_variant_and_report_chunks():
-    """The targets' ratios come from the one-GEMM TP variants; each chunked variant is reported
-    against the one-GEMM graph step."""
+def test_ratios_use_the_default_variant_and_report_overlaps():
+    """The targets' ratios come from the default TP variants; each overlap variant is reported
+    against the default graph step."""
     rows = [{"variant": v, "part": "seed", "ms": ms, "comm_bytes": {}} for v, ms in [
         ("fp8ops FP8, 1 GPU, graph", 13.0), ("fp8ops FP8, TP=2+SP, graph", 8.0),
-        ("fp8ops FP8, TP=2+SP, graph, row chunks 2", 6.0), ("torch bf16, DTensor TP=2+SP + compile", 12.0)]]
+        ("fp8ops FP8, TP=2+SP, graph, overlap c2+s16", 6.0), ("torch bf16, DTensor TP=2+SP + compile", 12.0)]]
     r = P._ratios(rows)
     assert r["tp_over_1gpu"] == pytest.approx(8.0 / 13.0) and r["vs_bf16_tp"] == pytest.approx(1.5)
-    assert r["row_chunks_2_over_one"] == pytest.approx(0.75)
+    assert r["overlap_c2+s16_over_default"] == pytest.approx(0.75)

@@ -517,6 +517,24 @@ def _nccl_worker(rank, world, init_file, out_dir, cases):
     try:
         for name, recipe_name, sp in cases:
             _case(name, CONFIGS[name], recipe_name, sp, rank, world, dist.group.WORLD, bad, device=f"cuda:{rank}")
+        # the overlap settings: row-parallel forward GEMMs in 2 chunks, the GEMMs that overlap a
+        # collective leaving 16 SMs free (set around them, then restored); the same layer
+        from fp8ops import _parallel
+
+        sets, orig = [], torch._C._set_sm_carveout_experimental
+        _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0] = 2, 16
+        torch._C._set_sm_carveout_experimental = lambda v: (sets.append(v), orig(v))[1]
+        try:
+            for name, recipe_name, sp in cases:
+                if sp:
+                    _case(name, CONFIGS[name], recipe_name, sp, rank, world, dist.group.WORLD, bad,
+                          device=f"cuda:{rank}")
+        finally:
+            torch._C._set_sm_carveout_experimental = orig
+            _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0] = 1, 0
+        if 16 not in sets or torch._C._get_sm_carveout_experimental() is not None:
+            bad.append(f"overlap carveout: set {sorted(set(sets), key=str)}, left "
+                       f"{torch._C._get_sm_carveout_experimental()}; expected 16 set and None left")
     finally:
         torch.save(bad, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -583,3 +601,39 @@ def test_tp_sp_layer_compiles_fullgraph():
         mp.spawn(_compile_worker, args=(2, os.path.join(d, "init"), d), nprocs=2, join=True)
         bad = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
     assert bad == [[], []], "\n".join(sum(bad, []))
+
+
+def test_overlap_carveout_sets_and_restores_the_cublas_setting():
+    """_parallel.OVERLAP_SM_CARVEOUT: read for CUDA ops in eager mode only (0 on the CPU and under
+    torch.compile); the context sets cuBLAS's SM carveout for its block and restores what was set
+    before, also when the block raises; 0 leaves the setting alone; a bad setting raises."""
+    from fp8ops import _parallel
+
+    get = torch._C._get_sm_carveout_experimental
+    assert get() is None
+    _parallel.OVERLAP_SM_CARVEOUT[0] = 16
+    try:
+        assert _parallel.overlap_sm_carveout(torch.device("cuda", 0)) == 16
+        assert _parallel.overlap_sm_carveout(torch.device("cpu")) == 0
+
+        def f(x):
+            return x + _parallel.overlap_sm_carveout(torch.device("cuda", 0))
+
+        assert float(torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(()))) == 0.0
+        with _parallel.overlap_carveout(16):
+            assert get() == 16
+            with _parallel.overlap_carveout(0):
+                assert get() == 16
+            with _parallel.overlap_carveout(8):
+                assert get() == 8
+            assert get() == 16
+        assert get() is None
+        with pytest.raises(RuntimeError, match="inside"), _parallel.overlap_carveout(24):
+            raise RuntimeError("inside")
+        assert get() is None
+        _parallel.OVERLAP_SM_CARVEOUT[0] = -1
+        with pytest.raises(ValueError, match=r"OVERLAP_SM_CARVEOUT: expected a number of SMs >= 0, got -1"):
+            _parallel.overlap_sm_carveout(torch.device("cuda", 0))
+    finally:
+        _parallel.OVERLAP_SM_CARVEOUT[0] = 0
+        torch._C._set_sm_carveout_experimental(None)

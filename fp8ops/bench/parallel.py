@@ -31,10 +31,14 @@ Targets (seed layer): TP=2+SP step <= 0.6x fp8ops on one GPU, >= 1.3x faster tha
 TP + compile, >= 1.5x faster than bf16 DTensor TP + compile; FP8 all-gather bytes half of bf16's;
 FSDP2 with FP8 all-gather moves half the weight bytes of bf16 and is no slower.
 ``--quick``: small sizes (a smoke run). ``--no-seed`` / ``--no-fsdp`` run one part;
-``--fsdp-batch N``: N sequences per GPU in the FSDP2 GPT (4 by default). ``--row-chunks 2 4`` (the
-default) also times the TP=2+SP graph step with the row-parallel forward GEMMs (proj, fc2) split
-into that many column chunks, each chunk's reduce-scatter in flight while the next chunk is computed
-(reported as ``row_chunks_<n>_over_one``; the target ratios use the default, one GEMM).
+``--fsdp-batch N``: N sequences per GPU in the FSDP2 GPT (4 by default). ``--overlap SPEC ...`` also
+times the TP=2+SP graph step with ways of overlapping its collectives with its GEMMs, each SPEC a
+``+``-joined set of: ``c<N>``, the row-parallel forward GEMMs (proj, fc2) in N column chunks, each
+chunk's reduce-scatter in flight while the next chunk is computed (``_parallel.ROW_FPROP_CHUNKS``);
+``s<N>``, the GEMMs that run while a collective of their op is in flight leave N SMs free
+(``_parallel.OVERLAP_SM_CARVEOUT``); ``hp``, the collectives on a process group whose NCCL stream
+has high priority. Each is reported as ``overlap_<SPEC>_over_default``; the target ratios use the
+default (one GEMM, every SM, the default group).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ GPTS = [{"layers": 4, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 4, "voc
         {"layers": 4, "hidden": 4096, "heads": 32, "seq": 1024, "batch": 4, "vocab": 32768}]
 GPTS_QUICK = [{"layers": 2, "hidden": 256, "heads": 4, "seq": 128, "batch": 2, "vocab": 1024}]
 TARGETS = {"tp_over_1gpu": 0.6, "vs_torchao_tp": 1.3, "vs_bf16_tp": 1.5}
+OVERLAP_DEFAULT = ("hp", "s16", "s16+hp", "c2+hp", "c2+s16+hp", "c2+s32+hp", "c4+s16+hp")
 
 _DTYPE_BYTES = {"unsigned char": 1, "signed char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
                 "c10::BFloat16": 2, "c10::Half": 2, "short int": 2, "float": 4, "int": 4, "double": 8,
@@ -77,9 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-seed", action="store_true", help="skip the seed layer (run only the FSDP2 GPT)")
     parser.add_argument("--fsdp-batch", type=int, default=None, metavar="N",
                         help="sequences of 1024 tokens per GPU in the FSDP2 GPT (default 4)")
-    parser.add_argument("--row-chunks", type=int, nargs="*", default=[2, 4], metavar="N",
-                        help="also time the TP=2+SP graph step with the row-parallel forward GEMMs in N column "
-                             "chunks, each reduce-scattered while the next is computed (default: 2 4; none: skip)")
+    parser.add_argument("--overlap", nargs="*", default=list(OVERLAP_DEFAULT), metavar="SPEC",
+                        help="also time the TP=2+SP graph step with these overlaps: '+'-joined c<N> (row-parallel "
+                             "forward GEMMs in N chunks), s<N> (N SMs left to collectives in flight), hp "
+                             f"(high-priority NCCL stream); default: {' '.join(OVERLAP_DEFAULT)}; none: skip")
     parser.add_argument("--profile", action="store_true",
                         help="profile the eager fp8ops steps (1 GPU and TP=2+SP) on rank 0: kernel time by kind "
                              "and the top kernels per step")
@@ -318,8 +324,11 @@ def _gpts(opts: dict[str, Any]) -> list[dict[str, int]]:
     return gpts
 
 
-def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[tuple[str, str, Callable[[], Any]]]:
-    """(suite part, name, build) in run order; a name containing "graph" is run through graph_step."""
+def _variants(opts: dict[str, Any], rank: int, world: int, group: Any, groups: dict[str, Any] | None = None
+              ) -> list[tuple[str, str, Callable[[], Any]]]:
+    """(suite part, name, build) in run order; a name containing "graph" is run through graph_step;
+    ``groups["hp"]``: the high-priority group of the "hp" overlap variants."""
+    groups = groups or {}
     seed = SEED_QUICK if opts["quick"] else SEED
     gpts = _gpts(opts)
     compiled = not opts["no_compile"]
@@ -331,8 +340,9 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[t
         ("seed", "fp8ops FP8, 1 GPU, graph", lambda: _variant("seed", "fp8ops FP8", "eager", seed)),
         ("seed", "fp8ops FP8, TP=2+SP", lambda: _fp8ops_tp(seed, rank, world, group)),
         ("seed", "fp8ops FP8, TP=2+SP, graph", lambda: _fp8ops_tp(seed, rank, world, group)),
-        *[("seed", f"fp8ops FP8, TP=2+SP, graph, row chunks {c}", lambda: _fp8ops_tp(seed, rank, world, group))
-          for c in opts.get("row_chunks", ())],
+        *[("seed", f"fp8ops FP8, TP=2+SP, graph, overlap {spec}",
+           lambda hp=_overlap_of(f"overlap {spec}")[2]: _fp8ops_tp(seed, rank, world, groups["hp"] if hp else group))
+          for spec in opts.get("overlap", ())],
         ("seed", f"torch bf16, DTensor TP=2+SP{suffix}", lambda: _dtensor_tp(seed, rank, world, False, compiled)),
     ]
     if not opts["no_torchao"] and not opts["no_seed"]:
@@ -345,9 +355,47 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any) -> list[t
     return out
 
 
-def _row_chunks_of(name: str) -> int:
-    """The row-parallel forward chunks a variant runs with (1 unless its name says "row chunks N")."""
-    return int(name.rsplit("row chunks ", 1)[1]) if "row chunks " in name else 1
+def _overlap_of(name: str) -> tuple[int, int, bool]:
+    """(row-parallel forward chunks, SMs left to collectives in flight, high-priority group) of a
+    variant: (1, 0, False) unless its name ends with "overlap SPEC" (see the module's doc)."""
+    if "overlap " not in name:
+        return 1, 0, False
+    spec = name.rsplit("overlap ", 1)[1]
+    chunks, sms, hp = 1, 0, False
+    for part in spec.split("+"):
+        n = int(part[1:]) if part[:1] in ("c", "s") and part[1:].isdigit() else None
+        if part == "hp":
+            hp = True
+        elif n is not None and n >= (2 if part[0] == "c" else 1):
+            chunks, sms = (n, sms) if part[0] == "c" else (chunks, n)
+        else:
+            raise ValueError(f"fp8ops.bench parallel: --overlap {spec!r}: expected '+'-joined c<N> (row chunks, "
+                             f"N >= 2), s<N> (SMs, N >= 1) and hp, got {part!r}")
+    return chunks, sms, hp
+
+
+def _carveout_check(sms: list[int]) -> dict[str, float]:
+    """Whether cuBLAS honours an SM carveout: ms of one FP8 GEMM (8192 x 4096 x 4096) with each
+    number of SMs left free, and with half the GPU's SMs left free (which should take about twice
+    as long); keyed by the SMs left free ("0": every SM used)."""
+    from fp8ops._parallel import overlap_carveout
+
+    a = torch.randn(8192, 4096, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(4096, 4096, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    out = {}
+    for n in [0, *sms, torch.cuda.get_device_properties(0).multi_processor_count // 2]:
+        with overlap_carveout(n):
+            for _ in range(3):
+                torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            end.record()
+        torch.cuda.synchronize()
+        out[str(n)] = start.elapsed_time(end) / 20
+    return out
 
 
 def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
@@ -360,7 +408,14 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
     group = dist.group.WORLD
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
-    variants = _variants(opts, rank, world, group)
+    groups = {}
+    if any(_overlap_of(f"overlap {spec}")[2] for spec in opts.get("overlap", ())):
+        # the same ranks, with the NCCL stream at high priority: its kernels take SMs ahead of queued compute
+        groups["hp"] = dist.new_group(backend="nccl",
+                                      pg_options=dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
+    variants = _variants(opts, rank, world, group, groups)
+    sms = sorted({_overlap_of(f"overlap {spec}")[1] for spec in opts.get("overlap", ())} - {0})
+    carveout = _carveout_check(sms) if sms and rank == 0 else {}
     progress = Progress(len(variants), prefix="parallel") if rank == 0 else None
     for part, name, build in variants:
         if progress is not None:
@@ -368,7 +423,7 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
         torch._dynamo.reset()
         torch.cuda.reset_peak_memory_stats()
         one_gpu = "1 GPU" in name
-        _parallel.ROW_FPROP_CHUNKS[0] = _row_chunks_of(name)
+        _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0], _ = _overlap_of(name)
         try:
             if not one_gpu or rank == 0:
                 step, carry, batch = build()
@@ -394,21 +449,21 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
             failed.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
             if progress is not None:
                 progress.note(failed[-1])
-        _parallel.ROW_FPROP_CHUNKS[0] = 1
+        _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0] = 1, 0
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         dist.barrier()
     if rank == 0:
         with open(os.path.join(out_dir, "rows.json"), "w") as f:
-            json.dump({"rows": rows, "failed": failed}, f)
+            json.dump({"rows": rows, "failed": failed, "carveout_check": carveout}, f)
     dist.destroy_process_group()
 
 
 def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by = {r["variant"]: r for r in rows}
 
-    def ms(prefix: str) -> float | None:  # the fastest default variant (one GEMM per row-parallel linear)
-        got = [r["ms"] for name, r in by.items() if name.startswith(prefix) and _row_chunks_of(name) == 1]
+    def ms(prefix: str) -> float | None:  # the fastest default variant (no overlap option)
+        got = [r["ms"] for name, r in by.items() if name.startswith(prefix) and "overlap " not in name]
         return min(got) if got else None
 
     tp, one, ao, bf = ms("fp8ops FP8, TP=2+SP"), ms("fp8ops FP8, 1 GPU"), ms("torchao float8"), ms("torch bf16")
@@ -419,10 +474,10 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["vs_torchao_tp"] = ao / tp
     if tp and bf:
         out["vs_bf16_tp"] = bf / tp
-    one_gemm = by.get("fp8ops FP8, TP=2+SP, graph")
+    default = by.get("fp8ops FP8, TP=2+SP, graph")
     for name, r in by.items():
-        if one_gemm and _row_chunks_of(name) > 1:
-            out[f"row_chunks_{_row_chunks_of(name)}_over_one"] = r["ms"] / one_gemm["ms"]
+        if default and "overlap " in name:
+            out[f"overlap_{name.rsplit('overlap ', 1)[1]}_over_default"] = r["ms"] / default["ms"]
     gathers = {name: r["comm_bytes"].get("all_gather", 0.0) for name, r in by.items()}
     fp8_tp = gathers.get("fp8ops FP8, TP=2+SP")
     bf_tp = next((v for k, v in gathers.items() if k.startswith("torch bf16")), None)
@@ -445,10 +500,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if fsdp_batch is not None and fsdp_batch < 1:
         raise ValueError(f"fp8ops.bench parallel: --fsdp-batch must be a positive number of sequences per GPU, "
                          f"got {fsdp_batch}")
-    bad_chunks = [c for c in getattr(args, "row_chunks", []) if c < 2]
-    if bad_chunks:
-        raise ValueError(f"fp8ops.bench parallel: --row-chunks takes chunk counts >= 2 (1 is the default "
-                         f"variant), got {bad_chunks}")
+    for spec in getattr(args, "overlap", []):
+        _overlap_of(f"overlap {spec}")  # raises on a malformed SPEC before any process starts
     if getattr(args, "no_seed", False) and args.no_fsdp:
         raise ValueError("fp8ops.bench parallel: --no-seed and --no-fsdp together leave nothing to run")
     n = torch.cuda.device_count()
@@ -460,12 +513,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     opts = {"quick": args.quick, "steps": 3 if args.quick else args.steps, "no_torchao": args.no_torchao,
             "no_compile": args.no_compile, "no_fsdp": args.no_fsdp, "no_seed": getattr(args, "no_seed", False),
-            "fsdp_batch": fsdp_batch, "profile": args.profile, "row_chunks": list(getattr(args, "row_chunks", []))}
+            "fsdp_batch": fsdp_batch, "profile": args.profile, "overlap": list(getattr(args, "overlap", []))}
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d, opts), nprocs=2, join=True)
         with open(os.path.join(d, "rows.json")) as f:
             got = json.load(f)
     rows, failed = got["rows"], got["failed"]
+    if got.get("carveout_check"):
+        record["carveout_check_ms"] = got["carveout_check"]
+        print("one FP8 GEMM (8192x4096x4096) by SMs left free: "
+              + ", ".join(f"{k}: {v:.3f} ms" for k, v in got["carveout_check"].items()))
     ratios = _ratios(rows)
     for r in rows:
         for kind, v in r.pop("comm_bytes").items():
