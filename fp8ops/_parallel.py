@@ -43,6 +43,7 @@ from .recipes import compute_scale
 __all__ = [
     "TP",
     "all_gather_async",
+    "all_gather_scaled_mm",
     "check_divisible",
     "column_input",
     "copy_to_tp",
@@ -52,6 +53,7 @@ __all__ = [
     "check_fp8_gather_recipe",
     "fp8_all_gather_bytes",
     "fp8_group_quantize",
+    "fused_sp_gemms",
     "gather_seq",
     "gather_seq_fp8",
     "overlap_carveout",
@@ -62,6 +64,7 @@ __all__ = [
     "reduce_scatter_async",
     "row_fprop_chunks",
     "row_output",
+    "scaled_mm_reduce_scatter",
     "scatter_seq",
     "scatter_seq_fp8",
     "sequence_norm",
@@ -170,6 +173,69 @@ def overlap_sm_carveout(device: torch.device) -> int:
     if not isinstance(sms, int) or sms < 0:
         raise ValueError(f"fp8ops._parallel.OVERLAP_SM_CARVEOUT: expected a number of SMs >= 0, got {sms!r}")
     return sms if device.type == "cuda" and not torch.compiler.is_compiling() else 0
+
+
+# The sequence-parallel FP8 GEMMs fused with their collectives through torch's micro-pipelined
+# symmetric-memory ops: an all-gather and the GEMM that consumes it (the column-parallel forward,
+# the row-parallel dgrad) multiply this rank's rows while the other ranks' rows are copied over
+# NVLink by the copy engines (torch.ops.symm_mem.fused_all_gather_scaled_matmul); a GEMM and the
+# reduce-scatter of its output (the row-parallel forward) compute the other ranks' rows first, which
+# they pull while this rank's rows are computed, then sum (fused_scaled_matmul_reduce_scatter).
+# The same products and sums as the GEMM and the NCCL collective. Used in eager mode and CUDA graph
+# captures, for CUDA tensors of an NCCL group, per-tensor scales, cuBLAS GEMMs and every dimension a
+# multiple of 16; otherwise, and under torch.compile, the functional collectives. A plain list read
+# when an op is called.
+FUSED_SP_GEMMS = [False]
+_SYMM_GROUPS: set[str] = set()
+
+
+def fused_sp_gemms(device: torch.device, group: Any, mode: str, backends: tuple[str, ...], *dims: int) -> bool:
+    """Whether a sequence-parallel linear on ``device`` runs its FP8 GEMMs and collectives as the
+    fused symmetric-memory ops (see :data:`FUSED_SP_GEMMS`): recipe ``mode`` per-tensor, every
+    backend cuBLAS, every GEMM dimension in ``dims`` a multiple of 16."""
+    if not FUSED_SP_GEMMS[0] or device.type != "cuda" or torch.compiler.is_compiling() or mode == "rowwise":
+        return False
+    if any(b not in ("auto", "cublas") for b in backends) or any(d % 16 for d in dims):
+        return False
+    return dist.get_backend(group) == "nccl"
+
+
+def _symm_group(group: Any) -> str:
+    """The group's name, its symmetric memory set up once (torch versions that still ask for it)."""
+    import torch.distributed._symmetric_memory as symm  # registers the torch.ops.symm_mem ops
+
+    name = group.group_name
+    if name not in _SYMM_GROUPS:
+        enable = getattr(symm, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            with warnings.catch_warnings():  # deprecated, and a no-op, where no longer needed
+                warnings.simplefilter("ignore")
+                enable(name)
+        _SYMM_GROUPS.add(name)
+    return name
+
+
+def all_gather_scaled_mm(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, bias: Tensor | None,
+                         out_dtype: torch.dtype, fast_accum: bool, group: Any) -> tuple[Tensor, Tensor]:
+    """(the ranks' FP8 rows ``a`` (M/w, K) gathered along dim 0 (M, K), ``(gathered @ b.T) * scale_a
+    * scale_b (+ bias)`` (M, N)); ``b`` is (N, K) FP8, both scales per tensor. The GEMM of this
+    rank's rows runs while the others are copied."""
+    fused_bias = bias if bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32 else None
+    full, (y,) = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+        a, [b.t()], scale_a, [scale_b], 0, _symm_group(group), [fused_bias], [None], [out_dtype], [fast_accum])
+    if bias is not None and fused_bias is None:
+        y = (y.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+    return full, y
+
+
+def scaled_mm_reduce_scatter(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                             fast_accum: bool, group: Any) -> Tensor:
+    """``(a @ b.T) * scale_a * scale_b`` (M, N) summed over the group, this rank's (M/w, N) rows;
+    ``a`` (M, K) and ``b`` (N, K) FP8, both scales per tensor. The other ranks' rows are computed
+    first and pulled by them while this rank's rows are computed."""
+    return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+        a, b.t(), scale_a, scale_b, "sum", 0, 0, _symm_group(group), [a.shape[0], b.shape[0]],
+        out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def _conjugate(name: str, fwd: Any, bwd: Any) -> Any:

@@ -24,10 +24,12 @@ from torch.utils import _pytree as pytree
 from ._parallel import (
     PARALLEL_MODES,
     all_gather_async,
+    all_gather_scaled_mm,
     check_divisible,
     column_input,
     copy_to_tp,
     fp8_group_quantize,
+    fused_sp_gemms,
     gather_seq_fp8,
     overlap_carveout,
     overlap_sm_carveout,
@@ -36,6 +38,7 @@ from ._parallel import (
     reduce_scatter_async,
     row_fprop_chunks,
     row_output,
+    scaled_mm_reduce_scatter,
     tp_config,
     wait,
 )
@@ -176,6 +179,9 @@ class _Cfg(NamedTuple):
     row_chunks: int = 1
     # SMs the GEMMs that overlap a collective of this op leave free (_parallel.OVERLAP_SM_CARVEOUT).
     carveout: int = 0
+    # The collectives and the GEMMs next to them as the fused, pipelined ops (_parallel.FUSED_SP_GEMMS):
+    # "column": the all-gather of x and fprop; "row": fprop and its reduce-scatter, dy's all-gather and dgrad.
+    fused: bool = False
 
 
 def _gathered_fp8(full: Tensor, dtype: torch.dtype, need_t: bool) -> tuple[Tensor, Tensor | None]:
@@ -190,6 +196,8 @@ def _row_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor, wq: Tensor | 
     ``cfg.row_chunks`` column chunks, each chunk's reduce-scatter runs while the next chunk's GEMM
     does (that GEMM leaving ``cfg.carveout`` SMs to it); the same sums either way (a column of y is
     one dot product over this rank's K)."""
+    if cfg.fused:
+        return scaled_mm_reduce_scatter(xq, x_inv, wq, w_inv, x.dtype, cfg.fprop.fast_accum, group)
     if cfg.row_chunks == 1:
         return reduce_scatter(gemm_fprop(xq, x_inv, x, wq, w_inv, w, None, cfg.fprop, x.dtype), group)
     n = w.shape[0] // cfg.row_chunks
@@ -229,7 +237,7 @@ class _FP8Linear(torch.autograd.Function):
         # rank's slice with the group's scale, the FP8 bytes gathered (all three GEMMs are FP8).
         if cfg.sp == "column":
             data, x_inv, x_amax = fp8_group_quantize(x, x_scale, cfg.x_spec, group)
-            xq = all_gather_async(data, group)  # in flight while the weight is quantized
+            xq = data if cfg.fused else all_gather_async(data, group)  # in flight while the weight is quantized
             x_inv_t = x_inv
         elif fp8_fwd or need_xt:
             xq, x_inv, xq_t, x_inv_t, x_amax = quantize_pair(x, x_scale, cfg.x_spec, need_xt)
@@ -243,12 +251,17 @@ class _FP8Linear(torch.autograd.Function):
             w_amax = torch.zeros((), dtype=torch.float32, device=x.device)
         else:
             wq, w_inv, wq_t, w_inv_t, w_amax = quantize_weight_operands(w, w_scale, cfg.w_spec, fp8_fwd, need_wt)
-        if cfg.sp == "column":
-            xq, xq_t = _gathered_fp8(xq, cfg.x_spec.dtype, need_xt)
-        # Step 3: the forward GEMM; row-parallel SP: the partial sums reduce-scattered to this rank's rows.
-        if cfg.sp == "row":
+        # Step 3: the forward GEMM; row-parallel SP: the partial sums reduce-scattered to this rank's
+        # rows; column-parallel SP: on the gathered rows (fused: this rank's rows while the others arrive).
+        if cfg.sp == "column" and cfg.fused:
+            xq, y = all_gather_scaled_mm(xq.view(cfg.x_spec.dtype), x_inv, wq, w_inv, bias, x.dtype,
+                                         cfg.fprop.fast_accum, group)
+            xq_t = torch.ops.fp8ops.transpose_bytes(xq) if need_xt else None
+        elif cfg.sp == "row":
             y = _row_fprop(xq, x_inv, x, wq, w_inv, w, cfg, group)
         else:
+            if cfg.sp == "column":
+                xq, xq_t = _gathered_fp8(xq, cfg.x_spec.dtype, need_xt)
             y = gemm_fprop(xq, x_inv, x, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if not need_xt:
             xq_t = x_inv_t = None
@@ -285,18 +298,22 @@ class _FP8Linear(torch.autograd.Function):
             fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
             # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
             # Row-parallel SP: this rank's (M/w, N) slice with the group's scale, the FP8 bytes gathered.
-            db32 = None
+            db32 = dx = dw = db = None
             if cfg.sp == "row":
                 data, dy_inv, dy_amax = fp8_group_quantize(dy, g_scale, cfg.g_spec, ctx.group)
-                dyq, dyq_t = _gathered_fp8(all_gather_async(data, ctx.group), cfg.g_spec.dtype, fp8_wgrad)
+                if cfg.fused and cfg.need_dx:  # the gather and dgrad in one pipelined op
+                    dyq, dx = all_gather_scaled_mm(data.view(cfg.g_spec.dtype), dy_inv, wq_t, w_inv_t, None,
+                                                   ctx.x_dtype, cfg.dgrad.fast_accum, ctx.group)
+                    dyq_t = torch.ops.fp8ops.transpose_bytes(dyq) if fp8_wgrad else None
+                else:
+                    dyq, dyq_t = _gathered_fp8(all_gather_async(data, ctx.group), cfg.g_spec.dtype, fp8_wgrad)
                 dy_inv_t = dy_inv
             else:  # the bias gradient from the same pass where it writes dy's transposed copy
                 dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db32 = quantize_grad_db(
                     dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db
                 )
             # Step 2: dgrad, then (column-parallel SP) its reduce-scatter in flight while wgrad runs.
-            dx = dw = db = None
-            if cfg.need_dx:
+            if cfg.need_dx and dx is None:
                 dx = gemm_dgrad(dyq, dy_inv, dy, wq_t, w_inv_t, w, cfg.dgrad, ctx.x_dtype)
                 if cfg.sp == "column":
                     dx = reduce_scatter_async(dx, ctx.group)
@@ -610,7 +627,11 @@ def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearSta
         if sp[0] == "row":  # dy is gathered with the group's scale: a recorded one needs a probe
             cfg = cfg._replace(g_spec=QuantSpec.of(recipe, "backward", state.grad_output.calibrated and cfg.has_probe),
                                row_chunks=row_fprop_chunks(N))
-        cfg = cfg._replace(sp=sp[0], carveout=overlap_sm_carveout(x.device))
+        rows = x.numel() // K
+        dims = (rows, K, N) if sp[0] == "column" else (rows, rows // sp[2], K, N)
+        fused = (recipe.fprop.precision == recipe.dgrad.precision == "fp8"
+                 and fused_sp_gemms(x.device, sp[1], recipe.mode, (recipe.fprop.backend, recipe.dgrad.backend), *dims))
+        cfg = cfg._replace(sp=sp[0], carveout=overlap_sm_carveout(x.device), fused=fused)
     x2 = x.reshape(-1, K)
     x_scale, w_scale, g_scale = state.input.scale, state.weight.scale, state.grad_output.scale
     # autograd.Function under torch.compile rejects one tensor passed twice.

@@ -14,7 +14,7 @@ P = importlib.import_module("fp8ops.bench.parallel")
 
 def _opts(**kw):
     base = {"quick": False, "steps": 10, "no_torchao": False, "no_compile": False, "no_fsdp": False,
-            "no_seed": False, "fsdp_batch": None, "profile": False, "overlap": ["c2", "s16+hp"]}
+            "no_seed": False, "fsdp_batch": None, "profile": False, "overlap": ["c2", "s16+hp", "f"]}
     base.update(kw)
     return base
 
@@ -22,17 +22,18 @@ def _opts(**kw):
 def test_variants_by_part_and_fsdp_batch():
     every = P._variants(_opts(), 0, 2, None)
     parts = [part for part, _, _ in every]
-    assert parts.count("seed") == 8 and sum(p.startswith("fsdp2") for p in parts) == 6
+    assert parts.count("seed") == 9 and sum(p.startswith("fsdp2") for p in parts) == 6
     overlapped = [name for _, name, _ in every if "overlap" in name]
-    assert overlapped == ["fp8ops FP8, TP=2+SP, graph, overlap c2", "fp8ops FP8, TP=2+SP, graph, overlap s16+hp"]
+    assert overlapped == ["fp8ops FP8, TP=2+SP, graph, overlap c2", "fp8ops FP8, TP=2+SP, graph, overlap s16+hp",
+                          "fp8ops FP8, TP=2+SP, graph, overlap f"]
     assert [P._overlap_of(n) for n in ("fp8ops FP8, TP=2+SP, graph", *overlapped)] == [
-        (1, 0, False), (2, 0, False), (1, 16, True)]
-    assert P._overlap_of("x, overlap c4+s32") == (4, 32, False)
+        (1, 0, False, False), (2, 0, False, False), (1, 16, True, False), (1, 0, False, True)]
+    assert P._overlap_of("x, overlap c4+s32+f") == (4, 32, False, True)
     assert sum(part == "seed" for part, _, _ in P._variants(_opts(overlap=[]), 0, 2, None)) == 6
     fsdp_only = P._variants(_opts(no_seed=True), 0, 2, None)
     assert [name for _, name, _ in fsdp_only] == [name for part, name, _ in every if part != "seed"]
     seed_only = P._variants(_opts(no_fsdp=True, no_torchao=True), 0, 2, None)
-    assert {part for part, _, _ in seed_only} == {"seed"} and len(seed_only) == 7
+    assert {part for part, _, _ in seed_only} == {"seed"} and len(seed_only) == 8
     assert [g["batch"] for g in P._gpts(_opts())] == [4, 4]
     assert [g["batch"] for g in P._gpts(_opts(fsdp_batch=8))] == [8, 8]
     assert [g["hidden"] for g in P._gpts(_opts(fsdp_batch=8))] == [2048, 4096]

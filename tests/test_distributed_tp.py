@@ -62,16 +62,16 @@ def _cpu(tree):
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), tree)
 
 
-def _case(name, cfg_kw, recipe_name, sp, rank, world, group, bad, device="cpu"):
+def _case(name, cfg_kw, recipe_name, sp, rank, world, group, bad, device="cpu", seq=S):
     cfg = fp8ops.TransformerConfig(**cfg_kw)
     recipe = RECIPES[recipe_name]
     g = torch.Generator().manual_seed(0)
     params = fp8ops.init_transformer_params(cfg, generator=g)
-    x = torch.randn(S, B, cfg.hidden_size, generator=g)
-    gy = torch.randn(S, B, cfg.hidden_size, generator=g)
+    x = torch.randn(seq, B, cfg.hidden_size, generator=g)
+    gy = torch.randn(seq, B, cfg.hidden_size, generator=g)
     params, x, gy = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), (params, x, gy))
     shard = fp8ops.shard_transformer_params(params, cfg, rank=rank, world_size=world)
-    sl = slice(rank * S // world, (rank + 1) * S // world) if sp else slice(None)
+    sl = slice(rank * seq // world, (rank + 1) * seq // world) if sp else slice(None)
     tp = {"tp_group": group, "sequence_parallel": sp}
     tag = f"{name}/{recipe_name}/sp={sp}/w={world}"
 
@@ -520,6 +520,7 @@ def _nccl_worker(rank, world, init_file, out_dir, cases):
         # the overlap settings: row-parallel forward GEMMs in 2 chunks, the GEMMs that overlap a
         # collective leaving 16 SMs free (set around them, then restored); the same layer
         from fp8ops import _parallel
+        from fp8ops import fp8_linear as lin
 
         sets, orig = [], torch._C._set_sm_carveout_experimental
         _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0] = 2, 16
@@ -535,6 +536,31 @@ def _nccl_worker(rank, world, init_file, out_dir, cases):
         if 16 not in sets or torch._C._get_sm_carveout_experimental() is not None:
             bad.append(f"overlap carveout: set {sorted(set(sets), key=str)}, left "
                        f"{torch._C._get_sm_carveout_experimental()}; expected 16 set and None left")
+        # the fused, pipelined GEMMs and collectives (symmetric memory), 32 rows per rank so that
+        # every GEMM dimension is a multiple of 16: the same layer; each fused op runs
+        calls = {"all_gather_scaled_mm": 0, "scaled_mm_reduce_scatter": 0}
+        origs = {k: getattr(lin, k) for k in calls}
+
+        def counted(k):
+            def fn(*args, **kwargs):
+                calls[k] += 1
+                return origs[k](*args, **kwargs)
+            return fn
+
+        _parallel.FUSED_SP_GEMMS[0] = True
+        for k in calls:
+            setattr(lin, k, counted(k))
+        try:
+            for name, recipe_name, sp in cases:
+                if sp and recipe_name != "none":
+                    _case(name, CONFIGS[name], recipe_name, sp, rank, world, dist.group.WORLD, bad,
+                          device=f"cuda:{rank}", seq=64)
+        finally:
+            _parallel.FUSED_SP_GEMMS[0] = False
+            for k, v in origs.items():
+                setattr(lin, k, v)
+        if not all(calls.values()):
+            bad.append(f"fused SP GEMMs: calls {calls}, expected each fused op to run")
     finally:
         torch.save(bad, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
