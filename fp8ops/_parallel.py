@@ -183,10 +183,13 @@ def overlap_sm_carveout(device: torch.device) -> int:
 # they pull while this rank's rows are computed, then sum (fused_scaled_matmul_reduce_scatter).
 # The same products and sums as the GEMM and the NCCL collective. Used in eager mode and CUDA graph
 # captures, for CUDA tensors of an NCCL group, per-tensor scales, cuBLAS GEMMs and every dimension a
-# multiple of 16; otherwise, and under torch.compile, the functional collectives. A plain list read
-# when an op is called.
-FUSED_SP_GEMMS = [False]
-_SYMM_GROUPS: set[str] = set()
+# multiple of 16, and groups whose ranks share one host with peer access between their GPUs
+# (checked once per group); otherwise, and under torch.compile, the functional collectives. A plain
+# list read when an op is called. On by default: on two H100s it took the seed layer's captured
+# TP=2+SP step from 8.67 to 8.31 ms (docs/benchmarks/parallel.md).
+FUSED_SP_GEMMS = [True]
+_SYMM_GROUPS: dict[str, bool] = {}  # group name: its ranks can share symmetric memory
+_SYMM_ENABLED: set[str] = set()
 
 
 def fused_sp_gemms(device: torch.device, group: Any, mode: str, backends: tuple[str, ...], *dims: int) -> bool:
@@ -197,21 +200,40 @@ def fused_sp_gemms(device: torch.device, group: Any, mode: str, backends: tuple[
         return False
     if any(b not in ("auto", "cublas") for b in backends) or any(d % 16 for d in dims):
         return False
-    return dist.get_backend(group) == "nccl"
+    if dist.get_backend(group) != "nccl":
+        return False
+    ok = _SYMM_GROUPS.get(group.group_name)
+    return _symm_check(group, device) if ok is None else ok
+
+
+def _symm_check(group: Any, device: torch.device) -> bool:
+    """Whether the group's ranks share one host and each GPU can access every other's memory; the
+    same answer on every rank (two small object all-gathers, once per group)."""
+    import socket
+
+    w = dist.get_world_size(group)
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    where: list[Any] = [None] * w
+    dist.all_gather_object(where, (socket.gethostname(), dev), group=group)
+    mine = all(h == where[0][0] for h, _ in where) and all(
+        d == dev or torch.cuda.can_device_access_peer(dev, d) for _, d in where)
+    every: list[Any] = [None] * w
+    dist.all_gather_object(every, mine, group=group)
+    _SYMM_GROUPS[group.group_name] = ok = all(every)
+    return ok
 
 
 def _symm_group(group: Any) -> str:
-    """The group's name, its symmetric memory set up once (torch versions that still ask for it)."""
+    """The group's name, its symmetric memory set up (torch versions that still ask for it)."""
     import torch.distributed._symmetric_memory as symm  # registers the torch.ops.symm_mem ops
 
     name = group.group_name
-    if name not in _SYMM_GROUPS:
-        enable = getattr(symm, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            with warnings.catch_warnings():  # deprecated, and a no-op, where no longer needed
-                warnings.simplefilter("ignore")
-                enable(name)
-        _SYMM_GROUPS.add(name)
+    enable = getattr(symm, "enable_symm_mem_for_group", None)
+    if enable is not None and name not in _SYMM_ENABLED:
+        with warnings.catch_warnings():  # deprecated, and a no-op, where no longer needed
+            warnings.simplefilter("ignore")
+            enable(name)
+        _SYMM_ENABLED.add(name)
     return name
 
 
@@ -220,9 +242,10 @@ def all_gather_scaled_mm(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor,
     """(the ranks' FP8 rows ``a`` (M/w, K) gathered along dim 0 (M, K), ``(gathered @ b.T) * scale_a
     * scale_b (+ bias)`` (M, N)); ``b`` is (N, K) FP8, both scales per tensor. The GEMM of this
     rank's rows runs while the others are copied."""
+    name = _symm_group(group)  # first: it registers the ops
     fused_bias = bias if bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32 else None
     full, (y,) = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
-        a, [b.t()], scale_a, [scale_b], 0, _symm_group(group), [fused_bias], [None], [out_dtype], [fast_accum])
+        a, [b.t()], scale_a, [scale_b], 0, name, [fused_bias], [None], [out_dtype], [fast_accum])
     if bias is not None and fused_bias is None:
         y = (y.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
     return full, y
@@ -233,8 +256,9 @@ def scaled_mm_reduce_scatter(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Ten
     """``(a @ b.T) * scale_a * scale_b`` (M, N) summed over the group, this rank's (M/w, N) rows;
     ``a`` (M, K) and ``b`` (N, K) FP8, both scales per tensor. The other ranks' rows are computed
     first and pulled by them while this rank's rows are computed."""
+    name = _symm_group(group)  # first: it registers the ops
     return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
-        a, b.t(), scale_a, scale_b, "sum", 0, 0, _symm_group(group), [a.shape[0], b.shape[0]],
+        a, b.t(), scale_a, scale_b, "sum", 0, 0, name, [a.shape[0], b.shape[0]],
         out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 

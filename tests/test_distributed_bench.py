@@ -14,7 +14,7 @@ P = importlib.import_module("fp8ops.bench.parallel")
 
 def _opts(**kw):
     base = {"quick": False, "steps": 10, "no_torchao": False, "no_compile": False, "no_fsdp": False,
-            "no_seed": False, "fsdp_batch": None, "profile": False, "overlap": ["c2", "s16+hp", "f"]}
+            "no_seed": False, "fsdp_batch": None, "profile": False, "overlap": ["c2", "s16+hp", "nf"]}
     base.update(kw)
     return base
 
@@ -25,10 +25,10 @@ def test_variants_by_part_and_fsdp_batch():
     assert parts.count("seed") == 9 and sum(p.startswith("fsdp2") for p in parts) == 6
     overlapped = [name for _, name, _ in every if "overlap" in name]
     assert overlapped == ["fp8ops FP8, TP=2+SP, graph, overlap c2", "fp8ops FP8, TP=2+SP, graph, overlap s16+hp",
-                          "fp8ops FP8, TP=2+SP, graph, overlap f"]
+                          "fp8ops FP8, TP=2+SP, graph, overlap nf"]
     assert [P._overlap_of(n) for n in ("fp8ops FP8, TP=2+SP, graph", *overlapped)] == [
-        (1, 0, False, False), (2, 0, False, False), (1, 16, True, False), (1, 0, False, True)]
-    assert P._overlap_of("x, overlap c4+s32+f") == (4, 32, False, True)
+        (1, 0, False, True), (2, 0, False, True), (1, 16, True, True), (1, 0, False, False)]
+    assert P._overlap_of("x, overlap c4+s32+nf") == (4, 32, False, False)
     assert sum(part == "seed" for part, _, _ in P._variants(_opts(overlap=[]), 0, 2, None)) == 6
     fsdp_only = P._variants(_opts(no_seed=True), 0, 2, None)
     assert [name for _, name, _ in fsdp_only] == [name for part, name, _ in every if part != "seed"]

@@ -13,6 +13,7 @@ raising (so that no rank is left waiting in a collective); the test asserts on t
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import tempfile
 
@@ -520,7 +521,7 @@ def _nccl_worker(rank, world, init_file, out_dir, cases):
         # the overlap settings: row-parallel forward GEMMs in 2 chunks, the GEMMs that overlap a
         # collective leaving 16 SMs free (set around them, then restored); the same layer
         from fp8ops import _parallel
-        from fp8ops import fp8_linear as lin
+        lin = importlib.import_module("fp8ops.fp8_linear")  # the module (fp8ops.fp8_linear is the function)
 
         sets, orig = [], torch._C._set_sm_carveout_experimental
         _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0] = 2, 16
@@ -536,8 +537,8 @@ def _nccl_worker(rank, world, init_file, out_dir, cases):
         if 16 not in sets or torch._C._get_sm_carveout_experimental() is not None:
             bad.append(f"overlap carveout: set {sorted(set(sets), key=str)}, left "
                        f"{torch._C._get_sm_carveout_experimental()}; expected 16 set and None left")
-        # the fused, pipelined GEMMs and collectives (symmetric memory), 32 rows per rank so that
-        # every GEMM dimension is a multiple of 16: the same layer; each fused op runs
+        # the fused, pipelined GEMMs and collectives (symmetric memory; the default, taken when every
+        # GEMM dimension is a multiple of 16: 64 rows per rank): the same layer; each fused op runs
         calls = {"all_gather_scaled_mm": 0, "scaled_mm_reduce_scatter": 0}
         origs = {k: getattr(lin, k) for k in calls}
 
@@ -547,7 +548,7 @@ def _nccl_worker(rank, world, init_file, out_dir, cases):
                 return origs[k](*args, **kwargs)
             return fn
 
-        _parallel.FUSED_SP_GEMMS[0] = True
+        assert _parallel.FUSED_SP_GEMMS[0]  # the default
         for k in calls:
             setattr(lin, k, counted(k))
         try:
@@ -556,11 +557,11 @@ def _nccl_worker(rank, world, init_file, out_dir, cases):
                     _case(name, CONFIGS[name], recipe_name, sp, rank, world, dist.group.WORLD, bad,
                           device=f"cuda:{rank}", seq=64)
         finally:
-            _parallel.FUSED_SP_GEMMS[0] = False
             for k, v in origs.items():
                 setattr(lin, k, v)
-        if not all(calls.values()):
-            bad.append(f"fused SP GEMMs: calls {calls}, expected each fused op to run")
+        if not all(calls.values()) or _parallel._SYMM_GROUPS != {dist.group.WORLD.group_name: True}:
+            bad.append(f"fused SP GEMMs: calls {calls}, groups {_parallel._SYMM_GROUPS}; expected each fused op "
+                       f"to run, on the world group found fit")
     finally:
         torch.save(bad, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -663,3 +664,34 @@ def test_overlap_carveout_sets_and_restores_the_cublas_setting():
     finally:
         _parallel.OVERLAP_SM_CARVEOUT[0] = 0
         torch._C._set_sm_carveout_experimental(None)
+
+
+def test_fused_sp_gemms_only_where_the_symmetric_memory_ops_apply():
+    """_parallel.fused_sp_gemms: on by default, and only for CUDA, per-tensor scales, cuBLAS and
+    every GEMM dimension a multiple of 16 (each refusal before any look at the group); under
+    torch.compile never."""
+    from fp8ops import _parallel
+
+    cuda, ok = torch.device("cuda", 0), ("auto", "cublas")
+    assert _parallel.FUSED_SP_GEMMS == [True]
+    refused = [
+        (torch.device("cpu"), "delayed", ok, (64, 32, 32)),
+        (cuda, "rowwise", ok, (64, 32, 32)),
+        (cuda, "delayed", ("auto", "triton"), (64, 32, 32)),
+        (cuda, "current", ok, (64, 32, 40)),
+        (cuda, "delayed", ok, (8, 32, 32)),
+    ]
+    for device, mode, backends, dims in refused:
+        assert not _parallel.fused_sp_gemms(device, None, mode, backends, *dims), (device, mode, backends, dims)
+    _parallel.FUSED_SP_GEMMS[0] = False
+    try:
+        assert not _parallel.fused_sp_gemms(cuda, None, "delayed", ok, 64, 32, 32)
+    finally:
+        _parallel.FUSED_SP_GEMMS[0] = True
+    with pytest.raises(ValueError, match="Invalid process group|not a valid|group"):
+        _parallel.fused_sp_gemms(cuda, None, "delayed", ok, 64, 32, 32)  # reaches the group's backend
+
+    def f(x):
+        return x + _parallel.fused_sp_gemms(cuda, None, "delayed", ok, 64, 32, 32)
+
+    assert float(torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(()))) == 0.0

@@ -37,8 +37,9 @@ times the TP=2+SP graph step with ways of overlapping its collectives with its G
 chunk's reduce-scatter in flight while the next chunk is computed (``_parallel.ROW_FPROP_CHUNKS``);
 ``s<N>``, the GEMMs that run while a collective of their op is in flight leave N SMs free
 (``_parallel.OVERLAP_SM_CARVEOUT``); ``hp``, the collectives on a process group whose NCCL stream
-has high priority; ``f``, the FP8 GEMMs and their collectives as torch's pipelined
-symmetric-memory ops (``_parallel.FUSED_SP_GEMMS``). Each is reported as ``overlap_<SPEC>_over_default``; the target ratios use the
+has high priority; ``nf``, the FP8 GEMMs and their collectives not fused (NCCL collectives next
+to the GEMMs, instead of the default: torch's pipelined symmetric-memory ops,
+``_parallel.FUSED_SP_GEMMS``). Each is reported as ``overlap_<SPEC>_over_default``; the target ratios use the
 default (one GEMM, every SM, the default group).
 """
 
@@ -67,7 +68,7 @@ GPTS = [{"layers": 4, "hidden": 2048, "heads": 16, "seq": 1024, "batch": 4, "voc
         {"layers": 4, "hidden": 4096, "heads": 32, "seq": 1024, "batch": 4, "vocab": 32768}]
 GPTS_QUICK = [{"layers": 2, "hidden": 256, "heads": 4, "seq": 128, "batch": 2, "vocab": 1024}]
 TARGETS = {"tp_over_1gpu": 0.6, "vs_torchao_tp": 1.3, "vs_bf16_tp": 1.5}
-OVERLAP_DEFAULT = ("f", "f+hp", "hp", "s16+hp", "c2+s32+hp")
+OVERLAP_DEFAULT = ("nf", "hp", "s16+hp")
 
 _DTYPE_BYTES = {"unsigned char": 1, "signed char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
                 "c10::BFloat16": 2, "c10::Half": 2, "short int": 2, "float": 4, "int": 4, "double": 8,
@@ -86,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", nargs="*", default=list(OVERLAP_DEFAULT), metavar="SPEC",
                         help="also time the TP=2+SP graph step with these overlaps: '+'-joined c<N> (row-parallel "
                              "forward GEMMs in N chunks), s<N> (N SMs left to collectives in flight), hp "
-                             "(high-priority NCCL stream), f (GEMMs and collectives fused through symmetric "
+                             "(high-priority NCCL stream), nf (GEMMs and collectives not fused through symmetric "
                              f"memory); default: {' '.join(OVERLAP_DEFAULT)}; none: skip")
     parser.add_argument("--profile", action="store_true",
                         help="profile the eager fp8ops steps (1 GPU and TP=2+SP) on rank 0: kernel time by kind "
@@ -359,23 +360,23 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any, groups: d
 
 def _overlap_of(name: str) -> tuple[int, int, bool, bool]:
     """(row-parallel forward chunks, SMs left to collectives in flight, high-priority group, fused
-    GEMMs and collectives) of a variant: (1, 0, False, False) unless its name ends with "overlap
+    GEMMs and collectives) of a variant: (1, 0, False, True) unless its name ends with "overlap
     SPEC" (see the module's doc)."""
     if "overlap " not in name:
-        return 1, 0, False, False
+        return 1, 0, False, True
     spec = name.rsplit("overlap ", 1)[1]
-    chunks, sms, hp, fused = 1, 0, False, False
+    chunks, sms, hp, fused = 1, 0, False, True
     for part in spec.split("+"):
         n = int(part[1:]) if part[:1] in ("c", "s") and part[1:].isdigit() else None
         if part == "hp":
             hp = True
-        elif part == "f":
-            fused = True
+        elif part == "nf":
+            fused = False
         elif n is not None and n >= (2 if part[0] == "c" else 1):
             chunks, sms = (n, sms) if part[0] == "c" else (chunks, n)
         else:
             raise ValueError(f"fp8ops.bench parallel: --overlap {spec!r}: expected '+'-joined c<N> (row chunks, "
-                             f"N >= 2), s<N> (SMs, N >= 1), hp and f, got {part!r}")
+                             f"N >= 2), s<N> (SMs, N >= 1), hp and nf, got {part!r}")
     return chunks, sms, hp, fused
 
 
@@ -455,7 +456,7 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
             failed.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
             if progress is not None:
                 progress.note(failed[-1])
-        _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0], _parallel.FUSED_SP_GEMMS[0] = 1, 0, False
+        _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0], _parallel.FUSED_SP_GEMMS[0] = 1, 0, True
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         dist.barrier()
