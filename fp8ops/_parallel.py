@@ -122,7 +122,8 @@ reduce_scatter = _reduce_scatter
 # and the chunks' slices are concatenated along the last dim. 1: one GEMM, then one reduce-scatter.
 # A plain list read when an op is called (torch.compile guards on its value). The default is one
 # GEMM: on two H200s the seed layer's captured TP=2+SP step took 8.06 / 8.14 ms with 2 / 4 chunks
-# against 8.05 with one (docs/benchmarks/parallel.md).
+# against 8.05 with one (docs/benchmarks/parallel.md). Where the pipelined GEMMs apply
+# (FUSED_SP_GEMMS), they replace the chunks.
 ROW_FPROP_CHUNKS = [1]
 
 
@@ -135,8 +136,9 @@ def row_fprop_chunks(n_out: int) -> int:
 
 
 # SMs that a GEMM leaves free while a collective of the same op is in flight (the row-parallel
-# forward chunks after the first; wgrad while dx is reduce-scattered): a GEMM that fills every SM
-# keeps the collective's kernel waiting for SMs until it ends, so nothing overlaps. 0: every SM. A
+# forward chunks after the first; wgrad while dx is reduce-scattered), so that the collective's
+# kernel need not wait for the GEMM's blocks to finish. Measured on two H100s: no gain on the seed
+# layer's TP=2+SP step (docs/benchmarks/parallel.md), hence off. 0: every SM. A
 # plain list read when an op is called, in eager mode and CUDA graph captures (torch.compile traces
 # no host setting: compiled calls use every SM). Applied through cuBLAS's SM count target
 # (torch._C._set_sm_carveout_experimental) around those GEMMs only.

@@ -63,3 +63,28 @@ def test_ratios_use_the_default_variant_and_report_overlaps():
     r = P._ratios(rows)
     assert r["tp_over_1gpu"] == pytest.approx(8.0 / 13.0) and r["vs_bf16_tp"] == pytest.approx(1.5)
     assert r["overlap_c2+s16_over_default"] == pytest.approx(0.75)
+
+
+def test_collective_bytes_count_functional_c10d_and_pipelined_ops():
+    """Bytes per step by kind: a functional collective's input; a c10d op inside a functional one
+    counted once; the pipelined all-gather GEMM's FP8 rows, the pipelined reduce-scatter's (M, N)
+    partial sums as bf16."""
+    from types import SimpleNamespace as NS
+
+    def ev(name, shapes, dtypes, start, dur, thread=1):
+        return NS(name=lambda: name, shapes=lambda: shapes, dtypes=lambda: dtypes, start_thread_id=lambda: thread,
+                  start_ns=lambda: start, duration_ns=lambda: dur)
+
+    events = [
+        ev("_c10d_functional::all_gather_into_tensor", [[1024, 4096], []], ["unsigned char", ""], 0, 100),
+        ev("c10d::_allgather_base_", [[2048, 4096], [1024, 4096]], ["unsigned char", "unsigned char"], 10, 50),
+        ev("c10d::_reduce_scatter_base_", [[512, 64], [1024, 64]], ["float", "float"], 200, 10),
+        ev("symm_mem::fused_all_gather_scaled_matmul", [[1024, 4096], [4096, 6144]],
+           ["c10::Float8_e4m3fn", "c10::Float8_e4m3fn"], 300, 10),
+        ev("symm_mem::fused_scaled_matmul_reduce_scatter", [[2048, 2048], [2048, 4096]],
+           ["c10::Float8_e4m3fn", "c10::Float8_e4m3fn"], 400, 10),
+        ev("aten::mm", [[4, 4]], ["float"], 500, 1),
+    ]
+    prof = NS(profiler=NS(kineto_results=NS(events=lambda: events)))
+    got = P._collective_bytes(prof, 2)
+    assert got == {"all_gather": (1024 * 4096 + 1024 * 4096) / 2, "reduce_scatter": (1024 * 64 * 4 + 2048 * 4096 * 2) / 2}

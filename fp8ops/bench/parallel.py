@@ -100,13 +100,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _collective_bytes(prof: Any, steps: int) -> dict[str, float]:
     """Bytes per step this rank gave to each kind of collective (all_gather, reduce_scatter,
-    all_reduce), from the profiler's records (shapes and dtypes) of the functional collectives and
-    of the c10d ops that FSDP2 calls directly; a c10d op inside a functional one is not counted twice."""
+    all_reduce), from the profiler's records (shapes and dtypes) of the functional collectives, of
+    the c10d ops that FSDP2 calls directly (a c10d op inside a functional one is not counted twice)
+    and of the pipelined symmetric-memory GEMMs (A's FP8 rows for an all-gather; for a
+    reduce-scatter the (M, N) partial sums, counted as bf16, the suite's output dtype)."""
     events = [(e.name(), e.shapes(), e.dtypes(), e.start_thread_id(), e.start_ns(), e.start_ns() + e.duration_ns())
-              for e in prof.profiler.kineto_results.events() if "c10d" in e.name()]
+              for e in prof.profiler.kineto_results.events() if "c10d" in e.name() or "symm_mem::" in e.name()]
     functional = [(t, s, f) for name, _, _, t, s, f in events if name.startswith("_c10d_functional::")]
     out: dict[str, float] = {}
     for name, shapes, dtypes, thread, start, end in events:
+        if name.startswith("symm_mem::fused_"):  # the pipelined GEMMs: A's rows move, or the bf16 partial sums
+            if "all_gather" in name and shapes and shapes[0]:
+                out["all_gather"] = out.get("all_gather", 0.0) + _numel(shapes[0]) * _DTYPE_BYTES.get(dtypes[0], 0) / steps
+            elif "reduce_scatter" in name and len(shapes) > 1 and shapes[0] and shapes[1]:
+                out["reduce_scatter"] = out.get("reduce_scatter", 0.0) + shapes[0][0] * shapes[1][1] * 2 / steps
+            continue
         if name.startswith("_c10d_functional::"):
             op, i = name.split("::", 1)[1], 0
         elif name in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "c10d::allreduce_"):
@@ -120,11 +128,15 @@ def _collective_bytes(prof: Any, steps: int) -> dict[str, float]:
             continue
         kind = ("all_gather" if "gather" in op else "reduce_scatter" if "reduce_scatter" in op
                 else "all_reduce" if "reduce" in op else op)
-        n = 1
-        for d in shapes[i]:
-            n *= d
-        out[kind] = out.get(kind, 0.0) + n * _DTYPE_BYTES.get(dtypes[i], 0) / steps
+        out[kind] = out.get(kind, 0.0) + _numel(shapes[i]) * _DTYPE_BYTES.get(dtypes[i], 0) / steps
     return out
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 # ------------------------------------------------------------------------------------------------
