@@ -49,6 +49,8 @@ def test_options_that_leave_nothing_or_no_batch_raise():
         P.run(parser.parse_args(["--no-seed", "--no-fsdp"]))
     with pytest.raises(ValueError, match="--fsdp-batch must be a positive"):
         P.run(parser.parse_args(["--fsdp-batch", "0"]))
+    with pytest.raises(ValueError, match=r"--overlap 'c1\+nf'.*got 'c1'"):
+        P.run(parser.parse_args(["--row-chunks", "2", "1"]))  # --row-chunks N: --overlap c<N>+nf
     for bad, part in (("c1", "c1"), ("s0+hp", "s0"), ("c2+x", "x"), ("hp+", "")):
         with pytest.raises(ValueError, match=rf"--overlap '{re.escape(bad)}'.*c<N> .*N >= 2.*s<N>.*got '{part}'"):
             P.run(parser.parse_args(["--overlap", "c2", bad]))

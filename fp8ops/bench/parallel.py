@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "forward GEMMs in N chunks), s<N> (N SMs left to collectives in flight), hp "
                              "(high-priority NCCL stream), nf (GEMMs and collectives not fused through symmetric "
                              f"memory); default: {' '.join(OVERLAP_DEFAULT)}; none: skip")
+    parser.add_argument("--row-chunks", type=int, nargs="*", default=[], metavar="N",
+                        help="the same as --overlap c<N>+nf for each N (the row-parallel forward GEMMs in N chunks, "
+                             "NCCL collectives), added to the --overlap variants")
     parser.add_argument("--profile", action="store_true",
                         help="profile the eager fp8ops steps (1 GPU and TP=2+SP) on rank 0: kernel time by kind "
                              "and the top kernels per step")
@@ -519,7 +522,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if fsdp_batch is not None and fsdp_batch < 1:
         raise ValueError(f"fp8ops.bench parallel: --fsdp-batch must be a positive number of sequences per GPU, "
                          f"got {fsdp_batch}")
-    for spec in getattr(args, "overlap", []):
+    overlap = [*getattr(args, "overlap", []), *(f"c{n}+nf" for n in getattr(args, "row_chunks", []))]
+    for spec in overlap:
         _overlap_of(f"overlap {spec}")  # raises on a malformed SPEC before any process starts
     if getattr(args, "no_seed", False) and args.no_fsdp:
         raise ValueError("fp8ops.bench parallel: --no-seed and --no-fsdp together leave nothing to run")
@@ -532,7 +536,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     opts = {"quick": args.quick, "steps": 3 if args.quick else args.steps, "no_torchao": args.no_torchao,
             "no_compile": args.no_compile, "no_fsdp": args.no_fsdp, "no_seed": getattr(args, "no_seed", False),
-            "fsdp_batch": fsdp_batch, "profile": args.profile, "overlap": list(getattr(args, "overlap", []))}
+            "fsdp_batch": fsdp_batch, "profile": args.profile, "overlap": list(dict.fromkeys(overlap))}
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d, opts), nprocs=2, join=True)
         with open(os.path.join(d, "rows.json")) as f:
