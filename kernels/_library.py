@@ -21,8 +21,8 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["AMAX_CHAIN", "AmaxChain", "FastKernel", "OpSpec", "contiguous_args", "define", "fast_launch",
-           "merge_config"]
+__all__ = ["AMAX_CHAIN", "AmaxChain", "FastKernel", "OpSpec", "cdiv", "contiguous_args", "define", "fast_launch",
+           "merge_config", "next_pow2"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -108,6 +108,23 @@ def transposed_store(qt: torch.Tensor, tma: bool, block_rows: int, block_cols: i
 
 # ------------------------------------------------------------------------------------------------
 # The launch path of a compiled kernel
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of ints, as ``triton.cdiv``, for launch grids: Triton's is a constexpr
+    function whose call layer costs a few µs of host time per call."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2``, without its
+    call layer."""
+    n = int(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_I32 = 2**31
+_U63 = 2**63
 
 
 def _spec(v: Any) -> Any:
@@ -196,8 +213,18 @@ class FastKernel:
             if len(values) != len(self._names) or used != len(kwargs):  # too many, or unknown keywords
                 raise TypeError("arguments")
             device = torch.cuda.current_device()
-            key = (device, num_warps, num_stages,
-                   tuple(v if c else _spec(v) for v, c in zip(values, self._constexpr)))
+            parts: list[Any] = [device, num_warps, num_stages]
+            for v, c in zip(values, self._constexpr):  # _spec, with its two common cases inline
+                t = type(v)
+                if c:
+                    parts.append(v)
+                elif t is torch.Tensor:
+                    parts.append((v.dtype, v.data_ptr() % 16 == 0))
+                elif t is int:
+                    parts.append(("i", v == 1, v % 16 == 0, -_I32 <= v < _I32, v >= _U63))
+                else:
+                    parts.append(_spec(v))
+            key = tuple(parts)
             kernel = self._cache.get(key)  # TypeError for an unhashable constexpr
         except (KeyError, TypeError) as e:
             self.last_fallback = f"arguments: {e!r}"

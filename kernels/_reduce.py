@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._library import fast_launch
+from ._library import cdiv, fast_launch
 
 __all__ = ["column_sums"]
 
@@ -70,7 +70,7 @@ def column_sums(a: torch.Tensor, b: torch.Tensor | None = None, *, dtype: torch.
     out_a = torch.empty((K,), dtype=dtype, device=a.device)
     out_b = torch.empty((K,), dtype=dtype, device=a.device) if b is not None else None
     if K:
-        _column_sums_kernel[(triton.cdiv(K, _BLOCK_K), 2 if b is not None else 1)](
+        _column_sums_kernel[(cdiv(K, _BLOCK_K), 2 if b is not None else 1)](
             a, b if b is not None else a, out_a, out_b if out_b is not None else out_a, G, K,
             TWO=b is not None, BLOCK_G=_BLOCK_G, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS,
         )

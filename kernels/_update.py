@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._jit import scale_from_fmax
-from ._library import fast_launch
+from ._library import cdiv, fast_launch, next_pow2
 
 __all__ = ["scale_update_launch"]
 
@@ -108,9 +108,9 @@ def scale_update_launch(obs: torch.Tensor, hist: torch.Tensor, scale: torch.Tens
     new_scale = torch.empty(S, dtype=torch.float32, device=dev)
     seen = torch.empty(S, dtype=torch.int8, device=dev)
     zeros = torch.empty(S, dtype=torch.float32, device=dev)
-    block_l = triton.next_power_of_2(max(L, 1))
-    block_s = max(1, min(64, 4096 // block_l, triton.next_power_of_2(S)))
-    _KERNEL[(triton.cdiv(S, block_s),)](
+    block_l = next_pow2(max(L, 1))
+    block_s = max(1, min(64, 4096 // block_l, next_pow2(S)))
+    _KERNEL[(cdiv(S, block_s),)](
         obs.contiguous(), hist, scale, fmax.contiguous(), new_hist, new_scale, seen, zeros, S, L,
         S if obs.numel() == 2 * S else 0, hist.stride(0),
         scale.stride(0), MARGIN=margin, POWER_2=power_2, MOST_RECENT=most_recent, BLOCK_S=block_s,

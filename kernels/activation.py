@@ -67,7 +67,16 @@ import triton
 import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale, grouped_tile
-from ._library import AMAX_CHAIN, OpSpec, contiguous_args, fast_launch, merge_config, tma_store_ok, transposed_store
+from ._library import (
+    AMAX_CHAIN,
+    OpSpec,
+    cdiv,
+    contiguous_args,
+    fast_launch,
+    merge_config,
+    tma_store_ok,
+    transposed_store,
+)
 from ._reduce import column_sums
 
 __all__ = [
@@ -448,7 +457,7 @@ def _output(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, wr
 
 
 def _tiles(M: int, N: int, cfg: dict[str, Any]) -> tuple[int, int]:
-    return max(1, triton.cdiv(M, cfg["BLOCK_M"])), max(1, triton.cdiv(N, cfg["BLOCK_N"]))
+    return max(1, cdiv(M, cfg["BLOCK_M"])), max(1, cdiv(N, cfg["BLOCK_N"]))
 
 
 def act_fwd_launch(

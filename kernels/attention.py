@@ -88,7 +88,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._library import merge_config
+from ._library import cdiv, fast_launch, merge_config, next_pow2
 
 __all__ = [
     "MASKED_ROW_LSE",
@@ -1125,7 +1125,7 @@ class BlockSparsity(NamedTuple):
 
 
 def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(int(n)))
+    return max(16, next_pow2(int(n)))
 
 
 @triton.jit
@@ -1148,6 +1148,9 @@ def _is_interpreter(kernel: Any) -> bool:
 _STAGES_THAT_FIT: dict[Any, int] = {}
 
 
+_FAST: dict[Any, Any] = {}  # kernel -> its launch path (fast_launch)
+
+
 def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
     # fp8ops launches from inside its opaque library ops (fp8ops::attention_fwd / attention_bwd),
     # which torch.compile never traces: the kernel is called directly (no wrap_triton dispatch on
@@ -1159,8 +1162,11 @@ def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> No
     if torch.compiler.is_compiling():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         return
+    fast = _FAST.get(kernel)
+    if fast is None:  # the cached launch path (kernels/_library.FastKernel), one per kernel
+        fast = _FAST[kernel] = fast_launch(kernel)
     if "num_stages" not in kwargs:
-        kernel[grid](*args, **kwargs)
+        fast[grid](*args, **kwargs)
         return
     asked = kwargs["num_stages"]
     key = None
@@ -1169,7 +1175,7 @@ def _launch(kernel: Any, grid: tuple[Any, ...], *args: Any, **kwargs: Any) -> No
         kwargs["num_stages"] = _STAGES_THAT_FIT.get(key, asked)
     while True:
         try:
-            kernel[grid](*args, **kwargs)
+            fast[grid](*args, **kwargs)
             return
         except OutOfResources:
             if kwargs["num_stages"] <= 1:
@@ -1490,7 +1496,7 @@ def attention_fwd_launch(
     else:
         gq, gkv = 1, 1
         ds_args = (None, None, None, 0, 0, 0, 0)
-    grid = (triton.cdiv(prob.seq_q, block_m), prob.hq, prob.batch)
+    grid = (cdiv(prob.seq_q, block_m), prob.hq, prob.batch)
     if grid[0] == 0 or prob.batch == 0 or prob.hq == 0:
         return
     tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), interp)
@@ -1617,7 +1623,7 @@ def attention_bwd_launch(
     # Step 1: delta = rowsum(o * do) - dlse.
     bm0 = 64 if not interp else 32
     _launch(
-        kernels.bwd_preprocess, (triton.cdiv(prob.seq_q, bm0), prob.hq, prob.batch),
+        kernels.bwd_preprocess, (cdiv(prob.seq_q, bm0), prob.hq, prob.batch),
         o4, do4, e3, d3, *_st(o4, 4, vl), *_st(do4, 4, vl), *_st(e3, 3, vl), *_st(d3, 3, vl),
         cu_seqlens_q, prob.seq_q,
         HEAD_DIM_V=prob.dv, BLOCK_DV=_pow2(prob.dv), BLOCK_M=bm0, VARLEN=prob.varlen, HAS_DLSE=e3 is not None,
@@ -1629,7 +1635,7 @@ def attention_bwd_launch(
     dqa4 = v4(dqa) if dqa is not None else None
     tma1, tma1_args = _tma_args(bool(cfg["TMA1"]), (q4, do4), (m1, m1), interp)
     _launch(
-        kernels.bwd_dkdv, (triton.cdiv(prob.seq_kv, n1), prob.hkv, prob.batch),
+        kernels.bwd_dkdv, (cdiv(prob.seq_kv, n1), prob.hkv, prob.batch),
         q4, k4, vv4, do4, l3, d3, dqa4, dk4, dv4,
         *_st(q4, 4, vl), *_st(k4, 4, vl), *_st(vv4, 4, vl), *_st(do4, 4, vl), *_st(dqa4, 4, vl),
         *_st(dk4, 4, vl), *_st(dv4, 4, vl), *_st(l3, 3, vl),
@@ -1645,7 +1651,7 @@ def attention_bwd_launch(
         return
     tma, tma_args = _tma_args(bool(cfg["TMA2"]), (k4, vv4), (n2, n2), interp)
     _launch(
-        kernels.bwd_dq, (triton.cdiv(prob.seq_q, m2), prob.hq, prob.batch),
+        kernels.bwd_dq, (cdiv(prob.seq_q, m2), prob.hq, prob.batch),
         q4, k4, vv4, do4, l3, d3, dq4,
         *_st(q4, 4, vl), *_st(k4, 4, vl), *_st(vv4, 4, vl), *_st(do4, 4, vl), *_st(dq4, 4, vl), *_st(l3, 3, vl),
         cu_seqlens_q, cu_seqlens_kv, prob.seq_q, prob.seq_kv, prob.hq // prob.hkv, float(sm_scale), wl, wr,

@@ -79,7 +79,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._jit import grouped_tile
-from ._library import OpSpec, merge_config
+from ._library import OpSpec, cdiv, merge_config
 
 __all__ = [
     "FP8_DTYPES",
@@ -540,7 +540,7 @@ def scaled_mm_launch(
     # Step 2: the persistent grid.
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     num_programs = _num_sms(a.device) * cfg["PROGRAMS_PER_SM"]
-    grid = (min(num_programs, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    grid = (min(num_programs, cdiv(M, bm) * cdiv(N, bn)),)
     sa_stride = scale_a.stride(0) if rowwise_a else 0
     sb_stride = scale_b.stride(1) if rowwise_b else 0
     bias_arg = bias if bias is not None else scale_a  # never read without HAS_BIAS

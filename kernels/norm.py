@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale
-from ._library import AMAX_CHAIN, OpSpec, contiguous_args, fast_launch, merge_config
+from ._library import AMAX_CHAIN, OpSpec, cdiv, contiguous_args, fast_launch, merge_config, next_pow2
 from ._reduce import column_sums
 
 __all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
@@ -538,7 +538,7 @@ def _fwd_default(K: int, transpose: bool) -> dict[str, Any]:
     """
     if transpose:
         return dict(_FWD_T_CFG)
-    bk = triton.next_power_of_2(K)
+    bk = next_pow2(K)
     if bk > _ROW_LIMIT:
         return dict(_FWD_CHUNKED_CFG)
     warps = 4 if bk <= 1024 else (8 if bk <= 4096 else 16)
@@ -566,7 +566,7 @@ def _bwd_default(K: int) -> dict[str, Any]:
     1 program per SM (``python -m fp8ops.bench norm --probe``, docs/benchmarks/norm.md). Shorter rows:
     4 warps, 2 programs per SM.
     """
-    bk = triton.next_power_of_2(K)
+    bk = next_pow2(K)
     if bk > _BWD_ROW_LIMIT:
         return dict(_BWD_CHUNKED_CFG)
     if bk >= 4096:
@@ -692,7 +692,7 @@ def _launch_fwd(
     # Whole rows: a persistent grid; chunked rows: one program per BLOCK_M rows. At least one
     # program, so that inv_scale is written when M == 0.
     single = cfg["BLOCK_K"] >= K
-    blocks = triton.cdiv(M, cfg["BLOCK_M"])
+    blocks = cdiv(M, cfg["BLOCK_M"])
     if single:
         blocks = min(blocks, _num_sms(dev) * cfg["PROGRAMS_PER_SM"])
     grid = (max(1, blocks),)
@@ -819,7 +819,7 @@ def norm_bwd_launch(
     _check_pow2(name, cfg)
     single = cfg["BLOCK_K"] >= K
     dx = torch.empty((M, K), dtype=s.dtype, device=dev)
-    G = max(1, min(triton.cdiv(M, cfg["BLOCK_M"]), _num_sms(dev) * cfg["PROGRAMS_PER_SM"]))
+    G = max(1, min(cdiv(M, cfg["BLOCK_M"]), _num_sms(dev) * cfg["PROGRAMS_PER_SM"]))
     alloc = torch.empty if single else torch.zeros  # chunked rows accumulate in place
     dw_part = alloc((G, K), dtype=torch.float32, device=dev)
     db_part = alloc((G, K), dtype=torch.float32, device=dev) if has_bias else dw_part

@@ -54,7 +54,16 @@ import triton
 import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale, grouped_tile, saturate, scale_from_amax
-from ._library import AMAX_CHAIN, OpSpec, contiguous_args, fast_launch, merge_config, tma_store_ok, transposed_store
+from ._library import (
+    AMAX_CHAIN,
+    OpSpec,
+    cdiv,
+    contiguous_args,
+    fast_launch,
+    merge_config,
+    tma_store_ok,
+    transposed_store,
+)
 from ._reduce import column_sums
 
 __all__ = [
@@ -309,7 +318,7 @@ def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> tor
     if not n:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     with AMAX_CHAIN.output(x.device) as (amax, amax_next):
-        grid = (triton.cdiv(n, cfg["BLOCK"]),)
+        grid = (cdiv(n, cfg["BLOCK"]),)
         _amax_fwd_kernel[grid](x, amax, amax_next, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return amax
 
@@ -330,7 +339,7 @@ def transpose_bytes_launch(x: torch.Tensor, *, out: torch.Tensor | None = None,
         _check_transpose_out(x, out)
         y = out.view(torch.uint8)
     if x.numel():
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(K, cfg["BLOCK_K"]))
+        grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(K, cfg["BLOCK_K"]))
         _transpose_bytes_kernel[grid](x.view(torch.uint8), y, M, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
                                       num_warps=cfg["num_warps"])
     return y.view(x.dtype) if out is None else out
@@ -375,7 +384,7 @@ def cast_launch(
     cfg = merge_config(_CAST_CFG, config, name="cast")
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     n = x.numel()
-    grid = (max(1, triton.cdiv(n, cfg["BLOCK"])),)
+    grid = (max(1, cdiv(n, cfg["BLOCK"])),)
     with AMAX_CHAIN.output(x.device) as (amax, amax_next):
         _cast_fwd_kernel[grid](x, q, n_elements=n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], amax_ptr=amax,
                                amax_next_ptr=amax_next, **cast)
@@ -441,9 +450,9 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
     tma = tma and bool(cfg["TMA"])
     # An empty x still launches one program (it writes the inverse scale), which writes one row of
     # zero partial sums.
-    partial = (torch.empty((max(1, triton.cdiv(M, cfg["BLOCK_M"])), K), dtype=torch.float32, device=x.device)
+    partial = (torch.empty((max(1, cdiv(M, cfg["BLOCK_M"])), K), dtype=torch.float32, device=x.device)
                if dbias else None)
-    grid = (max(1, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"])),)
+    grid = (max(1, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_K"])),)
     desc = transposed_store(qt, tma, cfg["BLOCK_K"], cfg["BLOCK_M"])
     with AMAX_CHAIN.output(x.device) as (amax, amax_next):
         _cast_transpose_fwd_kernel[grid](
@@ -479,7 +488,7 @@ def cast_rowwise_launch(
     if not M:
         return q, inv, torch.zeros((), dtype=torch.float32, device=x.device)
     with AMAX_CHAIN.output(x.device) as (amax, amax_next):
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]),)
         _cast_rowwise_fwd_kernel[grid](
             x, q, inv, amax, amax_next, M, K, x.stride(0),
             FP8_MAX=fp8_max, MARGIN=margin, POWER_2=power_2,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import math
+import os
 import pstats
 import time
 from collections.abc import Callable
@@ -129,8 +130,9 @@ def time_us(fn: Callable[[], None], device: str, calls: int, repeats: int = 3, w
     return best
 
 
-def profile(name: str, fn: Callable[[], None], device: str, calls: int) -> None:
-    """Print the cProfile top 35 of ``calls`` calls by tottime and by cumtime."""
+def profile(name: str, fn: Callable[[], None], device: str, calls: int, out: str | None = None) -> None:
+    """Print the cProfile top 35 of ``calls`` calls by tottime and by cumtime; with ``out``, also
+    write the whole profile to ``out/<name>.prof`` (for pstats)."""
     for _ in range(5):
         fn()
     _sync(device)
@@ -146,6 +148,8 @@ def profile(name: str, fn: Callable[[], None], device: str, calls: int) -> None:
     for key in ("tottime", "cumtime"):
         print(f"\n== {name}: cProfile top 35 by {key} ({calls} calls) ==")
         pstats.Stats(prof).sort_stats(key).print_stats(35)
+    if out:
+        prof.dump_stats(os.path.join(out, "".join(c if c.isalnum() else "_" for c in name) + ".prof"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU only: run each fp8ops library op's fake kernel instead of its reference "
                              "math, so the time is the glue around the kernels")
     parser.add_argument("--only", nargs="*", default=None, help="case names (substrings) to run")
+    parser.add_argument("--profile-out", default=None, metavar="DIR",
+                        help="with --profile: also write each case's whole profile to DIR/<case>.prof")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<{width}}  {time_us(fn, args.device, args.calls, args.repeats, clock=clock):8.1f} us/call", flush=True)
     if args.profile:
         for name, fn in todo.items():
-            profile(name, fn, args.device, max(args.calls // 4, 20))
+            profile(name, fn, args.device, max(args.calls // 4, 20), args.profile_out)
 
 
 if __name__ == "__main__":

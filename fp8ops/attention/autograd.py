@@ -209,7 +209,6 @@ def _bwd_static(static: str) -> _Static:
     return _parse_static(static)
 
 
-@torch.library.custom_op("fp8ops::attention_bwd", mutates_args=())
 def _attention_bwd_op(
     dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     cu_q: Tensor | None, cu_kv: Tensor | None, seed: Tensor | None,
@@ -247,7 +246,6 @@ def _attention_bwd_op(
                            for g, b in zip(grads, buffers)]
 
 
-@_attention_bwd_op.register_fake
 def _attention_bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed,  # type: ignore[no-untyped-def]
                         kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi, buffers, static):
     st = _bwd_static(static)
@@ -268,6 +266,15 @@ def _attention_bwd_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tupl
     return [torch.stack([o[j] for o in outs]) for j in range(len(outs[0]))], [0] * len(outs[0])
 
 
+# A library op defined like attention_fwd (the dispatcher straight to the launcher: a
+# torch.library.custom_op adds its Python layers, a few hundred µs of host time per call).
+_define(
+    OpSpec("attention_bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+           "Tensor? cu_q, Tensor? cu_kv, Tensor? seed, Tensor? kvn, Tensor? kvi, Tensor? fkvn, Tensor? fkvi, "
+           "Tensor? qn, Tensor? qi, Tensor? fqn, Tensor? fqi, Tensor[] buffers, str static) -> Tensor[]",
+           cuda=_attention_bwd_op, fake=_attention_bwd_fake),
+    cpu=_attention_bwd_op,
+)
 torch.library.register_vmap("fp8ops::attention_bwd", _attention_bwd_vmap)
 
 
