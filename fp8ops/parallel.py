@@ -15,13 +15,15 @@ Call ``transformer_layer(shard, x, state, ..., tp_group=group)`` with ``rank`` t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _parallel
 from ._checks import check_float_tensor, check_recipe
 from ._parallel import (
     _reduce_scatter,
@@ -37,7 +39,81 @@ from .recipes import Recipe
 from .state import ScalingState, validate_state
 from .transformer_layer import TransformerConfig
 
-__all__ = ["all_gather_weight", "gather_transformer_params", "shard_transformer_params"]
+__all__ = ["CommOptions", "all_gather_weight", "comm_options", "gather_transformer_params", "set_comm_options",
+           "shard_transformer_params"]
+
+
+class CommOptions(NamedTuple):
+    """How the sequence-parallel linears overlap their collectives with their GEMMs (see
+    :func:`set_comm_options`)."""
+
+    pipelined_gemms: bool
+    sm_carveout: int
+    row_chunks: int
+
+
+def _comm_now() -> CommOptions:
+    return CommOptions(bool(_parallel.FUSED_SP_GEMMS[0]), int(_parallel.OVERLAP_SM_CARVEOUT[0]),
+                       int(_parallel.ROW_FPROP_CHUNKS[0]))
+
+
+def set_comm_options(*, pipelined_gemms: bool | None = None, sm_carveout: int | None = None,
+                     row_chunks: int | None = None) -> CommOptions:
+    """Set how the sequence-parallel FP8 linears overlap communication and GEMMs, for the calls
+    that follow (read at each call; a setting left None keeps its value). Returns the previous
+    options, which ``set_comm_options(**old._asdict())`` restores.
+
+    Args:
+        pipelined_gemms: run each all-gather with the GEMM that consumes it, and each row-parallel
+            GEMM with its reduce-scatter, as torch's pipelined symmetric-memory ops where they
+            apply (default True; docs/parallel.md says where). False: NCCL collectives.
+        sm_carveout: SMs that a GEMM running while a collective of its op is in flight leaves free
+            (cuBLAS's SM count target; default 0, every SM).
+        row_chunks: the row-parallel forward GEMM in this many column chunks, each reduce-scattered
+            while the next is computed, where the pipelined GEMMs do not apply (default 1).
+
+    Eager mode and CUDA graph captures only: compiled calls use the functional collectives and
+    every SM. Measured on two H100s: docs/benchmarks/parallel.md.
+
+    Example:
+        >>> import fp8ops
+        >>> old = fp8ops.parallel.set_comm_options(pipelined_gemms=False)
+        >>> old.pipelined_gemms, fp8ops.parallel.set_comm_options(**old._asdict()).pipelined_gemms
+        (True, False)
+    """
+    where = "fp8ops.parallel.set_comm_options"
+    if pipelined_gemms is not None and not isinstance(pipelined_gemms, bool):
+        raise TypeError(f"{where}: pipelined_gemms must be a bool, got {pipelined_gemms!r}")
+    for name, value, low in (("sm_carveout", sm_carveout, 0), ("row_chunks", row_chunks, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{where}: {name} must be an int >= {low}, got {value!r}")
+    old = _comm_now()
+    if pipelined_gemms is not None:
+        _parallel.FUSED_SP_GEMMS[0] = pipelined_gemms
+    if sm_carveout is not None:
+        _parallel.OVERLAP_SM_CARVEOUT[0] = sm_carveout
+    if row_chunks is not None:
+        _parallel.ROW_FPROP_CHUNKS[0] = row_chunks
+    return old
+
+
+@contextlib.contextmanager
+def comm_options(*, pipelined_gemms: bool | None = None, sm_carveout: int | None = None,
+                 row_chunks: int | None = None) -> Iterator[CommOptions]:
+    """:func:`set_comm_options` for the calls inside the block (the previous options come back
+    on exit, also on an exception); yields the options in force.
+
+    Example:
+        >>> import fp8ops
+        >>> with fp8ops.parallel.comm_options(pipelined_gemms=False, row_chunks=2) as opts:
+        ...     opts
+        CommOptions(pipelined_gemms=False, sm_carveout=0, row_chunks=2)
+    """
+    old = set_comm_options(pipelined_gemms=pipelined_gemms, sm_carveout=sm_carveout, row_chunks=row_chunks)
+    try:
+        yield _comm_now()
+    finally:
+        set_comm_options(**old._asdict())
 
 
 def _layout(cfg: TransformerConfig) -> dict[str, tuple[int, tuple[int, ...]] | None]:

@@ -695,3 +695,34 @@ def test_fused_sp_gemms_only_where_the_symmetric_memory_ops_apply():
         return x + _parallel.fused_sp_gemms(cuda, None, "delayed", ok, 64, 32, 32)
 
     assert float(torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(()))) == 0.0
+
+
+def test_comm_options_set_restore_and_reject_bad_values():
+    """fp8ops.parallel.set_comm_options writes the settings the ops read (and returns the old
+    ones); comm_options restores them on exit, also when its block raises; bad values raise naming
+    the function and the argument, and change nothing."""
+    from fp8ops import _parallel
+
+    P = fp8ops.parallel
+    default = P.CommOptions(pipelined_gemms=True, sm_carveout=0, row_chunks=1)
+    assert P.set_comm_options() == default
+    old = P.set_comm_options(pipelined_gemms=False, sm_carveout=16, row_chunks=2)
+    try:
+        assert old == default
+        assert (_parallel.FUSED_SP_GEMMS, _parallel.OVERLAP_SM_CARVEOUT, _parallel.ROW_FPROP_CHUNKS) == ([False], [16], [2])
+        assert _parallel.row_fprop_chunks(64) == 2 and _parallel.overlap_sm_carveout(torch.device("cuda", 0)) == 16
+    finally:
+        assert P.set_comm_options(**old._asdict()) == P.CommOptions(False, 16, 2)
+    assert P.set_comm_options() == default
+    with pytest.raises(RuntimeError, match="inside"), P.comm_options(row_chunks=4) as opts:
+        assert opts == P.CommOptions(True, 0, 4) and _parallel.ROW_FPROP_CHUNKS == [4]
+        raise RuntimeError("inside")
+    assert P.set_comm_options() == default
+    for kw, match in [({"pipelined_gemms": 1}, r"set_comm_options: pipelined_gemms must be a bool, got 1"),
+                      ({"sm_carveout": -1}, r"set_comm_options: sm_carveout must be an int >= 0, got -1"),
+                      ({"row_chunks": 0}, r"set_comm_options: row_chunks must be an int >= 1, got 0"),
+                      ({"row_chunks": 2.0}, r"row_chunks must be an int >= 1, got 2.0"),
+                      ({"sm_carveout": True, "row_chunks": 2}, r"sm_carveout must be an int >= 0, got True")]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            P.set_comm_options(**kw)
+        assert P.set_comm_options() == default

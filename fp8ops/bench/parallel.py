@@ -34,12 +34,13 @@ FSDP2 with FP8 all-gather moves half the weight bytes of bf16 and is no slower.
 ``--fsdp-batch N``: N sequences per GPU in the FSDP2 GPT (4 by default). ``--overlap SPEC ...`` also
 times the TP=2+SP graph step with ways of overlapping its collectives with its GEMMs, each SPEC a
 ``+``-joined set of: ``c<N>``, the row-parallel forward GEMMs (proj, fc2) in N column chunks, each
-chunk's reduce-scatter in flight while the next chunk is computed (``_parallel.ROW_FPROP_CHUNKS``);
+chunk's reduce-scatter in flight while the next chunk is computed (``row_chunks`` of
+:func:`fp8ops.parallel.set_comm_options`);
 ``s<N>``, the GEMMs that run while a collective of their op is in flight leave N SMs free
-(``_parallel.OVERLAP_SM_CARVEOUT``); ``hp``, the collectives on a process group whose NCCL stream
+(``sm_carveout``); ``hp``, the collectives on a process group whose NCCL stream
 has high priority; ``nf``, the FP8 GEMMs and their collectives not fused (NCCL collectives next
 to the GEMMs, instead of the default: torch's pipelined symmetric-memory ops,
-``_parallel.FUSED_SP_GEMMS``). Each is reported as ``overlap_<SPEC>_over_default``; the target ratios use the
+``pipelined_gemms``). Each is reported as ``overlap_<SPEC>_over_default``; the target ratios use the
 default (one GEMM, every SM, the default group).
 """
 
@@ -421,7 +422,6 @@ def _carveout_check(sms: list[int]) -> dict[str, float]:
 
 def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
     import fp8ops
-    from fp8ops import _parallel
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{os.path.join(out_dir, 'init')}", rank=rank,
@@ -444,8 +444,8 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
         torch._dynamo.reset()
         torch.cuda.reset_peak_memory_stats()
         one_gpu = "1 GPU" in name
-        _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0], _, _parallel.FUSED_SP_GEMMS[0] = \
-            _overlap_of(name)
+        chunks, sms, _, fused = _overlap_of(name)
+        defaults = fp8ops.parallel.set_comm_options(pipelined_gemms=fused, sm_carveout=sms, row_chunks=chunks)
         try:
             if not one_gpu or rank == 0:
                 step, carry, batch = build()
@@ -471,7 +471,7 @@ def _worker(rank: int, world: int, out_dir: str, opts: dict[str, Any]) -> None:
             failed.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
             if progress is not None:
                 progress.note(failed[-1])
-        _parallel.ROW_FPROP_CHUNKS[0], _parallel.OVERLAP_SM_CARVEOUT[0], _parallel.FUSED_SP_GEMMS[0] = 1, 0, True
+        fp8ops.parallel.set_comm_options(**defaults._asdict())
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         dist.barrier()
