@@ -18,8 +18,9 @@ partial outputs. With sequence parallelism the activations between the parallel 
 rank's contiguous slice of dim 0 (S/w rows of (S, B, H)), so the all-reduce splits into an
 all-gather before the column GEMM and a reduce-scatter after the row GEMM.
 
-The collectives are ``torch.distributed._functional_collectives`` (all_reduce, all_gather_tensor,
-reduce_scatter_tensor: traceable by torch.compile, and run by gloo on the CPU).
+The collectives are ``torch.distributed._functional_collectives`` (all_reduce, all_gather_single,
+reduce_scatter_single, or their older names all_gather_tensor and reduce_scatter_tensor: traceable
+by torch.compile, and run by gloo on the CPU).
 
 References:
     Shoeybi et al., "Megatron-LM" (2019); Korthikanti et al., "Reducing Activation Recomputation
@@ -91,27 +92,42 @@ def _done(t: Tensor) -> Tensor:
     return t
 
 
+# The functional all-gather and reduce-scatter of dim 0: named *_single in newer torch releases
+# (2.13 warns on the *_tensor names), *_tensor in older ones (2.11).
+GATHER_NAME, SCATTER_NAME = "all_gather_single", "reduce_scatter_single"
+
+
+def _gather_fn() -> Any:
+    fc = _fc()
+    return getattr(fc, GATHER_NAME, None) or fc.all_gather_tensor
+
+
+def _scatter_fn() -> Any:
+    fc = _fc()
+    return getattr(fc, SCATTER_NAME, None) or fc.reduce_scatter_tensor
+
+
 def _all_reduce(t: Tensor, group: Any) -> Tensor:
     return _done(_fc().all_reduce(t.contiguous(), "sum", group))
 
 
 def _all_gather(t: Tensor, group: Any) -> Tensor:
-    return _done(_fc().all_gather_tensor(t.contiguous(), 0, group))
+    return _done(_gather_fn()(t.contiguous(), 0, group))
 
 
 def _reduce_scatter(t: Tensor, group: Any) -> Tensor:
-    return _done(_fc().reduce_scatter_tensor(t.contiguous(), "sum", 0, group))
+    return _done(_scatter_fn()(t.contiguous(), "sum", 0, group))
 
 
 def reduce_scatter_async(t: Tensor, group: Any) -> Tensor:
     """The sum of t over the group, this rank's dim-0 slice, still in flight: pass it to
     :func:`wait` before use (the work issued in between overlaps the communication)."""
-    return _fc().reduce_scatter_tensor(t.contiguous(), "sum", 0, group)
+    return _scatter_fn()(t.contiguous(), "sum", 0, group)
 
 
 def all_gather_async(t: Tensor, group: Any) -> Tensor:
     """The ranks' dim-0 slices of t concatenated in rank order, still in flight (see :func:`wait`)."""
-    return _fc().all_gather_tensor(t.contiguous(), 0, group)
+    return _gather_fn()(t.contiguous(), 0, group)
 
 
 wait = _done

@@ -132,13 +132,16 @@ def _fp8_comm(rank, world, group, bad):
     the single-process one; with current scaling they stay within the FP8 budget."""
     import torch.distributed._functional_collectives as fc
 
+    from fp8ops import _parallel
+
     g = torch.Generator().manual_seed(3)
     M, K, N = 8, 32, 16
     x, w, b = torch.randn(M, B, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
     gy = torch.randn(M, B, N, generator=g)
     sl = slice(rank * M // world, (rank + 1) * M // world)  # this rank's sequence rows
     gathered = []
-    orig = fc.all_gather_tensor
+    gname = _parallel.GATHER_NAME if hasattr(fc, _parallel.GATHER_NAME) else "all_gather_tensor"
+    orig = getattr(fc, gname)
 
     def spy(t, *args, **kwargs):
         gathered.append(t.dtype)
@@ -164,7 +167,7 @@ def _fp8_comm(rank, world, group, bad):
         n, k = slice(rank * N // world, (rank + 1) * N // world), slice(rank * K // world, (rank + 1) * K // world)
         for mode in ("column", "row"):
             tp = {"tp_group": group, "parallel_mode": mode, "sequence_parallel": True}
-            fc.all_gather_tensor = spy
+            setattr(fc, gname, spy)
             try:
                 if mode == "column":  # x: rows of the sequence; y: every row, the rank's columns
                     out = run(x[sl], w[n], b[n], gy[..., n], **tp)
@@ -173,7 +176,7 @@ def _fp8_comm(rank, world, group, bad):
                     out = run(x[..., k], w[:, k], b, gy[sl], **tp)
                     want = [ref[0][sl], ref[1][..., k], ref[2][:, k], ref[3]]
             finally:
-                fc.all_gather_tensor = orig
+                setattr(fc, gname, orig)
             tag = f"fp8 comm/{name}/{mode}"
             if name == "delayed":
                 for what, a, r in zip(("y", "dx", "dw", "db"), out[:4], want):
@@ -210,7 +213,8 @@ def _row_chunks(rank, world, group, bad):
     sl = slice(rank * S // world, (rank + 1) * S // world)
     tp = {"tp_group": group, "sequence_parallel": True}
     calls = []
-    orig = fc.reduce_scatter_tensor
+    sname = _parallel.SCATTER_NAME if hasattr(fc, _parallel.SCATTER_NAME) else "reduce_scatter_tensor"
+    orig = getattr(fc, sname)
 
     def spy(t, *args, **kwargs):
         calls.append(tuple(t.shape))
@@ -218,7 +222,7 @@ def _row_chunks(rank, world, group, bad):
 
     def two_steps(chunks):
         _parallel.ROW_FPROP_CHUNKS[0] = chunks
-        fc.reduce_scatter_tensor = spy
+        setattr(fc, sname, spy)
         try:
             st, outs = fp8ops.init_transformer_state(cfg, recipe), []
             for _ in range(2):  # the second step runs with calibrated scales
@@ -229,7 +233,7 @@ def _row_chunks(rank, world, group, bad):
             calls.clear()
             return outs, n
         finally:
-            fc.reduce_scatter_tensor = orig
+            setattr(fc, sname, orig)
             _parallel.ROW_FPROP_CHUNKS[0] = 1
 
     ref, n_ref = two_steps(1)
