@@ -241,6 +241,11 @@ class _StandIn(torch.autograd.Function):
         return dw
 
 
+# autograd.Function.apply binds the arguments with inspect.signature(forward) on every call; a
+# stored signature makes that lookup immediate (one stand-in per FP8-gathered weight and forward).
+_StandIn.forward.__signature__ = inspect.signature(_StandIn.forward)  # type: ignore[attr-defined]
+
+
 def is_gathered(*weights: Tensor | None) -> bool:
     """Whether any of ``weights`` is an unsharded FP8-gathered weight (inside ``fully_shard``'s forward)."""
     return any(isinstance(w, GatheredFP8Weight) for w in weights)
