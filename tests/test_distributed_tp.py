@@ -472,6 +472,39 @@ def _residual_chain(rank, world, group, bad):
             bad.append(f"residual chain w={world}: {what} differs by {float((a - b).abs().max()):.3g}")
 
 
+def _symm_check(rank, world, group, bad):
+    """Whether a group can take the pipelined GEMMs is decided alike on every rank, once per group:
+    ranks on different hosts never (even where some of them share a host); ranks of one host whose
+    GPUs are the same device or reach each other's memory, yes. (On gloo, with each rank's host
+    name and device stood in.)"""
+    import socket
+
+    from fp8ops import _parallel
+
+    orig, name = socket.gethostname, group.group_name
+    try:
+        for hosts, peer_ok, want in (
+            (["a"] * world, [True] * world, True),
+            (["a"] * (world - 1) + ["b"], [True] * world, False),
+            (["a"] * world, [False] * world, False),
+            (["a"] * world, [False] + [True] * (world - 1), False),  # only rank 0 lacks peer access
+        ):
+            _parallel._SYMM_GROUPS.pop(name, None)
+            socket.gethostname = lambda h=hosts[rank]: h
+            access = torch.cuda.can_device_access_peer
+            torch.cuda.can_device_access_peer = lambda a, b, ok=peer_ok[rank]: ok
+            try:
+                got = _parallel._symm_check(group, torch.device("cuda", rank))
+            finally:
+                torch.cuda.can_device_access_peer = access
+            if got != want or _parallel._SYMM_GROUPS.get(name) != want:
+                bad.append(f"symm check: hosts {hosts}, peer access {peer_ok}: {got} "
+                           f"(cached {_parallel._SYMM_GROUPS.get(name)}), expected {want}")
+    finally:
+        socket.gethostname = orig
+        _parallel._SYMM_GROUPS.pop(name, None)
+
+
 def _worker(rank, world, init_file, out_dir, cases):
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -486,6 +519,7 @@ def _worker(rank, world, init_file, out_dir, cases):
         _fp8_comm(rank, world, group, bad)
         _replicated(rank, world, group, bad)
         _residual_chain(rank, world, group, bad)
+        _symm_check(rank, world, group, bad)
         if world == 2:
             _row_chunks(rank, world, group, bad)
         if world == 4:
