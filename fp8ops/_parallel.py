@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .gemm import add_bias, bias_in_epilogue
 from .norm import layer_norm, rms_norm
 from .quantize import quantize_2d
 from .recipes import compute_scale
@@ -218,10 +219,13 @@ def fused_sp_gemms(device: torch.device, group: Any, mode: str, backends: tuple[
         return False
     if any(b not in ("auto", "cublas") for b in backends) or any(d % 16 for d in dims):
         return False
-    if dist.get_backend(group) != "nccl":
-        return False
-    ok = _SYMM_GROUPS.get(group.group_name)
-    return _symm_check(group, device) if ok is None else ok
+    ok = _SYMM_GROUPS.get(getattr(group, "group_name", None))
+    if ok is None:  # the group's first call: its backend, then (NCCL) the ranks' hosts and devices
+        if dist.get_backend(group) != "nccl":
+            _SYMM_GROUPS[group.group_name] = ok = False
+        else:
+            ok = _symm_check(group, device)
+    return ok
 
 
 def _symm_check(group: Any, device: torch.device) -> bool:
@@ -261,11 +265,11 @@ def all_gather_scaled_mm(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor,
     * scale_b (+ bias)`` (M, N)); ``b`` is (N, K) FP8, both scales per tensor. The GEMM of this
     rank's rows runs while the others are copied."""
     name = _symm_group(group)  # first: it registers the ops
-    fused_bias = bias if bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32 else None
+    epilogue = bias_in_epilogue(bias, out_dtype)
     full, (y,) = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
-        a, [b.t()], scale_a, [scale_b], 0, name, [fused_bias], [None], [out_dtype], [fast_accum])
-    if bias is not None and fused_bias is None:
-        y = (y.to(torch.float32) + bias.to(torch.float32)).to(out_dtype)
+        a, [b.t()], scale_a, [scale_b], 0, name, [bias if epilogue else None], [None], [out_dtype], [fast_accum])
+    if bias is not None and not epilogue:
+        y = add_bias(y, bias, out_dtype)
     return full, y
 
 

@@ -185,7 +185,8 @@ class _Cfg(NamedTuple):
 
 
 def _gathered_fp8(full: Tensor, dtype: torch.dtype, need_t: bool) -> tuple[Tensor, Tensor | None]:
-    """(the ranks' FP8 slices gathered along dim 0 as ``dtype``, its K-major transpose or None)."""
+    """(the ranks' FP8 slices gathered along dim 0 as ``dtype``, its K-major transpose or None);
+    ``full``: an all-gather's result, in flight or done."""
     full = wait(full).view(dtype)  # (M, C)
     return full, (torch.ops.fp8ops.transpose_bytes(full) if need_t else None)
 
@@ -254,9 +255,9 @@ class _FP8Linear(torch.autograd.Function):
         # Step 3: the forward GEMM; row-parallel SP: the partial sums reduce-scattered to this rank's
         # rows; column-parallel SP: on the gathered rows (fused: this rank's rows while the others arrive).
         if cfg.sp == "column" and cfg.fused:
-            xq, y = all_gather_scaled_mm(xq.view(cfg.x_spec.dtype), x_inv, wq, w_inv, bias, x.dtype,
-                                         cfg.fprop.fast_accum, group)
-            xq_t = torch.ops.fp8ops.transpose_bytes(xq) if need_xt else None
+            full, y = all_gather_scaled_mm(xq.view(cfg.x_spec.dtype), x_inv, wq, w_inv, bias, x.dtype,
+                                           cfg.fprop.fast_accum, group)
+            xq, xq_t = _gathered_fp8(full, cfg.x_spec.dtype, need_xt)
         elif cfg.sp == "row":
             y = _row_fprop(xq, x_inv, x, wq, w_inv, w, cfg, group)
         else:
@@ -302,9 +303,9 @@ class _FP8Linear(torch.autograd.Function):
             if cfg.sp == "row":
                 data, dy_inv, dy_amax = fp8_group_quantize(dy, g_scale, cfg.g_spec, ctx.group)
                 if cfg.fused and cfg.need_dx:  # the gather and dgrad in one pipelined op
-                    dyq, dx = all_gather_scaled_mm(data.view(cfg.g_spec.dtype), dy_inv, wq_t, w_inv_t, None,
-                                                   ctx.x_dtype, cfg.dgrad.fast_accum, ctx.group)
-                    dyq_t = torch.ops.fp8ops.transpose_bytes(dyq) if fp8_wgrad else None
+                    full, dx = all_gather_scaled_mm(data.view(cfg.g_spec.dtype), dy_inv, wq_t, w_inv_t, None,
+                                                    ctx.x_dtype, cfg.dgrad.fast_accum, ctx.group)
+                    dyq, dyq_t = _gathered_fp8(full, cfg.g_spec.dtype, fp8_wgrad)
                 else:
                     dyq, dyq_t = _gathered_fp8(all_gather_async(data, ctx.group), cfg.g_spec.dtype, fp8_wgrad)
                 dy_inv_t = dy_inv

@@ -15,7 +15,7 @@ from .kernels._library import define as _define
 from ._glue import cast
 from .reference import gemm as _ref
 
-__all__ = ["resolve_backend", "scaled_mm"]
+__all__ = ["add_bias", "bias_in_epilogue", "resolve_backend", "scaled_mm"]
 
 # The library op, every kernel side by side: CUDA and fake kernels from kernels/gemm.py, the CPU
 # kernel is the reference math.
@@ -71,6 +71,17 @@ def _up(n: int) -> int:
     return -(-n // _MULTIPLE) * _MULTIPLE - n
 
 
+def bias_in_epilogue(bias: Tensor | None, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` (and the symmetric-memory GEMMs built on it) adds ``bias`` in
+    its epilogue: a bias of the output dtype, not float32; otherwise :func:`add_bias` after."""
+    return bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
+
+
+def add_bias(out: Tensor, bias: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``out + bias`` summed in float32, in ``out_dtype`` (a bias the epilogue did not take)."""
+    return cast(out.to(torch.float32) + bias.to(torch.float32), out_dtype)
+
+
 def _cublas(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
             out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
     m, k = a.shape
@@ -88,7 +99,7 @@ def _cublas(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor
         if rowwise:
             scale_b = _pad_rows(scale_b, pn, 1.0)
     sb = scale_b.reshape(1, -1) if rowwise else scale_b
-    fused_bias = bias is not None and out_dtype != torch.float32 and not pn and bias.dtype == out_dtype
+    fused_bias = not pn and bias_in_epilogue(bias, out_dtype)
     out = torch._scaled_mm(
         a, b.t(), scale_a=scale_a, scale_b=sb, bias=bias if fused_bias else None,
         out_dtype=out_dtype, use_fast_accum=fast_accum,
@@ -96,7 +107,7 @@ def _cublas(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor
     if pm or pn:
         out = out[:m, :n]
     if bias is not None and not fused_bias:
-        out = cast(out.to(torch.float32) + bias.to(torch.float32), out_dtype)
+        out = add_bias(out, bias, out_dtype)
     return out
 
 

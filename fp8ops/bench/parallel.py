@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .common import Progress, environment, format_table, write_bar_chart, write_json
+from .common import Progress, environment, format_table, time_cuda, write_bar_chart, write_json
 
 __all__ = ["add_arguments", "run"]
 
@@ -405,18 +405,14 @@ def _carveout_check(sms: list[int]) -> dict[str, float]:
     a = torch.randn(8192, 4096, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(4096, 4096, device="cuda").to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
+
+    def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
     out = {}
     for n in [0, *sms, torch.cuda.get_device_properties(0).multi_processor_count // 2]:
-        with overlap_carveout(n):
-            for _ in range(3):
-                torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            end.record()
-        torch.cuda.synchronize()
-        out[str(n)] = start.elapsed_time(end) / 20
+        with overlap_carveout(n):  # set at launch: plain launches, no graph
+            out[str(n)] = time_cuda(gemm, [(a, b)], samples=10, use_graph=False).median_us / 1e3
     return out
 
 
