@@ -11,21 +11,22 @@ FSDP2 all-gathers a parameter whose local shard defines ``fsdp_pre_all_gather`` 
                          ``fc1_weight`` or ``fc2_weight`` of the module's state, ``qkv.weight``,
                          ``proj.weight``, ``mlp.fc1_weight``... of a TransformerLayer's), or that of the
                          group's amax (one all_reduce(MAX) of a scalar: current scaling, an
-                         uncalibrated state)
+                         uncalibrated state). The backward pass's gather sends the bytes its forward
+                         cast (same scale tensor: nothing updates the weight or the state in between)
     all-gather           (w * N/w, K) uint8: one byte per element, half of bfloat16's
     fsdp_post_all_gather the unsharded parameter, a GatheredFP8Weight (N, K) of the param dtype that
-                         holds the gathered bytes, their transposed copy (K, N), 1/scale and the
-                         amax of this rank's shard; no high-precision copy of the full weight
+                         holds the gathered bytes, 1/scale and the amax of this rank's shard; no
+                         high-precision copy of the full weight
     forward              the module's op (fp8_linear, layernorm_linear, fused_ln_mlp, transformer_layer) with a
-                         WeightCache of those bytes and a zero-stride stand-in weight whose
-                         gradient, the (N, K) dW, becomes the unsharded parameter's gradient, which
-                         FSDP2 reduce-scatters as usual
+                         WeightCache of those bytes (no transposed copy) and a zero-stride stand-in
+                         weight whose gradient, the (N, K) dW, becomes the unsharded parameter's
+                         gradient, which FSDP2 reduce-scatters as usual
+    backward             the op transposes the gathered bytes for its dgrad GEMM (K-major)
 
-FSDP2 frees the all-gather output and the inner tensors returned by ``fsdp_post_all_gather``
-after the forward (storage resized to 0) and gathers again for the backward into the same tensor
-objects, so the backward reads the tensors the forward saved: the transposed copy is rewritten
-in place (``fp8ops::transpose_bytes_into``, no new tensor) without a version bump, as FSDP2 does
-with its own outputs.
+FSDP2 frees the all-gather output after the forward (storage resized to 0) and gathers again for
+the backward into the same storage, without a version bump, so the bytes the forward saved are
+those of the backward's gather when the backward reads them: the transposed copy is made there,
+once per step, instead of after every gather.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class FP8AllGatherWeight(torch.Tensor):
     _tensor: Tensor
     _owner: weakref.ref[Any]
     _role: str
+    _last_cast: tuple[Tensor, Tensor, Any] | None  # (scale, bytes, metadata) of the last forward gather
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -96,6 +98,7 @@ class FP8AllGatherWeight(torch.Tensor):
 
     def __init__(self, tensor: Tensor, owner: weakref.ref[Any], role: str = "weight") -> None:
         self._tensor, self._owner, self._role = tensor, owner, role
+        self._last_cast = None
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"FP8AllGatherWeight({self._tensor!r}, role={self._role!r})"
@@ -131,16 +134,24 @@ class FP8AllGatherWeight(torch.Tensor):
                              f"default Shard(0) placement) of the {tuple(outer_size)} weight, got a "
                              f"{tuple(self.shape)} shard; do not pass a shard_placement_fn for this weight")
         recipe, ws = owner.recipe, role_state(owner.fp8_state, self._role)
+        last = self._last_cast
+        self._last_cast = None
+        if last is not None and last[0] is ws.scale and torch._C._current_graph_task_id() != -1:
+            # The backward pass gathers again what its forward gathered (the shard and the scale
+            # are those of the forward: the optimizer and the state update come after backward).
+            return (last[1],), last[2]
         spec = QuantSpec.of(recipe, "forward", ws.calibrated)
         group = mesh.get_group()
-        shard = self._tensor
-        data, inv, amax = fp8_group_quantize(shard.contiguous(), ws.scale, spec, group)  # (rows, K) uint8
+        data, inv, amax = fp8_group_quantize(self._tensor.contiguous(), ws.scale, spec, group)  # (rows, K) uint8
         # FSDP2 gathers equal pieces: a shorter last shard (N not divisible by w) is padded with
         # zero bytes (FP8 zeros) to the rows of the first one, which the unsharded weight drops.
         rows = -(-outer_size[0] // mesh.size())
         if data.shape[0] != rows:
             data = torch.cat([data, data.new_zeros(rows - data.shape[0], data.shape[1])])
-        return (data,), (outer_size[0], inv, amax, spec.dtype)
+        metadata = (outer_size[0], inv, amax, spec.dtype)
+        if torch._C._current_graph_task_id() == -1:  # a forward gather: kept for its backward's
+            self._last_cast = (ws.scale, data, metadata)
+        return (data,), metadata
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[Tensor, ...], metadata: Any, param_dtype: torch.dtype,
                              *, out: Tensor | None = None) -> tuple[GatheredFP8Weight, tuple[Tensor, ...]] | None:
@@ -152,14 +163,9 @@ class FP8AllGatherWeight(torch.Tensor):
             if not isinstance(out, GatheredFP8Weight):
                 raise TypeError(f"FP8AllGatherWeight.fsdp_post_all_gather: out must be the GatheredFP8Weight "
                                 f"this hook made, got {type(out).__name__}")
-            # the same (K, N) tensor the forward may have saved for the backward: refilled in place
-            with torch.autograd._unsafe_preserve_version_counter(out._data_t):
-                torch.ops.fp8ops.transpose_bytes_into(data, out._data_t)
             out._data, out._inv, out._amax = data, inv, amax
             return None
-        data_t = torch.ops.fp8ops.transpose_bytes(data)  # (K, N): the dgrad GEMM's K-major operand
-        w = GatheredFP8Weight(data, data_t, inv, amax, fp8_dtype, param_dtype)
-        return w, (data_t,)
+        return GatheredFP8Weight(data, inv, amax, fp8_dtype, param_dtype), ()
 
 
 # FSDP2 reads inspect.signature(fsdp_pre_all_gather) at every all-gather of every parameter; a stored
@@ -178,27 +184,25 @@ class GatheredFP8Weight(torch.Tensor):
     """
 
     _data: Tensor
-    _data_t: Tensor
     _inv: Tensor
     _amax: Tensor
     _fp8_dtype: torch.dtype
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, data: Tensor, data_t: Tensor, inv: Tensor, amax: Tensor, fp8_dtype: torch.dtype,
+    def __new__(cls, data: Tensor, inv: Tensor, amax: Tensor, fp8_dtype: torch.dtype,
                 dtype: torch.dtype) -> GatheredFP8Weight:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, data.size(), dtype=dtype, device=data.device)
 
-    def __init__(self, data: Tensor, data_t: Tensor, inv: Tensor, amax: Tensor, fp8_dtype: torch.dtype,
-                 dtype: torch.dtype) -> None:
-        self._data, self._data_t, self._inv, self._amax, self._fp8_dtype = data, data_t, inv, amax, fp8_dtype
+    def __init__(self, data: Tensor, inv: Tensor, amax: Tensor, fp8_dtype: torch.dtype, dtype: torch.dtype) -> None:
+        self._data, self._inv, self._amax, self._fp8_dtype = data, inv, amax, fp8_dtype
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, fp8_dtype={self._fp8_dtype})"
 
     def _same(self) -> GatheredFP8Weight:
-        return GatheredFP8Weight(self._data, self._data_t, self._inv, self._amax, self._fp8_dtype, self.dtype)
+        return GatheredFP8Weight(self._data, self._inv, self._amax, self._fp8_dtype, self.dtype)
 
     def dequantize(self) -> Tensor:
         """The gathered weight as a plain (N, K) tensor of the param dtype: ``fp8 * inv_scale``."""
@@ -259,7 +263,9 @@ def _cached(weight: Tensor, scale: Tensor, recipe: Any) -> tuple[Tensor, WeightC
         return weight, None
     stand_in = _StandIn.apply(weight)
     dt = weight._fp8_dtype
-    value = Float8Value(weight._data.view(dt), weight._inv, weight._data_t.view(dt))
+    # no transposed copy: the op transposes the bytes in its backward pass, when FSDP2 has gathered
+    # them again into the same storage
+    value = Float8Value(weight._data.view(dt), weight._inv)
     return stand_in, WeightCache(value, None, scale, recipe, stand_in)
 
 

@@ -27,6 +27,8 @@ from .recipes import GemmSpec
 __all__ = [
     "HIGH",
     "NormCfg",
+    "cached_dgrad_operand",
+    "dgrad_weight",
     "gemm_dgrad",
     "gemm_fprop",
     "gemm_wgrad",
@@ -147,6 +149,22 @@ def quantize_weight_operands(w: Tensor, w_scale: Tensor | None, spec: QuantSpec 
     if fp8_fprop or need_t:
         return quantize_pair(w, w_scale, spec, need_t)
     return None, None, None, None, _ops.amax(w)
+
+
+def cached_dgrad_operand(c_data: Tensor | None, c_data_t: Tensor | None, c_inv: Tensor | None,
+                         c_inv_t: Tensor | None) -> tuple[Tensor | None, Tensor | None, bool]:
+    """``(operand, inverse scale, transpose later)`` of a cached weight for the dgrad GEMM, saved for
+    the backward pass: the cache's transposed copy (K, N), or, when the cache holds none (an FSDP2
+    weight all-gathered in FP8), its (N, K) bytes themselves, to be transposed by
+    :func:`dgrad_weight` in the backward pass (one scale per tensor: its inverse serves both)."""
+    if c_data_t is not None:
+        return c_data_t, (c_inv_t if c_inv_t is not None else c_inv), False
+    return c_data, c_inv, True
+
+
+def dgrad_weight(wq_t: Tensor | None, later: bool) -> Tensor | None:
+    """The dgrad GEMM's K-major weight operand from what :func:`cached_dgrad_operand` saved."""
+    return torch.ops.fp8ops.transpose_bytes(wq_t) if later and wq_t is not None else wq_t
 
 
 def or_empty(t: Tensor | None, x: Tensor) -> Tensor:

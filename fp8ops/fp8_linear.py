@@ -45,6 +45,8 @@ from ._parallel import (
 from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
 from ._operands import (
+    cached_dgrad_operand,
+    dgrad_weight,
     gemm_dgrad,
     gemm_fprop,
     gemm_wgrad,
@@ -89,6 +91,9 @@ class WeightCache:
     the dgrad GEMM, its inverse scale, and what it was built from (the weight tensor itself, the
     recipe and the weight state's scale tensor), so that :func:`fp8_linear` refuses a cache from
     another weight, state or recipe. ``weight`` is a reference to the source tensor, not a copy.
+    A cache whose ``value.data_t`` is None (one scale per tensor only) has its transposed copy
+    written in the backward pass, from the FP8 bytes as they are then: the weight all-gathered in
+    FP8 under FSDP2, whose bytes are gathered again for the backward pass, is built so.
     """
 
     value: Float8Value
@@ -119,6 +124,15 @@ pytree.register_pytree_node(
         c.recipe,
     ),
 )
+
+
+def _check_cache_transpose(cache: WeightCache, where: str, name: str) -> None:
+    """A cache without its transposed copy (the dgrad operand transposed in the backward pass)
+    must have one scale per tensor: the transpose of row-wise scaled bytes needs its own scales."""
+    if cache.value.data_t is None and (cache.inv_scale_t is not None or cache.value.inv_scale.numel() != 1):
+        raise ValueError(f"{where}: {name} has no transposed copy (value.data_t is None) but row-wise scales "
+                         f"(inv_scale {tuple(cache.value.inv_scale.shape)}); build it with quantize_weight, "
+                         f"which writes the transposed copy with its own scales")
 
 
 def _unwrap(t: Tensor) -> Tensor:
@@ -273,13 +287,14 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg, *rest = inputs
+        x, w, bias, _, _, g_scale, _, c_data, c_data_t, c_inv, c_inv_t, cfg, *rest = inputs
         ctx.group = rest[0] if rest else None
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)  # no zero gradients for the outputs that never get one
         _, _, _, xq_t, x_inv_t, wq_t, w_inv_t = output
+        ctx.w_t_later = False
         if cfg.use_cache:
-            wq_t, w_inv_t = c_data_t, (c_inv_t if c_inv_t is not None else c_inv)
+            wq_t, w_inv_t, ctx.w_t_later = cached_dgrad_operand(c_data, c_data_t, c_inv, c_inv_t)
         keep_x = cfg.need_dw and cfg.wgrad.precision != "fp8"
         keep_w = cfg.need_dx and cfg.dgrad.precision != "fp8"
         ctx.save_for_backward(
@@ -297,6 +312,7 @@ class _FP8Linear(torch.autograd.Function):
             dy = dy.contiguous()
             fp8_dgrad = cfg.need_dx and cfg.dgrad.precision == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
+            wq_t = dgrad_weight(wq_t, ctx.w_t_later and fp8_dgrad)
             # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
             # Row-parallel SP: this rank's (M/w, N) slice with the group's scale, the FP8 bytes gathered.
             db32 = dx = dw = db = None
@@ -600,6 +616,7 @@ def _fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearSta
         if not torch.compiler.is_compiling() and not _same_weight(weight_cache.weight, weight):
             raise ValueError(f"{where}: weight_cache was built from another weight tensor; "
                              f"rebuild it with quantize_weight(weight, ...)")
+        _check_cache_transpose(weight_cache, where, "weight_cache")
     if not fp8 or K == 0:
         # No FP8, or nothing to quantize (K = 0: y is the bias broadcast, and the amax of an empty
         # tensor, 0, is no observation): torch's linear, and the state as given.

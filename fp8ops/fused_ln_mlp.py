@@ -54,6 +54,8 @@ from .formats import Role
 from ._operands import (
     HIGH,
     NormCfg,
+    cached_dgrad_operand,
+    dgrad_weight,
     gemm_dgrad,
     gemm_fprop,
     gemm_wgrad,
@@ -278,7 +280,7 @@ class _FusedLNMLP(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        (x, r, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, _, c1_data_t, c1_inv, c1_inv_t, _,
+        (x, r, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, c1_data, c1_data_t, c1_inv, c1_inv_t, c2_data,
          c2_data_t, c2_inv, c2_inv_t, cfg) = inputs
         ctx.mark_non_differentiable(*output[2 if r is not None else 1:])  # y, and s = x + r with a residual
         # The other outputs never get a gradient: without this, autograd would allocate a zero
@@ -287,10 +289,13 @@ class _FusedLNMLP(torch.autograd.Function):
         (_, s, _, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
          w2q_t, w2_inv_t) = output
         fp8_dgrad = cfg.dgrad.precision == "fp8"
+        ctx.w_t_later = (False, False)
         if cfg.cache1 and cfg.need_dx and fp8_dgrad:
-            w1q_t, w1_inv_t = c1_data_t, (c1_inv_t if c1_inv_t is not None else c1_inv)
+            w1q_t, w1_inv_t, later1 = cached_dgrad_operand(c1_data, c1_data_t, c1_inv, c1_inv_t)
+            ctx.w_t_later = (later1, False)
         if cfg.cache2 and cfg.need_dh and fp8_dgrad:
-            w2q_t, w2_inv_t = c2_data_t, (c2_inv_t if c2_inv_t is not None else c2_inv)
+            w2q_t, w2_inv_t, later2 = cached_dgrad_operand(c2_data, c2_data_t, c2_inv, c2_inv_t)
+            ctx.w_t_later = (ctx.w_t_later[0], later2)
         ctx.save_for_backward(
             (s if r is not None else x) if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t,
             w1 if cfg.need_dx and not fp8_dgrad else None,
@@ -346,7 +351,8 @@ class _FusedLNMLP(torch.autograd.Function):
                 db2 = (db2_32 if db2_32 is not None else dy.sum(0, dtype=torch.float32)).to(b2_dtype)
             if cfg.need_dh:
                 # Step 3: fc2's dgrad, then dact fused with the FP8 cast of fc1's output gradient.
-                da = gemm_dgrad(dyq, dy_inv, dy, w2q_t, w2_inv_t, w2, cfg.dgrad, x_dtype)  # (M, F)
+                da = gemm_dgrad(dyq, dy_inv, dy, dgrad_weight(w2q_t, ctx.w_t_later[1]), w2_inv_t, w2, cfg.dgrad,
+                                x_dtype)  # (M, F)
                 del dyq, dy
                 q1, q1_t = cfg.need_dx and fp8_dgrad, cfg.need_dw1 and fp8_wgrad
                 dh, dhq, dh_inv, dhq_t, dh_inv_t, dh_amax, db1_32 = dact_operands(
@@ -360,7 +366,8 @@ class _FusedLNMLP(torch.autograd.Function):
                 # Step 4: fc1's dgrad and the norm's backward first, so that dhq is freed before
                 # fc1's wgrad allocates its (C, K) output.
                 if cfg.need_dx:
-                    dln = gemm_dgrad(dhq, dh_inv, dh, w1q_t, w1_inv_t, w1, cfg.dgrad, x_dtype)
+                    dln = gemm_dgrad(dhq, dh_inv, dh, dgrad_weight(w1q_t, ctx.w_t_later[0]), w1_inv_t, w1, cfg.dgrad,
+                                     x_dtype)
                     del dhq
                     dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm, ds)
                     del dln

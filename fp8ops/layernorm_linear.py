@@ -34,6 +34,8 @@ from ._checks import check_norm_args, check_probe, check_residual, check_state_r
 from ._operands import (
     HIGH,
     NormCfg,
+    cached_dgrad_operand,
+    dgrad_weight,
     gemm_dgrad,
     gemm_fprop,
     gemm_wgrad,
@@ -44,7 +46,7 @@ from ._operands import (
     quantize_grad_db,
     quantize_weight_operands,
 )
-from .fp8_linear import LinearState, WeightCache, _same_tensor, _same_weight, fp8_linear
+from .fp8_linear import LinearState, WeightCache, _check_cache_transpose, _same_tensor, _same_weight, fp8_linear
 from .quantize import QuantSpec
 from .recipes import GemmSpec, Recipe
 from .state import ScalingState
@@ -97,6 +99,7 @@ def check_weight_cache(cache: Any, weight: Tensor, wstate: ScalingState | None, 
                          f"{tuple(weight.shape)} ({weight_name}'s shape)")
     if not torch.compiler.is_compiling() and not _same_weight(cache.weight, weight):
         raise ValueError(f"{where}: {name} was built from another weight tensor than {weight_name}; {rebuild}")
+    _check_cache_transpose(cache, where, name)
 
 
 class _Cfg(NamedTuple):
@@ -164,10 +167,11 @@ class _LayerNormLinear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, r, ln_w, _, w, bias, _, _, g_scale, _, _, c_data_t, c_inv, c_inv_t, cfg = inputs
+        x, r, ln_w, _, w, bias, _, _, g_scale, _, c_data, c_data_t, c_inv, c_inv_t, cfg = inputs
         _, ln, s, _, _, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t = output
+        ctx.w_t_later = False
         if cfg.use_cache and cfg.need_dx and cfg.dgrad.precision == "fp8":
-            wq_t, w_inv_t = c_data_t, (c_inv_t if c_inv_t is not None else c_inv)
+            wq_t, w_inv_t, ctx.w_t_later = cached_dgrad_operand(c_data, c_data_t, c_inv, c_inv_t)
         # one call: a second mark_non_differentiable replaces the first set
         ctx.mark_non_differentiable(*output[3:], *(() if cfg.return_ln else (ln,)), *(() if r is not None else (s,)))
         # No zero gradients for the outputs that never get one; dy or dln_out may then be None.
@@ -215,7 +219,7 @@ class _LayerNormLinear(torch.autograd.Function):
                 db = (db32 if db32 is not None else dy.sum(0, dtype=torch.float32)).to(b_dtype)
             # Step 3: dgrad into the norm's output, then the norm's backward.
             if cfg.need_dx:
-                dln = gemm_dgrad(dyq, dy_inv, dy, wq_t, w_inv_t, w, cfg.dgrad, x_dtype)
+                dln = gemm_dgrad(dyq, dy_inv, dy, dgrad_weight(wq_t, ctx.w_t_later), w_inv_t, w, cfg.dgrad, x_dtype)
                 if cfg.return_ln and dln_out is not None:
                     dln = dln + dln_out
                 dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm, ds)

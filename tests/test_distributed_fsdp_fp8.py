@@ -59,11 +59,14 @@ GATHERED = {"0": ("weight",), "1": ("weight",), "2": ("fc1_weight", "fc2_weight"
             "4": ("weight",), "5": ("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight")}
 
 
+_DEVICE = ["cpu"]  # this process's device: "cpu" (gloo) or its GPU (NCCL)
+
+
 def _model(recipe) -> torch.nn.Sequential:
     """The same initial parameters on every rank; fc1 of layer 2 has 42 rows and layer 3 has 33
     (uneven FSDP2 shards)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(
+    return _on_device(torch.nn.Sequential(
         fp8ops.nn.Linear(16, 32, recipe=recipe),
         fp8ops.nn.LayerNormLinear(32, 48, recipe=recipe),
         fp8ops.nn.LayerNormMLP(48, 21, activation="swiglu", recipe=recipe),
@@ -71,7 +74,11 @@ def _model(recipe) -> torch.nn.Sequential:
         fp8ops.nn.Linear(33, 16, bias=False, recipe=recipe),
         fp8ops.nn.TransformerLayer(16, 24, 4, recipe=recipe, hidden_dropout=0.0, attention_dropout=0.0,
                                    self_attn_mask_type="causal"),
-    )
+    ))
+
+
+def _on_device(model: torch.nn.Module) -> torch.nn.Module:
+    return model.to(_DEVICE[0])
 
 
 def _recipe(name: str):
@@ -80,7 +87,8 @@ def _recipe(name: str):
 
 def _data():
     g = torch.Generator().manual_seed(2)
-    return [(torch.randn(S, B, 16, generator=g), torch.randn(S, B, 16, generator=g)) for _ in range(STEPS)]
+    return [(torch.randn(S, B, 16, generator=g).to(_DEVICE[0]), torch.randn(S, B, 16, generator=g).to(_DEVICE[0]))
+            for _ in range(STEPS)]
 
 
 def _train(model, data, recipe, group=None, calls=None, per_step=None):
@@ -102,22 +110,32 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _states(model) -> dict[str, torch.Tensor]:
-    return {f"{i}.{k}": v for i, m in enumerate(model) for k, v in m.scaling_state_dict().items()}
+    """The scaling states of every layer, on the CPU (compared across ranks, whose GPUs differ)."""
+    return {f"{i}.{k}": v.cpu() for i, m in enumerate(model) for k, v in m.scaling_state_dict().items()}
 
 
 class _Spy:
-    """Records FSDP2's all-gathers (dist.all_gather_single: output dtype and bytes) and the calls
+    """Records FSDP2's all-gathers (output dtype and bytes) and the calls
     of the FP8 all-gather hooks (dtype and shape of their outputs; for the post-all-gather hook,
     the dtype of the unsharded parameter)."""
 
     def __init__(self) -> None:
         self.gathers: list[tuple[torch.dtype, int]] = []
         self.hooks: list[tuple[str, torch.dtype, tuple[int, ...], torch.dtype | None]] = []
+        self.pre_in_backward: list[bool] = []  # per pre-all-gather hook call: inside the backward pass
+        self.casts = 0  # shards quantized by the hooks
         self._saved: list = []
 
     def __enter__(self) -> _Spy:
-        orig_ag = dist.all_gather_single
+        # FSDP2's all-gather: dist.all_gather_single (torch >= 2.13) or dist.all_gather_into_tensor
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        orig_ag = getattr(dist, name)
         pre, post = _fsdp.FP8AllGatherWeight.fsdp_pre_all_gather, _fsdp.FP8AllGatherWeight.fsdp_post_all_gather
+        quantize = _fsdp.fp8_group_quantize
+
+        def fp8_group_quantize(*args, **kwargs):
+            self.casts += 1
+            return quantize(*args, **kwargs)
 
         def all_gather_single(output_tensor, input_tensor, *args, **kwargs):
             self.gathers.append((output_tensor.dtype, output_tensor.numel() * output_tensor.element_size()))
@@ -127,6 +145,7 @@ class _Spy:
         def fsdp_pre_all_gather(w, mesh, outer_size, outer_stride, module, mp_policy):
             inputs, meta = pre(w, mesh, outer_size, outer_stride, module, mp_policy)
             self.hooks += [("pre", t.dtype, tuple(outer_size), None) for t in inputs]
+            self.pre_in_backward.append(torch._C._current_graph_task_id() != -1)
             return inputs, meta
 
         @functools.wraps(post)
@@ -136,15 +155,17 @@ class _Spy:
             self.hooks += [("post", t.dtype, tuple(t.shape), unsharded.dtype) for t in outputs]
             return res
 
-        self._saved = [orig_ag, pre, post]
-        dist.all_gather_single = all_gather_single
+        self._saved = [name, orig_ag, pre, post, quantize]
+        setattr(dist, name, all_gather_single)
+        _fsdp.fp8_group_quantize = fp8_group_quantize
         _fsdp.FP8AllGatherWeight.fsdp_pre_all_gather = fsdp_pre_all_gather
         _fsdp.FP8AllGatherWeight.fsdp_post_all_gather = fsdp_post_all_gather
         return self
 
     def __exit__(self, *exc) -> None:
-        orig_ag, pre, post = self._saved
-        dist.all_gather_single = orig_ag
+        name, orig_ag, pre, post, quantize = self._saved
+        setattr(dist, name, orig_ag)
+        _fsdp.fp8_group_quantize = quantize
         _fsdp.FP8AllGatherWeight.fsdp_pre_all_gather = pre
         _fsdp.FP8AllGatherWeight.fsdp_post_all_gather = post
 
@@ -160,7 +181,7 @@ def _fsdp_run(recipe, local, world, group, fp8_gather: bool, tag: str, bad: list
         names = fp8ops.nn.enable_fp8_all_gather(model)
         if names != list(GATHERED):
             bad.append(f"{tag}: enable_fp8_all_gather selected {names}, expected {list(GATHERED)}")
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(torch.device(_DEVICE[0]).type, (world,))
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for layer in model:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
@@ -287,6 +308,12 @@ def _case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
             bad.append(f"{tag}: state {k} {v.tolist()} differs from the one without FP8 all-gather "
                        f"{plain_sd[k].tolist()}")
     _check_traffic(tag, spy, plain_spy, world, param_dtype or torch.float32, bad)
+    # the backward pass's gathers send the bytes their forward cast: one cast per forward gather
+    forward_gathers = spy.pre_in_backward.count(False)
+    if spy.casts != forward_gathers or forward_gathers == len(spy.pre_in_backward):
+        bad.append(f"{tag}: {spy.casts} shards quantized for {forward_gathers} forward and "
+                   f"{len(spy.pre_in_backward) - forward_gathers} backward all-gathers; expected one per forward "
+                   f"all-gather and some backward all-gathers")
 
     # the errors, identical on every rank (raised before any collective)
     for part in (model, model[2]):  # the model, and a LayerNormMLP alone (no attribute "weight")
@@ -304,11 +331,17 @@ def _case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
             bad.append(f"{tag}: enable_fp8_all_gather after fully_shard: {e}")
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: tuple[str, ...]) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: tuple[str, ...], backend: str = "gloo"
+            ) -> None:
     # fp8ops.nn.Linear returns a reshaped (view) output, which FSDP2 warns about
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    kw = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        _DEVICE[0] = f"cuda:{rank}"
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kw)
     bad: list[str] = []
     t0 = time.perf_counter()
     try:
@@ -323,9 +356,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: tuple[st
         dist.destroy_process_group()
 
 
-def _spawn(world: int, *cases: str) -> list[dict]:
+def _spawn(world: int, *cases: str, backend: str = "gloo") -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, cases), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, cases, backend), nprocs=world, join=True)
         return [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(world)]
 
 
@@ -336,6 +369,16 @@ def test_fsdp2_fp8_all_gather_2_ranks_delayed_current_and_bf16_policy():
 
 def test_fsdp2_fp8_all_gather_4_ranks_delayed_and_current():
     for r in _spawn(4, "delayed", "current"):
+        assert not r["bad"], "\n".join(r["bad"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 GPUs and NCCL")
+def test_fsdp2_fp8_all_gather_nccl_two_gpus():
+    """The same checks over NCCL, one rank per GPU: the GPU kernels, FSDP2's streams, and the
+    backward's transposed copy of the bytes FSDP2 gathered again into the forward's storage."""
+    for r in _spawn(2, "delayed", "current", "delayed-bf16", backend="nccl"):
         assert not r["bad"], "\n".join(r["bad"])
 
 
@@ -418,8 +461,8 @@ def test_enable_fp8_all_gather_outside_fully_shard_changes_nothing():
 
 def test_gathered_weight_reads_as_its_dequantized_value_and_refuses_in_place_ops():
     w = torch.randn(8, 4)
-    q, _ = fp8ops.quantize(w, None, recipe=fp8ops.CurrentScaling(), transpose=True)
-    g = _fsdp.GatheredFP8Weight(q.data.view(torch.uint8), q.data_t.view(torch.uint8), q.inv_scale,
+    q, _ = fp8ops.quantize(w, None, recipe=fp8ops.CurrentScaling())
+    g = _fsdp.GatheredFP8Weight(q.data.view(torch.uint8), q.inv_scale,
                                 w.abs().amax(), q.data.dtype, torch.bfloat16)
     assert g.shape == (8, 4) and g.dtype == torch.bfloat16
     deq = (q.data.float() * q.inv_scale).to(torch.bfloat16)

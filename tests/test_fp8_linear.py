@@ -133,6 +133,26 @@ def test_weight_cache(recipe):
     assert torch.equal(qw2.value.data.view(torch.uint8), qw.value.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("recipe", [DELAYED, CurrentScaling()], ids=["delayed", "current"])
+def test_weight_cache_without_transposed_copy(recipe):
+    """A cache without ``data_t`` (one scale per tensor): the backward transposes the cached bytes;
+    the same output and gradients as with the transposed copy. Row-wise scales are refused."""
+    x, w, b, dy = _data()
+    st = _calibrated(recipe)
+    w = w.clone().requires_grad_()
+    qw, st_c = fp8ops.quantize_weight(w, st, recipe=recipe)
+    ref = _run(x, w, b, dy, st_c, recipe, weight_cache=qw)
+    bare = fp8ops.WeightCache(fp8ops.Float8Value(qw.value.data, qw.value.inv_scale), None, qw.scale, recipe, w)
+    out = _run(x, w, b, dy, st_c, recipe, weight_cache=bare)
+    for a, r in zip(out[:5], ref[:5]):
+        assert torch.equal(a, r)
+    rowwise = CurrentScaling(granularity="row")
+    qr, st_r = fp8ops.quantize_weight(w, _calibrated(rowwise), recipe=rowwise)
+    bare_r = fp8ops.WeightCache(fp8ops.Float8Value(qr.value.data, qr.value.inv_scale), None, qr.scale, rowwise, w)
+    with pytest.raises(ValueError, match=r"fp8_linear: weight_cache has no transposed copy .* row-wise"):
+        fp8ops.fp8_linear(x, w, b, st_r, recipe=rowwise, weight_cache=bare_r)
+
+
 def test_weight_cache_refuses_other_state_or_recipe():
     x, w, b, _ = _data()
     st = _calibrated(DELAYED)

@@ -165,6 +165,11 @@ CACHE_CASES = {  # name: (recipe, calibrated state)
 }
 
 
+def _without_transpose(c):
+    """The cache ``c`` without its transposed copy: the op transposes the bytes in its backward."""
+    return fp8ops.WeightCache(fp8ops.Float8Value(c.value.data, c.value.inv_scale), None, c.scale, c.recipe, c.weight)
+
+
 def _lnl_micro_batches(recipe, calibrated, *, cache, micro=1, grads="all", dtype=torch.float32, **kw):
     """``micro`` micro-batches through layernorm_linear with the same parameter leaves (their
     gradients accumulate) and the state threaded through; with ``cache`` the weight is quantized
@@ -182,6 +187,8 @@ def _lnl_micro_batches(recipe, calibrated, *, cache, micro=1, grads="all", dtype
     extra = {}
     if cache:
         extra["weight_cache"], st = fp8ops.quantize_weight(params[2], st, recipe=recipe)
+        if cache == "no_t":
+            extra["weight_cache"] = _without_transpose(extra["weight_cache"])
     out = []
     for xb, dyb in batches:
         xl = xb.clone().requires_grad_(grads != "no_x")
@@ -218,6 +225,21 @@ def test_weight_cache_reused_over_two_micro_batches(case, grads):
     recipe, calibrated = CACHE_CASES[case]
     _assert_same(_lnl_micro_batches(recipe, calibrated, cache=True, micro=2, grads=grads),
                  _lnl_micro_batches(recipe, calibrated, cache=False, micro=2, grads=grads))
+
+
+@pytest.mark.parametrize("case", ["delayed", "current", "dgrad-high"])
+@pytest.mark.parametrize("grads", ["all", "no_w"])
+def test_weight_cache_without_transposed_copy_gives_the_same_bits(case, grads):
+    """A cache without ``data_t`` (one scale per tensor): the backward transposes the cached bytes."""
+    recipe, calibrated = CACHE_CASES[case]
+    _assert_same(_lnl_micro_batches(recipe, calibrated, cache="no_t", micro=2, grads=grads),
+                 _lnl_micro_batches(recipe, calibrated, cache=False, micro=2, grads=grads))
+
+
+def test_weight_cache_without_transposed_copy_refuses_rowwise_scales():
+    recipe, calibrated = CACHE_CASES["rowwise"]
+    with pytest.raises(ValueError, match=r"layernorm_linear: weight_cache has no transposed copy .* row-wise"):
+        _lnl_micro_batches(recipe, calibrated, cache="no_t")
 
 
 def test_weight_cache_with_the_layernorm_output():
