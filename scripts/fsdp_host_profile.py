@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--wrap", choices=("block", "linear"), default="block", help="FSDP2 groups: per block or per Linear")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -51,7 +52,7 @@ def main() -> None:
     kinds = ["bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather"]
     size = {"layers": args.layers, "hidden": args.hidden, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
     for kind in kinds:
-        step, _, batch = _fsdp_gpt(size, 0, 1, kind, device="cpu")  # the suite's construction, on the CPU
+        step, _, batch = _fsdp_gpt(size, 0, 1, kind, device="cpu", wrap=args.wrap)  # the suite's construction, on the CPU
 
         def run(step: Any = step, batch: Any = batch) -> None:
             step(None, *batch)

@@ -80,8 +80,18 @@ def cases(device: str) -> dict[str, Callable[[], None]]:
     def update() -> None:
         fp8ops.update(tst, recipe=delayed, grad_amax=fp8ops.make_probes(tst, requires_grad=False))
 
+    torch.manual_seed(0)
+    nn_lin = fp8ops.nn.Linear(H, H, recipe=delayed).to(device)
+    torch_lin = torch.nn.Linear(H, H).to(device)
+    nn_lin(x).sum().backward()
+    fp8ops.nn.update_scaling(nn_lin)  # calibrated from here on
+    x_in = leaf(T, H)
+
     return {
         "torch F.linear": lambda: back(torch.nn.functional.linear(x, w, b)),
+        "torch nn.Linear": lambda: back(torch_lin(x_in)),
+        "fp8ops.nn.Linear delayed": lambda: back(nn_lin(x_in)),
+        "fp8ops.nn.update_scaling (1 Linear)": lambda: fp8ops.nn.update_scaling(nn_lin),
         "fp8_linear no FP8": lambda: back(fp8ops.fp8_linear(x, w, b, None, recipe=None)[0]),
         "fp8_linear delayed": lambda: linear(lin_d, delayed),
         "fp8_linear current": lambda: linear(lin_c, current),

@@ -16,8 +16,8 @@ step = fresh probes, forward, backward, AdamW and (FP8) :func:`fp8ops.update` ov
 - ``torchao float8, TP=2+SP + compile``: the same with its Linear layers converted by
   ``torchao.float8.convert_to_float8_training`` (tensorwise) and torchao's float8 parallel styles.
 
-FSDP2 (``fully_shard`` of each Linear and of the root over both GPUs, data parallel, bf16 compute
-with float32 master weights):
+FSDP2 (``fully_shard`` of each transformer block and of the root over both GPUs, data parallel, bf16
+compute with float32 master weights; ``--fsdp-wrap linear``: of each Linear instead of each block):
 a GPT (4 layers, hidden 2048 with 16 heads and hidden 4096 with 32 heads, seq 1024, 4 sequences per
 GPU, vocabulary 32768) in plain
 bf16, and the same with its block Linears converted to :class:`fp8ops.nn.Linear` (delayed
@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", action="store_true", help="run the DTensor peers without torch.compile")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 GPT")
     parser.add_argument("--no-seed", action="store_true", help="skip the seed layer (run only the FSDP2 GPT)")
+    parser.add_argument("--fsdp-wrap", choices=("block", "linear"), default="block",
+                        help="FSDP2 groups of the GPT: one per transformer block (default) or one per Linear")
     parser.add_argument("--fsdp-batch", type=int, default=None, metavar="N",
                         help="sequences of 1024 tokens per GPU in the FSDP2 GPT (default 4)")
     parser.add_argument("--overlap", nargs="*", default=list(OVERLAP_DEFAULT), metavar="SPEC",
@@ -240,14 +242,15 @@ def _dtensor_tp(size: dict[str, int], rank: int, world: int, float8: bool, compi
     return step, None, _layer_batch(size, rank, world, device)
 
 
-def _fsdp_gpt(size: dict[str, int], rank: int, world: int, kind: str, device: str = "cuda"
+def _fsdp_gpt(size: dict[str, int], rank: int, world: int, kind: str, device: str = "cuda", wrap: str = "block"
               ) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
-    """FSDP2 of the step suite's torch GPT: kind "bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather"."""
+    """FSDP2 of the step suite's torch GPT: kind "bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather";
+    ``wrap`` "block": one FSDP2 group per transformer block, "linear": one per Linear (then the root)."""
     import fp8ops
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .step import TorchGPT
+    from .step import TorchBlock, TorchGPT
 
     torch.manual_seed(0)
     L, H, heads, S, B, V = (size[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab"))
@@ -260,10 +263,10 @@ def _fsdp_gpt(size: dict[str, int], rank: int, world: int, kind: str, device: st
             fp8ops.nn.enable_fp8_all_gather(net)
     mesh = init_device_mesh(device, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # one FSDP2 group per Linear (the blocks are containers whose forward is never called), then
-    # the root (embeddings, norms)
+    # one FSDP2 group per block (or per Linear), then the root (embeddings, final norm)
+    kinds = (TorchBlock,) if wrap == "block" else (torch.nn.Linear, fp8ops.nn.Linear)
     for m in list(net.modules()):
-        if isinstance(m, (torch.nn.Linear, fp8ops.nn.Linear)):
+        if isinstance(m, kinds):
             fully_shard(m, mesh=mesh, mp_policy=mp)
     fully_shard(net, mesh=mesh, mp_policy=mp)
     opt = _adamw(list(net.parameters()), capturable=False, device=device)
@@ -370,7 +373,7 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any, groups: d
         for gpt in gpts:
             for kind in ("bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather"):
                 out.append((f"fsdp2 gpt {gpt['hidden']}", f"FSDP2 {kind}, hidden {gpt['hidden']}",
-                            lambda k=kind, size=gpt: _fsdp_gpt(size, rank, world, k)))
+                            lambda k=kind, size=gpt: _fsdp_gpt(size, rank, world, k, wrap=opts.get("fsdp_wrap", "block"))))
     return out
 
 
@@ -532,12 +535,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     opts = {"quick": args.quick, "steps": 3 if args.quick else args.steps, "no_torchao": args.no_torchao,
             "no_compile": args.no_compile, "no_fsdp": args.no_fsdp, "no_seed": getattr(args, "no_seed", False),
-            "fsdp_batch": fsdp_batch, "profile": args.profile, "overlap": list(dict.fromkeys(overlap))}
+            "fsdp_batch": fsdp_batch, "fsdp_wrap": getattr(args, "fsdp_wrap", "block"), "profile": args.profile,
+            "overlap": list(dict.fromkeys(overlap))}
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, d, opts), nprocs=2, join=True)
         with open(os.path.join(d, "rows.json")) as f:
             got = json.load(f)
     rows, failed = got["rows"], got["failed"]
+    if not opts["no_fsdp"]:
+        record["fsdp_wrap"] = opts["fsdp_wrap"]
     if got.get("carveout_check"):
         record["carveout_check_ms"] = got["carveout_check"]
         print("one FP8 GEMM (8192x4096x4096) by SMs left free: "

@@ -53,31 +53,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # Models
 
 
+class TorchBlock(torch.nn.Module):
+    """A pre-norm GPT block in plain torch: SDPA causal attention and a gelu-tanh MLP."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        h = self.qkv(self.ln1(x)).view(B, S, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # (3, B, h, S, d)
+        a = F.scaled_dot_product_attention(h[0], h[1], h[2], is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, S, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
 class TorchGPT(torch.nn.Module):
     """nanoGPT-style GPT in plain torch (pre-norm, SDPA causal, gelu tanh, tied head)."""
 
     def __init__(self, layers: int, hidden: int, heads: int, seq: int, vocab: int) -> None:
         super().__init__()
-        self.heads = heads
         self.wte = torch.nn.Embedding(vocab, hidden)
         self.wpe = torch.nn.Embedding(seq, hidden)
-        self.blocks = torch.nn.ModuleList()
-        for _ in range(layers):
-            b = torch.nn.Module()
-            b.ln1, b.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
-            b.qkv, b.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
-            b.fc1, b.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
-            self.blocks.append(b)
+        self.blocks = torch.nn.ModuleList([TorchBlock(hidden, heads) for _ in range(layers)])
         self.lnf = torch.nn.LayerNorm(hidden)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        B, S = tokens.shape
+        S = tokens.shape[1]
         x = self.wte(tokens) + self.wpe.weight[:S]
         for b in self.blocks:
-            h = b.qkv(b.ln1(x)).view(B, S, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # (3, B, h, S, d)
-            a = F.scaled_dot_product_attention(h[0], h[1], h[2], is_causal=True)
-            x = x + b.proj(a.transpose(1, 2).reshape(B, S, -1))
-            x = x + b.fc2(F.gelu(b.fc1(b.ln2(x)), approximate="tanh"))
+            x = b(x)
         logits = self.lnf(x) @ self.wte.weight.t()
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
