@@ -90,3 +90,43 @@ def test_collective_bytes_count_functional_c10d_and_pipelined_ops():
     prof = NS(profiler=NS(kineto_results=NS(events=lambda: events)))
     got = P._collective_bytes(prof, 2)
     assert got == {"all_gather": (1024 * 4096 + 1024 * 4096) / 2, "reduce_scatter": (1024 * 64 * 4 + 2048 * 4096 * 2) / 2}
+
+
+_WRAP_SCRIPT = """
+import os, sys, warnings
+import torch.distributed as dist
+warnings.filterwarnings("ignore")
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", sys.argv[1]
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.fsdp import FSDPModule
+from fp8ops.bench.parallel import _fsdp_gpt
+size = {"layers": 2, "hidden": 32, "heads": 2, "seq": 8, "batch": 2, "vocab": 64}
+for wrap in ("block", "linear"):
+    step, _, batch = _fsdp_gpt(size, 0, 1, "FP8, FP8 all-gather", device="cpu", wrap=wrap)
+    groups = sorted(n for n, m in step.model.named_modules() if isinstance(m, FSDPModule))
+    _, loss = step(None, *batch)
+    print(wrap, groups, bool(loss.isfinite()))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_gpt_wraps_each_block_or_each_linear():
+    """The FSDP2 GPT's groups: each transformer block then the root (default), or each Linear then
+    the root (``--fsdp-wrap linear``); one FP8 all-gather step runs on the CPU with gloo."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = subprocess.run([sys.executable, "-c", _WRAP_SCRIPT, port], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    blocks = "['', 'blocks.0', 'blocks.1'] True"
+    linears = [f"blocks.{i}.{n}" for i in range(2) for n in ("fc1", "fc2", "proj", "qkv")]
+    assert lines == {"block": blocks, "linear": f"{sorted(['', *linears])} True"}
+    with pytest.raises(ValueError, match="the FSDP2 wrap must be 'block' or 'linear', got 'layer'"):
+        P._fsdp_gpt({}, 0, 1, "bf16", device="cpu", wrap="layer")

@@ -252,6 +252,8 @@ def _fsdp_gpt(size: dict[str, int], rank: int, world: int, kind: str, device: st
 
     from .step import TorchBlock, TorchGPT
 
+    if wrap not in ("block", "linear"):
+        raise ValueError(f"fp8ops.bench parallel: the FSDP2 wrap must be 'block' or 'linear', got {wrap!r}")
     torch.manual_seed(0)
     L, H, heads, S, B, V = (size[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab"))
     net = TorchGPT(L, H, heads, S, V).to(device)  # float32 master weights
@@ -283,6 +285,7 @@ def _fsdp_gpt(size: dict[str, int], rank: int, world: int, kind: str, device: st
             fp8ops.nn.update_scaling(net, group=dist.group.WORLD)
         return carry, loss.detach()
 
+    step.model = net  # type: ignore[attr-defined]  (the wrapped model, for tests and profiles)
     return step, None, (tokens, targets)
 
 
