@@ -134,9 +134,9 @@ class FP8AllGatherWeight(torch.Tensor):
                              f"default Shard(0) placement) of the {tuple(outer_size)} weight, got a "
                              f"{tuple(self.shape)} shard; do not pass a shard_placement_fn for this weight")
         recipe, ws = owner.recipe, role_state(owner.fp8_state, self._role)
-        last = self._last_cast
-        self._last_cast = None
-        if last is not None and last[0] is ws.scale and torch._C._current_graph_task_id() != -1:
+        last, self._last_cast = self._last_cast, None
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and last is not None and last[0] is ws.scale:
             # The backward pass gathers again what its forward gathered (the shard and the scale
             # are those of the forward: the optimizer and the state update come after backward).
             return (last[1],), last[2]
@@ -149,7 +149,7 @@ class FP8AllGatherWeight(torch.Tensor):
         if data.shape[0] != rows:
             data = torch.cat([data, data.new_zeros(rows - data.shape[0], data.shape[1])])
         metadata = (outer_size[0], inv, amax, spec.dtype)
-        if torch._C._current_graph_task_id() == -1:  # a forward gather: kept for its backward's
+        if not in_backward:  # a forward gather: kept for its backward's
             self._last_cast = (ws.scale, data, metadata)
         return (data,), metadata
 

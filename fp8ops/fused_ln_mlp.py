@@ -289,13 +289,12 @@ class _FusedLNMLP(torch.autograd.Function):
         (_, s, _, _, _, _, _, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
          w2q_t, w2_inv_t) = output
         fp8_dgrad = cfg.dgrad.precision == "fp8"
-        ctx.w_t_later = (False, False)
+        later1 = later2 = False
         if cfg.cache1 and cfg.need_dx and fp8_dgrad:
             w1q_t, w1_inv_t, later1 = cached_dgrad_operand(c1_data, c1_data_t, c1_inv, c1_inv_t)
-            ctx.w_t_later = (later1, False)
         if cfg.cache2 and cfg.need_dh and fp8_dgrad:
             w2q_t, w2_inv_t, later2 = cached_dgrad_operand(c2_data, c2_data_t, c2_inv, c2_inv_t)
-            ctx.w_t_later = (ctx.w_t_later[0], later2)
+        ctx.w_t_later = (later1, later2)
         ctx.save_for_backward(
             (s if r is not None else x) if cfg.need_dx else None, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t,
             w1 if cfg.need_dx and not fp8_dgrad else None,

@@ -261,7 +261,6 @@ _define(_K.cast_transpose, cpu=_ref.cast_transpose)
 _define(_K.cast_transpose_dbias, cpu=_ref.cast_transpose_dbias)
 _define(_K.cast_rowwise, cpu=_ref.cast_rowwise)
 _define(_K.transpose_bytes, cpu=_ref.transpose_bytes)
-_define(_K.transpose_bytes_into, cpu=_ref.transpose_bytes_into)
 
 
 def _loop_vmap(op: Any) -> Any:

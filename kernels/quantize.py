@@ -39,8 +39,7 @@ cast/transpose kernels (amax reduced per block, one atomic per block).
 
 The ops are registered as opaque ``torch.library`` ops (``fp8ops::amax``, ``fp8ops::cast``,
 ``fp8ops::cast_transpose``, ``fp8ops::cast_transpose_dbias``, ``fp8ops::cast_rowwise``,
-``fp8ops::transpose_bytes`` and its ``out``
-form ``fp8ops::transpose_bytes_into``; see ``_library.py``) with a CUDA kernel (the launchers below)
+``fp8ops::transpose_bytes``; see ``_library.py``) with a CUDA kernel (the launchers below)
 and a fake kernel; the CPU kernel, the FP32 reference math, is registered by
 ``fp8ops``.
 """
@@ -323,39 +322,20 @@ def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> tor
     return amax
 
 
-def transpose_bytes_launch(x: torch.Tensor, *, out: torch.Tensor | None = None,
-                           config: dict[str, Any] | None = None) -> torch.Tensor:
+def transpose_bytes_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> torch.Tensor:
     """The (K, M) contiguous transpose of a 2-D (M, K) tensor of one-byte elements (uint8, an FP8
-    dtype), contiguous; the K-major operand of a GEMM from FP8 bytes that arrived untransposed.
-    ``out``: a contiguous (K, M) one-byte tensor on x's device to write instead of a new one."""
+    dtype), contiguous; the K-major operand of a GEMM from FP8 bytes that arrived untransposed."""
     if x.dim() != 2 or x.element_size() != 1:
         raise ValueError(f"transpose_bytes: x must be a 2-D tensor of one-byte elements, got {x.dtype} "
                          f"of shape {tuple(x.shape)}")
     cfg = merge_config(_TRANSPOSE_CFG, config, name="transpose_bytes")
     M, K = x.shape
-    if out is None:
-        y = torch.empty((K, M), dtype=torch.uint8, device=x.device)
-    else:
-        _check_transpose_out(x, out)
-        y = out.view(torch.uint8)
+    y = torch.empty((K, M), dtype=torch.uint8, device=x.device)
     if x.numel():
         grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(K, cfg["BLOCK_K"]))
         _transpose_bytes_kernel[grid](x.view(torch.uint8), y, M, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
                                       num_warps=cfg["num_warps"])
-    return y.view(x.dtype) if out is None else out
-
-
-def _check_transpose_out(x: torch.Tensor, out: torch.Tensor) -> None:
-    M, K = x.shape
-    if (tuple(out.shape) != (K, M) or out.element_size() != 1 or not out.is_contiguous()
-            or out.device != x.device):
-        raise ValueError(f"transpose_bytes_into: out must be a contiguous ({K}, {M}) tensor of one-byte elements "
-                         f"on {x.device} (x is {tuple(x.shape)}), got {out.dtype} of shape {tuple(out.shape)}, "
-                         f"strides {tuple(out.stride())} on {out.device}")
-
-
-def _transpose_bytes_into_cuda(x: torch.Tensor, out: torch.Tensor) -> None:
-    transpose_bytes_launch(x.contiguous(), out=out)
+    return y.view(x.dtype)
 
 
 def cast_launch(
@@ -546,11 +526,6 @@ amax = OpSpec("amax(Tensor x) -> Tensor", cuda=contiguous_args(amax_launch), fak
 transpose_bytes = OpSpec("transpose_bytes(Tensor x) -> Tensor", cuda=contiguous_args(transpose_bytes_launch),
                          fake=lambda x: x.new_empty((x.shape[1], x.shape[0])))
 """``fp8ops::transpose_bytes``: the contiguous transpose of a 2-D tensor of one-byte elements."""
-
-transpose_bytes_into = OpSpec("transpose_bytes_into(Tensor x, Tensor(a!) out) -> ()",
-                              cuda=_transpose_bytes_into_cuda, fake=lambda x, out: None)
-"""``fp8ops::transpose_bytes_into``: :data:`transpose_bytes` written into a given contiguous (K, M)
-tensor (a buffer that must keep its identity, e.g. one saved for a backward), no new allocation."""
 
 cast = OpSpec(
     f"cast({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor)", cuda=contiguous_args(cast_launch), fake=_cast_fake

@@ -14,7 +14,8 @@ P = importlib.import_module("fp8ops.bench.parallel")
 
 def _opts(**kw):
     base = {"quick": False, "steps": 10, "no_torchao": False, "no_compile": False, "no_fsdp": False,
-            "no_seed": False, "fsdp_batch": None, "profile": False, "overlap": ["c2", "s16+hp", "nf"]}
+            "no_seed": False, "fsdp_batch": None, "fsdp_wrap": "block", "profile": False,
+            "overlap": ["c2", "s16+hp", "nf"]}
     base.update(kw)
     return base
 

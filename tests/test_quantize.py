@@ -66,17 +66,12 @@ def test_transpose_copy():
 
 
 def test_transpose_bytes_ops_hand_values():
-    """fp8ops::transpose_bytes and its out form on the CPU: hand-written bytes; the out form fills
-    the given tensor itself (an FP8 x into a uint8 out) and returns nothing."""
+    """fp8ops::transpose_bytes on the CPU: hand-written bytes, uint8 and FP8."""
     x = torch.tensor([[1, 2, 3], [4, 5, 0xFF]], dtype=torch.uint8)
     want = torch.tensor([[1, 4], [2, 5], [3, 0xFF]], dtype=torch.uint8)
     assert torch.equal(torch.ops.fp8ops.transpose_bytes(x), want)
-    out = torch.zeros(3, 2, dtype=torch.uint8)
-    ptr = out.data_ptr()
-    assert torch.ops.fp8ops.transpose_bytes_into(x.view(torch.float8_e4m3fn), out) is None
-    assert out.data_ptr() == ptr and torch.equal(out, want)
-    with pytest.raises(ValueError, match=r"transpose_bytes_into: out must be a contiguous \(3, 2\)"):
-        torch.ops.fp8ops.transpose_bytes_into(x, torch.zeros(2, 3, dtype=torch.uint8))
+    y = torch.ops.fp8ops.transpose_bytes(x.view(torch.float8_e4m3fn))
+    assert y.dtype == torch.float8_e4m3fn and torch.equal(y.view(torch.uint8), want)
 
 
 def test_inputs_not_modified():

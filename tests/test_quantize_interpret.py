@@ -246,32 +246,6 @@ def test_transpose_bytes_launcher(shape, dtype):
     assert torch.equal(_u8(R.transpose_bytes(x)), _u8(y))
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (130, 37)])
-def test_transpose_bytes_launcher_writes_out(shape):
-    """With ``out`` the launcher fills that tensor (same object, every byte) and allocates nothing;
-    the CUDA kernel of ``fp8ops::transpose_bytes_into`` makes a strided x contiguous first."""
-    g = torch.Generator().manual_seed(7)
-    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-    out = torch.full((shape[1], shape[0]), 0xAB, dtype=torch.uint8)  # uint8 out for FP8 x
-    y = K.transpose_bytes_launch(x, out=out, config={"BLOCK_M": 32, "BLOCK_K": 16})
-    assert y is out and torch.equal(out, _u8(x).t())
-    wide = torch.randint(0, 256, (shape[1], 2 * shape[0]), dtype=torch.uint8, generator=g)
-    strided = wide[:, ::2].t()  # (M, K) with non-unit strides
-    out2 = torch.empty(shape[1], shape[0], dtype=torch.uint8)
-    K._transpose_bytes_into_cuda(strided, out2)
-    assert torch.equal(out2, strided.t())
-
-
-def test_transpose_bytes_into_rejects_bad_out():
-    x = torch.zeros(4, 6, dtype=torch.uint8)
-    for out, what in [(torch.zeros(4, 6, dtype=torch.uint8), "shape"), (torch.zeros(6, 4), "dtype"),
-                      (torch.zeros(4, 6, dtype=torch.uint8).t(), "strides")]:
-        with pytest.raises(ValueError, match=r"transpose_bytes_into: out must be a contiguous \(6, 4\) tensor"):
-            K.transpose_bytes_launch(x, out=out)
-        with pytest.raises(ValueError, match=r"transpose_bytes_into: out must be a contiguous \(6, 4\) tensor"):
-            R.transpose_bytes_into(x, out)
-
-
 def test_transpose_bytes_rejects_wider_elements():
     with pytest.raises(ValueError, match="transpose_bytes: x must be a 2-D tensor of one-byte elements"):
         K.transpose_bytes_launch(torch.zeros(2, 3))

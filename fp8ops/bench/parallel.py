@@ -376,7 +376,7 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any, groups: d
         for gpt in gpts:
             for kind in ("bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather"):
                 out.append((f"fsdp2 gpt {gpt['hidden']}", f"FSDP2 {kind}, hidden {gpt['hidden']}",
-                            lambda k=kind, size=gpt: _fsdp_gpt(size, rank, world, k, wrap=opts.get("fsdp_wrap", "block"))))
+                            lambda k=kind, size=gpt: _fsdp_gpt(size, rank, world, k, wrap=opts["fsdp_wrap"])))
     return out
 
 

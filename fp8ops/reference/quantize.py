@@ -25,7 +25,6 @@ __all__ = [
     "quantize",
     "saturating_cast",
     "transpose_bytes",
-    "transpose_bytes_into",
 ]
 
 
@@ -48,18 +47,6 @@ def transpose_bytes(x: Tensor) -> Tensor:
         raise ValueError(f"transpose_bytes: x must be a 2-D tensor of one-byte elements, got {x.dtype} "
                          f"of shape {tuple(x.shape)}")
     return x.view(torch.uint8).t().contiguous().view(x.dtype)
-
-
-def transpose_bytes_into(x: Tensor, out: Tensor) -> None:
-    """Reference of ``fp8ops::transpose_bytes_into``: ``transpose_bytes(x)`` written into ``out``, a
-    contiguous (K, M) tensor of one-byte elements on x's device."""
-    y = transpose_bytes(x)
-    if (tuple(out.shape) != tuple(y.shape) or out.element_size() != 1 or not out.is_contiguous()
-            or out.device != x.device):
-        raise ValueError(f"transpose_bytes_into: out must be a contiguous {tuple(y.shape)} tensor of one-byte "
-                         f"elements on {x.device} (x is {tuple(x.shape)}), got {out.dtype} of shape "
-                         f"{tuple(out.shape)}, strides {tuple(out.stride())} on {out.device}")
-    out.view(torch.uint8).copy_(y.view(torch.uint8))
 
 
 def _scale(scale: Tensor, amax_in: Tensor | None, margin: int, power_2: bool, dtype: torch.dtype) -> Tensor:
