@@ -70,11 +70,39 @@ _KEEP_SUBCLASS = {
 }
 
 
+def _unwrap_flat(cls: type, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(first instance of cls, args with every instance replaced by its wrapped tensor)`` for
+    arguments that are tensors, scalars or flat lists/tuples of them (the optimizers' foreach ops
+    pass lists of every parameter), without pytree's per-leaf calls; None for anything nested."""
+    src = None
+    out: list[Any] = []
+    for a in args:
+        t = type(a)
+        if t is cls:
+            src = src if src is not None else a
+            a = a._tensor
+        elif t is list or t is tuple:
+            items = []
+            for x in a:
+                tx = type(x)
+                if tx is cls:
+                    src = src if src is not None else x
+                    x = x._tensor
+                elif tx is list or tx is tuple or tx is dict:
+                    return None
+                items.append(x)
+            a = items if t is list else tuple(items)
+        elif t is dict:
+            return None
+        out.append(a)
+    return None if src is None else (src, tuple(out))
+
+
 class FP8AllGatherWeight(torch.Tensor):
     """A high-precision weight (N, K) of an fp8ops module that FSDP2 all-gathers in FP8.
 
     Every op runs on the wrapped tensor (the results are plain tensors, except for the ops FSDP2
-    uses to shard the parameter, which keep the subclass); FSDP2 calls :meth:`fsdp_pre_all_gather`
+    uses to shard the parameter, which keep the subclass); FSDP2 calls ``fsdp_pre_all_gather``
     and :meth:`fsdp_post_all_gather` on the local shard. ``owner`` is a weak reference to the
     module (``fp8ops.nn.Linear``, ``LayerNormLinear``, ``LayerNormMLP`` or ``TransformerLayer``)
     whose recipe and weight state quantize it, ``role`` the path of the weight's role in that
@@ -107,8 +135,12 @@ class FP8AllGatherWeight(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _aten.detach.default:
             return cls(args[0]._tensor, args[0]._owner, args[0]._role)
-        src = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
-        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        flat = None if kwargs else _unwrap_flat(cls, args)
+        if flat is None:  # nested arguments: the general path
+            src = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
+            args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        else:
+            src, args, kwargs = flat[0], flat[1], {}
         out = func(*args, **kwargs)
         if func not in _KEEP_SUBCLASS:
             return out
@@ -122,9 +154,10 @@ class FP8AllGatherWeight(torch.Tensor):
                              outer_stride: Any) -> FP8AllGatherWeight:
         return FP8AllGatherWeight(inner["_tensor"], *meta)
 
-    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
-                            module: torch.nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
-        """FSDP2 hook: this rank's shard quantized with one scale for the shard group, as bytes."""
+    def _pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                        module: torch.nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
+        """FSDP2 hook (``fsdp_pre_all_gather``): this rank's shard quantized with one scale for the
+        shard group, as bytes."""
         owner = self._owner()
         if owner is None:
             raise RuntimeError("FP8AllGatherWeight: the fp8ops.nn module this weight was enabled on "
@@ -168,10 +201,38 @@ class FP8AllGatherWeight(torch.Tensor):
         return GatheredFP8Weight(data, inv, amax, fp8_dtype, param_dtype), ()
 
 
-# FSDP2 reads inspect.signature(fsdp_pre_all_gather) at every all-gather of every parameter; a stored
-# signature makes that lookup immediate (about 19 -> 5 µs per call on a 2-core x86 host).
-FP8AllGatherWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(  # type: ignore[attr-defined]
-    FP8AllGatherWeight.fsdp_pre_all_gather)
+class _BoundPreAllGather:
+    """``fsdp_pre_all_gather`` of one shard. FSDP2 reads ``inspect.signature`` of the hook at every
+    all-gather of every parameter: of a bound method, that builds a new ``Signature`` each time (and
+    binds nothing faster for a stored one on the function); of this object, it reads the stored one."""
+
+    __slots__ = ("_w",)
+    __signature__: inspect.Signature
+
+    def __init__(self, w: FP8AllGatherWeight) -> None:
+        self._w = w
+
+    def __call__(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: torch.nn.Module,
+                 mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
+        return self._w._pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+
+
+_BoundPreAllGather.__signature__ = inspect.signature(_BoundPreAllGather(None).__call__)  # type: ignore[arg-type]
+
+
+class _PreAllGatherHook:
+    """The ``fsdp_pre_all_gather`` attribute: on a shard, a :class:`_BoundPreAllGather`; on the class,
+    this object, called as ``hook(shard, mesh, ...)`` like the plain function."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else _BoundPreAllGather(obj)
+
+    def __call__(self, w: FP8AllGatherWeight, *args: Any) -> tuple[tuple[Tensor, ...], Any]:
+        return w._pre_all_gather(*args)
+
+
+_PreAllGatherHook.__signature__ = inspect.signature(FP8AllGatherWeight._pre_all_gather)  # type: ignore[attr-defined]
+FP8AllGatherWeight.fsdp_pre_all_gather = _PreAllGatherHook()  # type: ignore[assignment]
 
 
 class GatheredFP8Weight(torch.Tensor):

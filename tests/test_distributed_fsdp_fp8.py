@@ -33,6 +33,7 @@ records. The argument errors and the subclasses outside FSDP2 are tested in-proc
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import tempfile
 import time
@@ -457,6 +458,55 @@ def test_enable_fp8_all_gather_outside_fully_shard_changes_nothing():
     assert _states(model).keys() == _states(plain).keys()
     for k, v in _states(model).items():
         assert torch.equal(v, _states(plain)[k]), k
+
+
+def test_sharded_weight_ops_on_flat_and_nested_arguments():
+    """Ops on the wrapped shard run on the tensor inside, whether it comes alone, in the flat lists of
+    the optimizers' foreach ops (unwrapped without pytree) or nested (pytree); the ops FSDP2 shards
+    with keep the subclass and the owner and role of the first wrapped argument."""
+    m = fp8ops.nn.Linear(4, 6, recipe=fp8ops.DelayedScaling())
+    other = fp8ops.nn.Linear(4, 6, recipe=fp8ops.DelayedScaling())
+    fp8ops.nn.enable_fp8_all_gather(m)
+    fp8ops.nn.enable_fp8_all_gather(other)
+    w, w2 = m.weight.detach(), other.weight.detach()
+    a, b = w._tensor.clone(), w2._tensor.clone()
+    plain = torch.randn(6)
+    out = torch._foreach_mul([w, w2, plain], 2.0)  # flat list, mixed with a plain tensor
+    assert [type(t) for t in out] == [torch.Tensor] * 3
+    assert torch.equal(out[0], a * 2) and torch.equal(out[1], b * 2) and torch.equal(out[2], plain * 2)
+    t1, t2 = torch.randn(6, 4), torch.randn(6, 4)
+    torch._foreach_addcdiv_([w, w2], [t1, t2], [torch.ones(6, 4)] * 2, [0.5, 0.25])  # in place, scalar list
+    assert torch.equal(w._tensor, a + 0.5 * t1) and torch.equal(w2._tensor, b + 0.25 * t2)
+    assert torch.equal(m.weight._tensor, w._tensor)  # the parameter's own storage
+    assert isinstance(w, _fsdp.FP8AllGatherWeight)
+    pieces = torch.split(w2, 3)  # kept as the subclass, with the first wrapped argument's owner and role
+    assert all(type(p) is _fsdp.FP8AllGatherWeight and p._owner() is other and p._role == "weight" for p in pieces)
+    c = torch.cat([w, w2])  # a list inside the arguments
+    assert type(c) is torch.Tensor and torch.equal(c, torch.cat([w._tensor, w2._tensor]))
+    s = torch.stack([w, w2], dim=0)
+    assert torch.equal(s, torch.stack([w._tensor, w2._tensor]))
+    n = torch.add(w, w2, alpha=2.0)  # a keyword argument: the general path
+    assert torch.equal(n, w._tensor + 2.0 * w2._tensor)
+    assert _fsdp._unwrap_flat(_fsdp.FP8AllGatherWeight, ([[w]],)) is None  # nested lists: pytree
+    assert _fsdp._unwrap_flat(_fsdp.FP8AllGatherWeight, ([plain], 1.0)) is None  # nothing wrapped
+
+
+def test_pre_all_gather_hook_signature_is_stored():
+    """FSDP2 reads inspect.signature of the shard's hook at every all-gather: the five-parameter
+    signature it expects, one stored object (no new Signature per read); through the class the hook
+    takes the shard first, as the function would."""
+    m = fp8ops.nn.Linear(4, 6, recipe=fp8ops.DelayedScaling())
+    fp8ops.nn.enable_fp8_all_gather(m)
+    w = m.weight
+    sig = inspect.signature(w.fsdp_pre_all_gather)
+    assert list(sig.parameters) == ["mesh", "outer_size", "outer_stride", "module", "mp_policy"]
+    assert inspect.signature(w.fsdp_pre_all_gather) is sig
+    cls_sig = inspect.signature(_fsdp.FP8AllGatherWeight.fsdp_pre_all_gather)
+    assert list(cls_sig.parameters) == ["self", "mesh", "outer_size", "outer_stride", "module", "mp_policy"]
+    with pytest.raises(ValueError, match="needs row shards"):  # the hook's own check, reached both ways
+        w.fsdp_pre_all_gather(None, torch.Size([6, 8]), (8, 1), m, None)
+    with pytest.raises(ValueError, match="needs row shards"):
+        _fsdp.FP8AllGatherWeight.fsdp_pre_all_gather(w, None, torch.Size([6, 8]), (8, 1), m, None)
 
 
 def test_gathered_weight_reads_as_its_dequantized_value_and_refuses_in_place_ops():
