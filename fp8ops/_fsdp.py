@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from ._glue import apply
 from ._parallel import check_fp8_gather_recipe, fp8_group_quantize
 from ._transformer_checks import WEIGHT_ROLES
 from .fp8_linear import LinearState, WeightCache, fp8_linear
@@ -306,8 +307,8 @@ class _StandIn(torch.autograd.Function):
         return dw
 
 
-# autograd.Function.apply binds the arguments with inspect.signature(forward) on every call; a
-# stored signature makes that lookup immediate (one stand-in per FP8-gathered weight and forward).
+# autograd.Function.apply (taken under torch.compile and torch.func transforms) binds the arguments
+# with inspect.signature(forward) on every call; a stored signature makes that lookup immediate.
 _StandIn.forward.__signature__ = inspect.signature(_StandIn.forward)  # type: ignore[attr-defined]
 
 
@@ -322,7 +323,7 @@ def _cached(weight: Tensor, scale: Tensor, recipe: Any) -> tuple[Tensor, WeightC
     as the op checks); for any other weight, the weight itself and no cache."""
     if not isinstance(weight, GatheredFP8Weight):
         return weight, None
-    stand_in = _StandIn.apply(weight)
+    stand_in = apply(_StandIn, weight)  # Function.apply without its per-call argument binding
     dt = weight._fp8_dtype
     # no transposed copy: the op transposes the bytes in its backward pass, when FSDP2 has gathered
     # them again into the same storage
