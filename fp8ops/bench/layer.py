@@ -15,8 +15,9 @@ Implementations (all from the same weights):
 - ``torchao tensorwise + compile`` / ``torchao rowwise + compile``: the basic SDPA layer with its
   four Linear modules converted by ``torchao.float8.convert_to_float8_training``, compiled;
 - ``fp8ops bf16``: :func:`fp8ops.transformer_layer` with ``recipe=None``;
-  ``fp8ops delayed`` (state calibrated by one real step, fresh probes each step),
-  ``fp8ops current`` (per-tensor current scaling), ``fp8ops current row-wise``, ``fp8ops delayed + compile``
+  ``fp8ops delayed`` (state calibrated by one real step; each step runs fresh probes, the forward,
+  the backward and :func:`fp8ops.update`, whose new state the next step runs with),
+  ``fp8ops current`` (per-tensor current scaling, its state updated likewise), ``fp8ops current row-wise``, ``fp8ops delayed + compile``
   (``torch.compile(fullgraph=True)``), all with ``dropout_seed=None`` (the attention dropout mask from
   torch's generator, as in the peers: ``attention(backend="auto")`` may run SDPA); with dropout on,
   also ``fp8ops delayed, explicit dropout seed`` (a mask reproducible from a seed tensor per step: the
@@ -138,7 +139,11 @@ def _torchao_case(m: torch.nn.Module, recipe_name: str) -> tuple[Any, Any, list[
 
 
 def _fp8ops_case(seed_state: dict[str, Tensor], config: Any, recipe: Any, x0: Tensor, dy0: Tensor, *,
-                 compiled: bool = False, explicit_seed: bool = False) -> tuple[Any, Any, list[Tensor]]:
+                 compiled: bool = False, explicit_seed: bool = False, device: str = "cuda"
+                 ) -> tuple[Any, Any, list[Tensor]]:
+    """``(step, eval_step, params)`` of the fp8ops layer. A training step with a recipe is what the
+    training loop runs for the layer: fresh probes (delayed scaling), forward, backward and
+    :func:`fp8ops.update` of the state it carries to the next step; the eval step does not observe."""
     import fp8ops
     from fp8ops.transformer_layer import (
         init_transformer_state,
@@ -146,13 +151,13 @@ def _fp8ops_case(seed_state: dict[str, Tensor], config: Any, recipe: Any, x0: Te
         transformer_layer,
     )
 
-    params = {k: v.to(device="cuda", dtype=torch.bfloat16).requires_grad_()
+    params = {k: v.to(device=device, dtype=x0.dtype).requires_grad_()
               for k, v in params_from_basic_layer(seed_state, config).items()}
     state = None
     probes_on = recipe is not None and recipe.mode == "delayed"
     if recipe is not None:
         # One real step calibrates the state (first-step current scaling), as in training.
-        state = init_transformer_state(config, recipe, device="cuda")
+        state = init_transformer_state(config, recipe, device=device)
         probes = fp8ops.make_probes(state)
         y, new_state = transformer_layer(params, x0, state, config=config, recipe=recipe, probes=probes)
         y.backward(dy0)
@@ -162,27 +167,38 @@ def _fp8ops_case(seed_state: dict[str, Tensor], config: Any, recipe: Any, x0: Te
             t.grad = None
         del y, new_state, probes, grads
 
-    def layer(x: Tensor, st: Any, probes: Any, seed: Tensor, training: bool) -> Tensor:
+    def layer(x: Tensor, st: Any, probes: Any, seed: Tensor, training: bool) -> tuple[Tensor, Any]:
         # dropout_seed=None (the default): the attention dropout mask comes from torch's generator,
         # as in the peers, and attention(backend="auto") may run SDPA; an explicit seed (a mask
         # reproducible from the seed alone) runs fp8ops's Triton attention.
         return transformer_layer(params, x, st, config=config, recipe=recipe, probes=probes, training=training,
-                                 dropout_seed=seed if explicit_seed else None)[0]
+                                 dropout_seed=seed if explicit_seed else None)
 
     if compiled:
         torch._dynamo.reset()
     fn = torch.compile(layer, fullgraph=True) if compiled else layer
-    seeds = torch.randint(0, 2**31 - 1, (64,), device="cuda", dtype=torch.int64)
+    seeds = torch.randint(0, 2**31 - 1, (64,), device=device, dtype=torch.int64)
     count = [0]
+    carry = [state]
 
     def run_step(x: Tensor, dy: Tensor, training: bool) -> Tensor:
-        probes = fp8ops.make_probes(state) if probes_on else None
+        st = carry[0]
+        probes = fp8ops.make_probes(st) if probes_on and training else None
         count[0] += 1
-        y = fn(x, state, probes, seeds[count[0] % 64:count[0] % 64 + 1], training)
+        y, new_state = fn(x, st, probes, seeds[count[0] % 64:count[0] % 64 + 1], training)
         y.backward(dy)
+        if training and recipe is not None:  # the state the next step runs with
+            carry[0] = fp8ops.update(new_state, recipe=recipe, grad_amax=probes)
         return y.detach()
 
-    return (lambda x, dy: run_step(x, dy, True)), (lambda x, dy: run_step(x, dy, False)), list(params.values())
+    def step(x: Tensor, dy: Tensor) -> Tensor:
+        return run_step(x, dy, True)
+
+    def eval_step(x: Tensor, dy: Tensor) -> Tensor:
+        return run_step(x, dy, False)
+
+    step.state = lambda: carry[0]  # type: ignore[attr-defined]  # for tests
+    return step, eval_step, list(params.values())
 
 
 # ------------------------------------------------------------------------------------------------

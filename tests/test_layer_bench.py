@@ -1,0 +1,57 @@
+"""The layer suite's fp8ops step (``fp8ops.bench.layer._fp8ops_case``) on the CPU at a tiny size: a
+training step is fresh probes, forward, backward and ``fp8ops.update``, and the next step runs
+with the updated state; an eval step leaves the state alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fp8ops
+from fp8ops.bench.layer import _fp8ops_case
+from fp8ops.reference.transformer_layer import BasicTransformerLayer
+
+H, FFN, HEADS, S, B = 32, 64, 4, 8, 2
+
+
+def _setup():
+    config = fp8ops.TransformerConfig(hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+                                      hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    seed_state = {k: v.clone() for k, v in BasicTransformerLayer(H, FFN, HEADS).state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    xs = [(torch.randn(S, B, H, generator=g).requires_grad_(), torch.randn(S, B, H, generator=g)) for _ in range(3)]
+    return config, seed_state, xs
+
+
+def _flat(state):
+    return [t.clone() for t in pytree.tree_leaves(state)]
+
+
+@pytest.mark.parametrize("recipe", [fp8ops.DelayedScaling(amax_history_len=4), fp8ops.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_layer_bench_step_updates_the_state_it_carries(recipe):
+    config, seed_state, xs = _setup()
+    x0, dy0 = xs[0]
+    step, eval_step, params = _fp8ops_case(seed_state, config, recipe, x0.float(), dy0.float(), device="cpu")
+    # the same layer and state by hand: one calibrating step, then forward, backward, update
+    ref_params = {k: v.requires_grad_() for k, v in fp8ops.params_from_basic_layer(seed_state, config).items()}
+    state = step.state()
+    before = _flat(state)
+    eval_step(*xs[1])
+    assert all(torch.equal(a, b) for a, b in zip(before, _flat(step.state()))), "an eval step changed the state"
+    for x, dy in xs[1:]:
+        st = step.state()
+        probes = fp8ops.make_probes(st) if recipe.mode == "delayed" else None
+        y_ref, new = fp8ops.transformer_layer(ref_params, x.detach(), st, config=config, recipe=recipe, probes=probes)
+        y_ref.backward(dy)
+        want = fp8ops.update(new, recipe=recipe, grad_amax=probes)
+        y = step(x, dy)
+        assert torch.equal(y, y_ref.detach())
+        got = step.state()
+        assert got is not st
+        for a, b in zip(pytree.tree_leaves(want), pytree.tree_leaves(got)):
+            assert torch.equal(a, b)
+    if recipe.mode == "delayed":  # the histories rolled: the state is not the calibrated one any more
+        assert any(not torch.equal(a, b) for a, b in zip(before, _flat(step.state())))
