@@ -204,8 +204,8 @@ class FP8AllGatherWeight(torch.Tensor):
 
 class _BoundPreAllGather:
     """``fsdp_pre_all_gather`` of one shard. FSDP2 reads ``inspect.signature`` of the hook at every
-    all-gather of every parameter: of a bound method, that builds a new ``Signature`` each time (and
-    binds nothing faster for a stored one on the function); of this object, it reads the stored one."""
+    all-gather of every parameter: for a bound method, inspect builds a new ``Signature`` each time,
+    even when the function has one stored; for this object, it returns the stored one."""
 
     __slots__ = ("_w",)
     __signature__: inspect.Signature
