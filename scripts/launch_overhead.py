@@ -62,7 +62,7 @@ def main() -> None:
                          **kw)
 
     ck = triton_path()
-    values = dict(x_ptr=x, q_ptr=q, qt_ptr=qt, dbias_ptr=None, M=M, K=K, stride_xm=x.stride(0),
+    values = dict(x_ptr=x, q_ptr=q, qt_ptr=qt, qt_desc=qt, dbias_ptr=None, M=M, K=K, stride_xm=x.stride(0),
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=False, TMA_T=False, **kw)
     args = [values[n] for n in kernel.arg_names]
     stream = torch.cuda.current_stream().cuda_stream
@@ -75,6 +75,8 @@ def main() -> None:
         "torch.ops.fp8ops.cast_transpose (library op)": lambda: torch.ops.fp8ops.cast_transpose(
             x, scale, None, 0, False, E4M3),
         "cast_transpose_launch (launcher)": lambda: kq.cast_transpose_launch(x, scale, None, 0, False, E4M3),
+        "cast_transpose_launch, pointer stores (no TMA descriptor)": lambda: kq.cast_transpose_launch(
+            x, scale, None, 0, False, E4M3, config={"TMA": False}),
         "kernel[grid](...) (the kernel as the launcher calls it)": bare,
         "JITFunction[grid](...) (Triton's own launch path)": triton_path,
         "CompiledKernel[grid](*args) (direct)": direct,
