@@ -213,12 +213,8 @@ class _BoundPreAllGather:
     def __init__(self, w: FP8AllGatherWeight) -> None:
         self._w = w
 
-    def __call__(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: torch.nn.Module,
-                 mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
-        return self._w._pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
-
-
-_BoundPreAllGather.__signature__ = inspect.signature(_BoundPreAllGather(None).__call__)  # type: ignore[arg-type]
+    def __call__(self, *args: Any) -> tuple[tuple[Tensor, ...], Any]:
+        return self._w._pre_all_gather(*args)
 
 
 class _PreAllGatherHook:
@@ -232,7 +228,10 @@ class _PreAllGatherHook:
         return w._pre_all_gather(*args)
 
 
+# The signatures inspect reports: the method's, and the method's without ``self`` for a shard's hook.
 _PreAllGatherHook.__signature__ = inspect.signature(FP8AllGatherWeight._pre_all_gather)  # type: ignore[attr-defined]
+_BoundPreAllGather.__signature__ = _PreAllGatherHook.__signature__.replace(  # type: ignore[attr-defined]
+    parameters=list(_PreAllGatherHook.__signature__.parameters.values())[1:])  # type: ignore[attr-defined]
 FP8AllGatherWeight.fsdp_pre_all_gather = _PreAllGatherHook()  # type: ignore[assignment]
 
 

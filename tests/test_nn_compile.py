@@ -75,21 +75,21 @@ def _train(recipe, device, dtype, backend):
 def test_compiled_nn_model_trains_as_eager(device, dtype, backend, recipe_name):
     recipe = RECIPES[recipe_name]
     torch._dynamo.reset()
-    losses, params, states = _train(recipe, device, dtype, None)
+    losses, updates, states = _train(recipe, device, dtype, None)
     torch._dynamo.reset()
-    c_losses, c_params, c_states = _train(recipe, device, dtype, backend)
-    assert params.keys() == c_params.keys() and states.keys() == c_states.keys()
+    c_losses, c_updates, c_states = _train(recipe, device, dtype, backend)
+    assert updates.keys() == c_updates.keys() and states.keys() == c_states.keys()
     if backend == "aot_eager":
         assert torch.equal(c_losses, losses)
-        for k in params:
-            assert torch.equal(c_params[k], params[k]), k
+        for k in updates:
+            assert torch.equal(c_updates[k], updates[k]), k
         for k in states:
             assert torch.equal(c_states[k], states[k]), k
     else:
         tol = 1e-2 if dtype == torch.float32 else 5e-2
         torch.testing.assert_close(c_losses, losses, rtol=tol, atol=tol * float(losses.abs().mean()))
-        for k in params:
-            err = float((c_params[k] - params[k]).norm() / params[k].norm().clamp_min(1e-12))
+        for k in updates:
+            err = float((c_updates[k] - updates[k]).norm() / updates[k].norm().clamp_min(1e-12))
             assert err < tol, f"{k}: update differs from eager's by {err:.3g} (relative)"
         for k in states:
             if k.endswith(".scale"):

@@ -35,7 +35,7 @@ def test_layer_bench_step_updates_the_state_it_carries(recipe):
     config, seed_state, xs = _setup()
     x0, dy0 = xs[0]
     step, eval_step, params = _fp8ops_case(seed_state, config, recipe, x0.float(), dy0.float(), device="cpu")
-    # the same layer and state by hand: one calibrating step, then forward, backward, update
+    # the same layer by hand, from the state the bench's step holds: forward, backward, update
     ref_params = {k: v.requires_grad_() for k, v in fp8ops.params_from_basic_layer(seed_state, config).items()}
     state = step.state()
     before = _flat(state)
