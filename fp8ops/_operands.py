@@ -21,6 +21,7 @@ from torch import Tensor
 from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
 from ._glue import cast
 from .gemm import scaled_mm
+from .kernels._library import OPS
 from .quantize import QuantSpec, quantize_2d, quantize_2d_dbias
 from .recipes import GemmSpec
 
@@ -42,7 +43,7 @@ __all__ = [
     "quantize_weight_operands",
 ]
 
-_ops = torch.ops.fp8ops
+_ops = OPS
 
 
 def hp_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -164,7 +165,7 @@ def cached_dgrad_operand(c_data: Tensor | None, c_data_t: Tensor | None, c_inv: 
 
 def dgrad_weight(wq_t: Tensor | None, later: bool) -> Tensor | None:
     """The dgrad GEMM's K-major weight operand from what :func:`cached_dgrad_operand` saved."""
-    return torch.ops.fp8ops.transpose_bytes(wq_t) if later and wq_t is not None else wq_t
+    return _ops.transpose_bytes(wq_t) if later and wq_t is not None else wq_t
 
 
 def or_empty(t: Tensor | None, x: Tensor) -> Tensor:

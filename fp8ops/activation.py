@@ -24,6 +24,7 @@ from torch import Tensor
 from ._glue import apply, refuse_compiled_transform
 from ._checks import check_float_tensor
 from .kernels import activation as _K
+from .kernels._library import OPS
 from .kernels._library import define as _define
 from .quantize import QuantSpec, _loop_vmap
 from .reference import activation as _ref
@@ -45,7 +46,7 @@ ACTIVATIONS: tuple[str, ...] = _ref.ACTIVATIONS
 GATED: tuple[str, ...] = _ref.GATED
 """The gated activations: ``h = [a | b]`` (..., 2F), output ``act(a) * b`` (..., F)."""
 
-_ops = torch.ops.fp8ops
+_ops = OPS
 
 
 def check_activation(name: Any, where: str) -> str:

@@ -43,6 +43,7 @@ from ._parallel import (
     wait,
 )
 from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
+from .kernels._library import OPS
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
 from ._operands import (
     cached_dgrad_operand,
@@ -202,7 +203,7 @@ def _gathered_fp8(full: Tensor, dtype: torch.dtype, need_t: bool) -> tuple[Tenso
     """(the ranks' FP8 slices gathered along dim 0 as ``dtype``, its K-major transpose or None);
     ``full``: an all-gather's result, in flight or done."""
     full = wait(full).view(dtype)  # (M, C)
-    return full, (torch.ops.fp8ops.transpose_bytes(full) if need_t else None)
+    return full, (OPS.transpose_bytes(full) if need_t else None)
 
 
 def _row_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor, wq: Tensor | None, w_inv: Tensor | None,
@@ -258,7 +259,7 @@ class _FP8Linear(torch.autograd.Function):
             xq, x_inv, xq_t, x_inv_t, x_amax = quantize_pair(x, x_scale, cfg.x_spec, need_xt)
         else:
             xq = x_inv = xq_t = x_inv_t = None
-            x_amax = torch.ops.fp8ops.amax(x)
+            x_amax = OPS.amax(x)
         # Step 2: the weight, from the cache or quantized now (with its transpose for dgrad).
         if cfg.use_cache:
             # the cached operands are saved from the inputs in setup_context

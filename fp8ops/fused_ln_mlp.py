@@ -71,11 +71,12 @@ from .quantize import QuantSpec, quantize_2d
 from .recipes import GemmSpec, Recipe
 from .fp8_linear import LinearState, WeightCache, fp8_linear
 from .layernorm_linear import check_weight_cache
+from .kernels._library import OPS
 from .state import OpState, ScalingState
 
 __all__ = ["LayerNormMLPState", "fused_ln_mlp"]
 
-_ops = torch.ops.fp8ops
+_ops = OPS
 
 
 class LayerNormMLPState(OpState):

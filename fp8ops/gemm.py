@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .kernels import gemm as _K
+from .kernels._library import OPS
 from .kernels._library import define as _define
 from ._glue import cast
 from .reference import gemm as _ref
@@ -134,4 +135,4 @@ def scaled_mm(
     if which == "cublas":
         return _cublas(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
     sb = scale_b.reshape(1, -1) if scale_b.dim() == 2 else scale_b
-    return torch.ops.fp8ops.scaled_mm(a, b, scale_a, sb, bias, out_dtype, fast_accum)
+    return OPS.scaled_mm(a, b, scale_a, sb, bias, out_dtype, fast_accum)

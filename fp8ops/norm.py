@@ -18,6 +18,7 @@ from torch import Tensor
 from ._checks import check_device, check_eps, check_float_tensor, check_zero_centered_gamma
 from ._glue import apply, autocast_dtype, refuse_compiled_transform
 from .kernels import norm as _K
+from .kernels._library import OPS
 from .kernels._library import define as _define
 from .quantize import _loop_vmap
 from .reference import norm as _ref
@@ -29,7 +30,7 @@ __all__ = ["layer_norm", "rms_norm"]
 # ``(outputs, None)``.
 _OLD_RETURN: Any = type("_OldReturn", (), {"__repr__": lambda self: "<not given>"})()
 
-_ops = torch.ops.fp8ops
+_ops = OPS
 
 
 class _Norm(torch.autograd.Function):

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .kernels import quantize as _K
+from .kernels._library import OPS
 from .kernels._library import define as _define
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_recipe
 from .formats import Role, check_role
@@ -25,7 +26,7 @@ from .state import ScalingState, validate_state
 
 __all__ = ["Float8Value", "dequantize", "quantize"]
 
-_ops = torch.ops.fp8ops
+_ops = OPS
 
 
 @attrs.frozen(init=False, eq=False, repr=False)

@@ -21,8 +21,9 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["AMAX_CHAIN", "AmaxChain", "FastKernel", "OpSpec", "cdiv", "contiguous_args", "define", "fast_launch",
-           "merge_config", "next_pow2"]
+__all__ = ["AMAX_CHAIN", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel", "OpSpec", "cdiv",
+           "contiguous_args", "define", "fast_launch", "merge_config", "next_pow2", "tma_store_ok", "tma_store_wanted",
+           "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -48,7 +49,97 @@ def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
     _LIB.impl(name, spec.cuda, "CUDA")
     _LIB.impl(name, cpu, "CPU")
     torch.library.register_fake(f"fp8ops::{name}", spec.fake, lib=_LIB)
-    return getattr(torch.ops.fp8ops, name)
+    packet = getattr(torch.ops.fp8ops, name)
+    setattr(OPS, name, EagerOp(packet, spec.cuda))
+    return packet
+
+
+class _Ops:
+    """The namespace :data:`OPS`: one :class:`EagerOp` per library op, set by :func:`define`."""
+
+    def __repr__(self) -> str:
+        return f"<fp8ops library ops: {', '.join(sorted(vars(self)))}>"
+
+
+OPS = _Ops()
+"""``OPS.<name>(...)`` calls ``torch.ops.fp8ops.<name>(...)``, going straight to the op's CUDA
+kernel where the dispatcher would (:class:`EagerOp`); fp8ops's own call sites use it."""
+
+EAGER_DIRECT = True
+"""Whether :class:`EagerOp` calls a CUDA kernel directly in plain eager mode (False: always through
+the dispatcher; for measurements and tests)."""
+
+
+class EagerOp:
+    """A library op called the way the dispatcher would call it, minus the dispatcher's host time.
+    ``OPS`` holds one per op with its CUDA kernel (``device_type`` is for tests).
+
+    Going through ``torch.ops`` costs a library op 13-35 µs of host time per call on top of its
+    CUDA kernel (the boxed call into Python and the argument conversion;
+    ``scripts/launch_overhead.py``). Where nothing but that kernel could run, this calls the kernel
+    (the launcher) itself: every tensor argument a plain dense CUDA ``torch.Tensor`` (or
+    ``nn.Parameter``; not a ``torch.func`` wrapper), gradients off (fp8ops calls its library ops inside autograd Functions, whose
+    forward and backward run without gradients), and none of what reroutes a dispatch active:
+    ``torch.compile`` tracing, a ``torch.func`` transform, a ``TorchDispatchMode`` (fake tensors,
+    functionalization, ``FlopCounterMode``...), a ``TorchFunctionMode``. Arguments the call leaves
+    out get the schema's defaults, as the dispatcher gives them. Everything else, keyword
+    arguments included, goes through ``torch.ops``.
+    """
+
+    def __init__(self, packet: Any, kernel: Callable[..., Any], device_type: str = "cuda") -> None:
+        self.packet = packet
+        self.kernel = kernel  # the op's kernel for tensors on ``device_type``
+        self.device_type = device_type
+        args = packet.default._schema.arguments
+        self._n = len(args)
+        self._defaults: list[Any] = [a.default_value if a.has_default_value() else _NO_DEFAULT for a in args]
+        # the arguments a call must give: those up to the last one without a default
+        self._required = max((i + 1 for i, d in enumerate(self._defaults) if d is _NO_DEFAULT), default=0)
+        self.direct_calls = 0  # calls that went straight to the CUDA kernel (for tests and profiles)
+
+    def __repr__(self) -> str:
+        return f"EagerOp({self.packet._qualified_op_name})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or torch.compiler.is_compiling() or not self._direct(args):
+            return self.packet(*args, **kwargs)
+        self.direct_calls += 1
+        return self.kernel(*self.full_args(args))
+
+    def full_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` completed with the schema's defaults of the arguments left out."""
+        if len(args) == self._n:
+            return args
+        if not self._required <= len(args) <= self._n:
+            raise TypeError(f"{self!r}: {len(args)} arguments given, the schema takes {self._required} to {self._n}")
+        return (*args, *self._defaults[len(args):])
+
+    def _direct(self, args: tuple[Any, ...]) -> bool:
+        if not EAGER_DIRECT or torch.is_grad_enabled() or not self._required <= len(args) <= self._n:
+            return False
+        seen = False
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if not self._plain(a):
+                    return False
+                seen = True
+            elif type(a) is list and not all(self._plain(t) for t in a if isinstance(t, torch.Tensor)):
+                return False  # a Tensor[] argument
+        if not seen:
+            return False
+        return not (torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack()
+                    or torch._C._is_torch_function_mode_enabled())
+
+    def _plain(self, t: torch.Tensor) -> bool:
+        # a dense tensor with storage on this op's device: no subclass, no torch.func wrapper (the
+        # tensors of a vjp's backward after its transform has exited are wrappers of a plain type)
+        return (type(t) in _PLAIN and t.device.type == self.device_type and t.layout == torch.strided
+                and not t.is_nested and not _is_functorch_wrapped(t))
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_NO_DEFAULT = object()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def contiguous_args(
@@ -95,6 +186,25 @@ def tma_store_ok(out: torch.Tensor) -> bool:
     if ok is None:
         ok = _TMA_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return ok
+
+
+TMA_STORE_MIN_ELEMENTS = 1 << 24
+"""The size from which a launcher stores a transposed FP8 copy through a tensor map by default.
+
+The tensor map is encoded on the host at every launch (about 15 µs, ``docs/benchmarks/host.md``)
+and saves device time in proportion to the copy: on an H200, 0.1 µs for a cast of 8192 x 512, 1-2 µs
+at 8192 x 768 and 8192 x 1536, 4-5 µs at 8192 x 4096, 12 µs for the activation forward at 8192 x 2048
+(``docs/benchmarks/tma_store_check.json``). Below 2**24 elements the host's cost is the larger one."""
+
+
+def tma_store_wanted(out: torch.Tensor, config: dict[str, Any] | None) -> bool:
+    """Whether a launcher writes the transposed FP8 copy ``out`` through TMA stores: as the launch
+    configuration's ``"TMA"`` key says when it has one, else for outputs of at least
+    :data:`TMA_STORE_MIN_ELEMENTS` elements; and only where :func:`tma_store_ok`."""
+    want = config.get("TMA") if config else None
+    if want is None:
+        want = out.numel() >= TMA_STORE_MIN_ELEMENTS
+    return bool(want) and tma_store_ok(out)
 
 
 def transposed_store(qt: torch.Tensor, tma: bool, block_rows: int, block_cols: int) -> Any:

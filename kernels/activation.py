@@ -74,7 +74,7 @@ from ._library import (
     contiguous_args,
     fast_launch,
     merge_config,
-    tma_store_ok,
+    tma_store_wanted,
     transposed_store,
 )
 from ._reduce import column_sums
@@ -352,8 +352,8 @@ def _act_bwd_kernel(
 
 # Defaults chosen with `python -m fp8ops.bench mlp --activation-kernels` (docs/kernels/activation.md):
 # larger forward tiles spill registers.
-# TMA: the transposed FP8 copy stored through a tensor map (Hopper and newer, see
-# _library.tma_store_ok); 64 x 64 tiles then. GELU-tanh forward with the FP8 cast and transposed copy
+# TMA: the transposed FP8 copy stored through a tensor map (Hopper and newer, from 2**24 elements
+# unless the config says otherwise: _library.tma_store_wanted); 64 x 64 tiles then. GELU-tanh forward with the FP8 cast and transposed copy
 # on an H200 (scripts/tma_store_check.py, docs/benchmarks/tma_store_check.json): 25.0 / 35.0 / 85.5 µs
 # at 8192 x 2048 / 3072 / 8192 against 38.2 / 53.7 / 132.6 µs with pointer stores (32 x 128 tiles,
 # the best pointer tile within 1 %).
@@ -508,7 +508,7 @@ def act_fwd_launch(
     y = _output((M, F), ydt, dev, bool(store_y))
     q = _output((M, F), qdt, dev, store_q)
     qt = _output((F, M), qdt, dev, transpose)
-    tma = transpose and tma_store_ok(qt) and (config or {}).get("TMA", True)
+    tma = transpose and tma_store_wanted(qt, config)
     cfg = merge_config(_FWD_CFG_TMA if tma else _FWD_CFG, config, name=name)
     tma = tma and bool(cfg["TMA"])
     num_m, num_n = _tiles(M, F, cfg)
@@ -584,7 +584,7 @@ def act_bwd_launch(
     q = _output((M, C), qdt, dev, has_fp8)
     qt = _output((C, M), qdt, dev, transpose)
     # TMA store of q^T (see _FWD_CFG_TMA); a gated tile must not cross from one half into the other
-    tma = (transpose and bool(cfg["TMA"]) and tma_store_ok(qt) and not (gated and F % cfg["BLOCK_N"]))
+    tma = (transpose and bool(cfg["TMA"]) and tma_store_wanted(qt, config) and not (gated and F % cfg["BLOCK_N"]))
     num_m, num_n = _tiles(M, F, cfg)
     part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else cast["scale_ptr"]
     desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])

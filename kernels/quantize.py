@@ -60,7 +60,7 @@ from ._library import (
     contiguous_args,
     fast_launch,
     merge_config,
-    tma_store_ok,
+    tma_store_wanted,
     transposed_store,
 )
 from ._reduce import column_sums
@@ -247,8 +247,8 @@ def _transpose_bytes_kernel(
 
 # Defaults chosen with `python -m fp8ops.bench quantize --sweep` (docs/benchmarks/quantize.md).
 _CAST_CFG = {"BLOCK": 8192, "num_warps": 8}
-# TMA: the transposed copy stored through a tensor map (Hopper and newer, see _library.tma_store_ok),
-# 64 x 64 tiles then. On an H200 (scripts/tma_store_check.py, docs/benchmarks/tma_store_check.json):
+# TMA: the transposed copy stored through a tensor map (Hopper and newer, from 2**24 elements unless
+# the config says otherwise: _library.tma_store_wanted), 64 x 64 tiles then. On an H200 (scripts/tma_store_check.py, docs/benchmarks/tma_store_check.json):
 # 7.5 / 17.0 / 10.3 / 3.7 / 39.6 µs at 8192 x 512 / 1536 / 768, 2048 x 512, 8192 x 4096 against
 # 7.6 / 18.9 / 11.3 / 3.8 / 43.8 µs with pointer stores and the 64 x 128 tiles.
 _CAST_T_CFG = {"BLOCK_M": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "TMA": False}
@@ -425,7 +425,7 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     qt = torch.empty((K, M), dtype=out_dtype, device=x.device)
-    tma = tma_store_ok(qt) and (config or {}).get("TMA", True)
+    tma = tma_store_wanted(qt, config)
     cfg = merge_config(_CAST_T_CFG_TMA if tma else _CAST_T_CFG, config, name=name)
     tma = tma and bool(cfg["TMA"])
     # An empty x still launches one program (it writes the inverse scale), which writes one row of

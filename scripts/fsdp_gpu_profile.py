@@ -48,12 +48,16 @@ def _syncs(step: Any, batch: Any) -> tuple[int, list[str]]:
 def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
     from fp8ops.bench.parallel import _fsdp_gpt, _kernel_profile
 
+    if args.launch_paths != "default":
+        from fp8ops.kernels import _library
+
+        _library.EAGER_DIRECT, _library.TMA_STORE_MIN_ELEMENTS = False, 0
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     size = {"layers": args.layers, "hidden": args.hidden, "heads": args.hidden // 128, "seq": 1024,
             "batch": args.batch, "vocab": 32768}
-    out: dict[str, Any] = {"size": size, "rows": []}
+    out: dict[str, Any] = {"size": size, "launch_paths": args.launch_paths, "rows": []}
     for kind in [k for k in KINDS if k in args.kinds]:
         torch._dynamo.reset()
         step, _, batch = _fsdp_gpt(size, rank, world, kind, wrap=args.wrap)
@@ -96,8 +100,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
             torch.cuda.synchronize()
             if rank == 0:
                 buf = io.StringIO()
-                pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(30)
-                print(kind, buf.getvalue()[-7000:], flush=True)
+                stats = pstats.Stats(cp, stream=buf)
+                stats.sort_stats("tottime").print_stats(40)
+                stats.sort_stats("cumulative").print_stats(60)
+                print(kind, buf.getvalue(), flush=True)
         row = {"variant": kind, "ms": float(ms), "host_ms_median": sorted(host)[len(host) // 2],
                "syncs_per_step": n_sync, "sync_sites": where, "profile": kprof, "cpu_top_ms": cpu_top}
         out["rows"].append(row)
@@ -127,7 +133,11 @@ def main() -> None:
     ap.add_argument("--wrap", choices=("block", "linear"), default="block", help="FSDP2 groups: per block or per Linear")
     ap.add_argument("--out", default=".")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    ap.add_argument("--cprofile", action="store_true", help="print rank 0's cProfile top by own time")
+    ap.add_argument("--launch-paths", choices=("default", "torch.ops + TMA"), default="default",
+                    help="'torch.ops + TMA': every fp8ops library op called through torch.ops and every transposed "
+                         "FP8 copy stored through a tensor map (kernels/_library.EAGER_DIRECT off, "
+                         "TMA_STORE_MIN_ELEMENTS 0), for comparisons")
+    ap.add_argument("--cprofile", action="store_true", help="print rank 0's cProfile top by own and by cumulative time")
     args = ap.parse_args()
     world = torch.cuda.device_count()
     init = f"file://{os.path.abspath(os.path.join(args.out, '.fsdp_init'))}"

@@ -7,6 +7,7 @@ than a GPU launch; the glue measured here is common to both devices.
 
     python scripts/host_profile.py [--device cpu|cuda] [--profile] [--calls N] [--repeats R]
                                    [--cpu-time] [--stub-kernels] [--only NAME ...]
+                                   [--compare-launch-paths [--rounds N]]
 
 Each case prints the best of ``--repeats`` (3) loops of ``--calls`` (200) calls in µs per call;
 on CUDA a loop is launched without synchronization (one ``synchronize`` after it), so the number
@@ -14,6 +15,9 @@ is the host's time. ``--profile`` also prints the cProfile top 35 functions of e
 tottime and by cumtime. ``--stub-kernels`` (CPU only) replaces the CPU kernel of every ``fp8ops::``
 library op by its fake kernel (outputs of the right shape, uninitialised, no arithmetic), so the time
 left is the glue alone: what a GPU host pays per call besides the launches themselves.
+``--compare-launch-paths`` times every case as fp8ops runs by default and with its library ops
+called through ``torch.ops`` and its transposed FP8 copies stored through tensor maps, alternating
+the two in each of ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -165,6 +169,27 @@ def profile(name: str, fn: Callable[[], None], device: str, calls: int, out: str
         prof.dump_stats(os.path.join(out, "".join(c if c.isalnum() else "_" for c in name) + ".prof"))
 
 
+def _compare_launch_paths(todo: dict[str, Callable[[], None]], args: argparse.Namespace,
+                          clock: Callable[[], float], width: int) -> None:
+    """Each case timed in ``--rounds`` rounds, each round both launch paths one after the other (the
+    best of each path counts): the default, and the library ops through torch.ops with tensor-map stores."""
+    from fp8ops.kernels import _library as L
+
+    default = (L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS)
+    paths = {"default": default, "torch.ops + TMA": (False, 0)}
+    print(f"{'case':<{width}}  {'default':>9}  {'torch.ops + TMA':>15}  (µs/call)")
+    try:
+        for name, fn in todo.items():
+            best = {p: math.inf for p in paths}
+            for _ in range(args.rounds):
+                for path, (direct, tma_min) in paths.items():
+                    L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS = direct, tma_min
+                    best[path] = min(best[path], time_us(fn, args.device, args.calls, args.repeats, clock=clock))
+            print(f"{name:<{width}}  {best['default']:9.1f}  {best['torch.ops + TMA']:15.1f}", flush=True)
+    finally:
+        L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS = default
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -179,6 +204,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU only: run each fp8ops library op's fake kernel instead of its reference "
                              "math, so the time is the glue around the kernels")
     parser.add_argument("--only", nargs="*", default=None, help="case names (substrings) to run")
+    parser.add_argument("--rounds", type=int, default=2, help="with --compare-launch-paths: rounds per case")
+    parser.add_argument("--compare-launch-paths", action="store_true",
+                        help="time each case twice over, alternating: as fp8ops runs by default, and with "
+                             "every library op called through torch.ops and every transposed FP8 copy "
+                             "stored through a tensor map (kernels/_library.EAGER_DIRECT off, "
+                             "TMA_STORE_MIN_ELEMENTS 0)")
     parser.add_argument("--profile-out", default=None, metavar="DIR",
                         help="with --profile: also write each case's whole profile to DIR/<case>.prof")
     args = parser.parse_args(argv)
@@ -195,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
           f"best of {args.repeats} x {args.calls} calls")
     clock = time.thread_time if args.cpu_time else time.perf_counter
     width = max(len(k) for k in todo)
+    if args.compare_launch_paths:
+        _compare_launch_paths(todo, args, clock, width)
+        return
     for name, fn in todo.items():
         print(f"{name:<{width}}  {time_us(fn, args.device, args.calls, args.repeats, clock=clock):8.1f} us/call", flush=True)
     if args.profile:

@@ -1,5 +1,6 @@
-"""Host cost of one FP8 cast on the GPU machine, layer by layer: the library op, its launcher, the
-bare Triton launch, the compiled kernel launched directly, and the allocations around it.
+"""Host cost of one FP8 cast on the GPU machine, layer by layer: the library op, fp8ops's own call of
+it (``OPS``, straight to the launcher), its launcher, the bare Triton launch, the compiled kernel
+launched directly, and the allocations around it.
 
 Tiny tensors (64 x 64), so the GPU finishes each kernel at once and a loop of N asynchronous calls
 measures the host: µs per call, best of 3 loops of 2000 calls.
@@ -16,6 +17,7 @@ import triton
 
 from fp8ops import quantize as _defines_the_library_ops
 from fp8ops.kernels import quantize as kq
+from fp8ops.kernels._library import OPS
 
 E4M3 = torch.float8_e4m3fn
 
@@ -71,12 +73,18 @@ def main() -> None:
     def direct() -> None:
         runner(*args, stream=stream)
 
+    def no_grad_ops() -> object:
+        with torch.no_grad():
+            return OPS.cast_transpose(x, scale, None, 0, False, E4M3)
+
     cases: dict[str, Callable[[], object]] = {
         "torch.ops.fp8ops.cast_transpose (library op)": lambda: torch.ops.fp8ops.cast_transpose(
             x, scale, None, 0, False, E4M3),
-        "cast_transpose_launch (launcher)": lambda: kq.cast_transpose_launch(x, scale, None, 0, False, E4M3),
-        "cast_transpose_launch, pointer stores (no TMA descriptor)": lambda: kq.cast_transpose_launch(
-            x, scale, None, 0, False, E4M3, config={"TMA": False}),
+        "OPS.cast_transpose, no grad (the call fp8ops makes: straight to the launcher)": no_grad_ops,
+        "cast_transpose_launch (launcher; pointer stores below 2**24 elements)": lambda: kq.cast_transpose_launch(
+            x, scale, None, 0, False, E4M3),
+        "cast_transpose_launch, TMA store forced (tensor map encoded)": lambda: kq.cast_transpose_launch(
+            x, scale, None, 0, False, E4M3, config={"TMA": True}),
         "kernel[grid](...) (the kernel as the launcher calls it)": bare,
         "JITFunction[grid](...) (Triton's own launch path)": triton_path,
         "CompiledKernel[grid](*args) (direct)": direct,
@@ -90,6 +98,7 @@ def main() -> None:
         print(f"{per_call_us(fn):8.1f} µs  {name}", flush=True)
     fk = kq._cast_transpose_fwd_kernel
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    print(f"OPS.cast_transpose direct calls: {OPS.cast_transpose.direct_calls}")
     print(f"cached launch path: {type(fk).__name__}, direct launches {getattr(fk, 'direct_launches', '-')}, "
           f"last fallback {getattr(fk, 'last_fallback', '-')!r}; triton.knobs.runtime "
           f"{'missing' if runtime is None else (runtime.launch_enter_hook, runtime.launch_exit_hook)}")

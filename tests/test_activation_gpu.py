@@ -265,7 +265,7 @@ def test_transposed_copy_through_tma_is_the_pointer_stores_bytes(act, shape, cur
     scale = torch.tensor(32.0, device="cuda")
     amax_in = K.act_amax_launch(h, act) if current else None
     outs = [K.act_fwd_launch(h, act, False, scale, amax_in, 0, False, E4M3, True, True, config=cfg)
-            for cfg in (None, {"TMA": False})]
+            for cfg in ({"TMA": True}, {"TMA": False})]
     (_, q1, qt1, a1, i1), (_, q0, qt0, a0, i0) = outs
     assert tma_store_ok(qt1) == (M % 16 == 0)
     assert torch.equal(qt1.view(torch.uint8), qt0.view(torch.uint8))
@@ -288,7 +288,7 @@ def test_backward_transposed_copy_through_tma_is_the_pointer_stores_bytes(act, s
     da = (0.1 * torch.randn(M, F, device="cuda", generator=g)).bfloat16()
     scale = torch.tensor(256.0, device="cuda")
     outs = [K.act_bwd_launch(da, h, act, True, scale, None, 0, False, E5M2, True, True, config=cfg)
-            for cfg in (None, {"TMA": False})]
+            for cfg in ({"TMA": True}, {"TMA": False})]
     for a, b in zip(outs[0][:5], outs[1][:5]):  # dh, q, q^T, amax, inv
         a, b = (t.view(torch.uint8) if t.dtype == E5M2 else t for t in (a, b))
         assert torch.equal(a, b)

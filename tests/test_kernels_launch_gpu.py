@@ -242,3 +242,64 @@ def test_fused_update_equals_the_torch_update(kw, monkeypatch):
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
+
+
+def _linear_step(direct: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """fp8_linear (delayed scaling, bf16, with bias) forward + backward + update, twice, with the
+    library ops called straight (``direct``) or through torch.ops; returns every output and the
+    number of direct calls per op."""
+    import fp8ops
+
+    monkeypatch.setattr(L, "EAGER_DIRECT", direct)
+    before = {n: op.direct_calls for n, op in vars(L.OPS).items()}
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(96, 64, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (0.1 * torch.randn(48, 64, device="cuda", generator=g)).bfloat16().requires_grad_()
+    b = torch.randn(48, device="cuda", generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(96, 48, device="cuda", generator=g).bfloat16()
+    r = fp8ops.DelayedScaling()
+    st = fp8ops.LinearState.init(r, device="cuda")
+    outs = []
+    for _ in range(2):
+        probe = torch.zeros((), device="cuda", requires_grad=True)
+        y, st2 = fp8ops.fp8_linear(x, w, b, st, recipe=r, grad_probe=probe)
+        y.backward(dy)
+        st = fp8ops.update(st2, recipe=r, grad_amax=probe.grad)
+        outs += [y, x.grad, w.grad, b.grad, probe.grad,
+                 *[t for t in torch.utils._pytree.tree_leaves(st) if isinstance(t, torch.Tensor)]]
+        x.grad = w.grad = b.grad = None
+    counts = {n: op.direct_calls - before[n] for n, op in vars(L.OPS).items() if op.direct_calls != before[n]}
+    return outs, counts
+
+
+def test_fp8_linear_calls_its_library_ops_straight_and_computes_the_same(monkeypatch):
+    """An eager fp8_linear step calls its casts straight to the CUDA launcher (three per step: x, W,
+    dy; in the first step, with a state not yet calibrated, each after an amax for its just-in-time
+    scale) and gives bit for bit what the calls through torch.ops give."""
+    straight, counts = _linear_step(True, monkeypatch)
+    dispatched, none = _linear_step(False, monkeypatch)
+    assert counts == {"cast_transpose": 6, "amax": 3} and none == {}
+    assert len(straight) == len(dispatched)
+    for a, b in zip(straight, dispatched):
+        assert torch.equal(a, b)
+
+
+def test_eager_ops_under_grad_go_through_torch_ops():
+    x = torch.randn(64, 64, device="cuda").bfloat16()
+    scale = torch.tensor(4.0, device="cuda")
+    before = L.OPS.cast_transpose.direct_calls
+    q1 = L.OPS.cast_transpose(x, scale, None, 0, False, E4M3)[0]  # gradients on: the dispatcher
+    assert L.OPS.cast_transpose.direct_calls == before
+    with torch.no_grad():
+        q2 = L.OPS.cast_transpose(x, scale, None, 0, False, E4M3)[0]
+    assert L.OPS.cast_transpose.direct_calls == before + 1
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
+
+
+def test_tma_store_of_transposed_copies_from_two_to_the_24_elements():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    small = torch.empty(512, 8192, dtype=E4M3, device="cuda")
+    big = torch.empty(2048, 8192, dtype=E4M3, device="cuda")
+    assert not L.tma_store_wanted(small, None) and L.tma_store_wanted(small, {"TMA": True})
+    assert L.tma_store_wanted(big, None) and not L.tma_store_wanted(big, {"TMA": False})

@@ -623,7 +623,7 @@ def test_cast_transpose_through_tma_is_the_pointer_stores_bytes(shape, dbias):
     x = (3 * torch.randn(M, K, device="cuda", generator=g)).bfloat16()
     scale = torch.tensor(16.0, device="cuda")
     launch = kq.cast_transpose_dbias_launch if dbias else kq.cast_transpose_launch
-    outs = [launch(x, scale, None, 0, False, torch.float8_e4m3fn, config=cfg) for cfg in (None, {"TMA": False})]
+    outs = [launch(x, scale, None, 0, False, torch.float8_e4m3fn, config=cfg) for cfg in ({"TMA": True}, {"TMA": False})]
     assert tma_store_ok(outs[0][1]) == (M % 16 == 0)
     for a, b in zip(outs[0][:4], outs[1][:4]):  # q, q^T, amax, inv: the same bytes
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._glue import refuse_compiled_transform
 from ..kernels import attention as _K
-from ..kernels._library import OpSpec, define as _define
+from ..kernels._library import OPS, OpSpec, define as _define
 from ..reference import attention as _ref
 from .block_mask import BlockMask
 from .layouts import _alloc_layout, _alloc_lse
@@ -158,8 +158,8 @@ class _AttentionFunction(torch.autograd.Function):
                 fqi: Any, static: _Static, *buffers: Tensor) -> tuple[Tensor, Tensor]:
         # One opaque library op (see _attention_fwd_impl): torch.compile records a single node and
         # never re-generates the kernel, whose mods are globals of a specialized copy.
-        out, lse = torch.ops.fp8ops.attention_fwd(q, k, v, cu_q, cu_kv, seed, kvn, kvi, fkvn, fkvi,
-                                                  list(buffers), repr(tuple(static)))
+        out, lse = OPS.attention_fwd(q, k, v, cu_q, cu_kv, seed, kvn, kvi, fkvn, fkvi,
+                                     list(buffers), repr(tuple(static)))
         return out, lse
 
     @staticmethod
@@ -185,8 +185,8 @@ class _AttentionFunction(torch.autograd.Function):
             if static.score_key is not None and not _SPECS[static.score_key].differentiable:
                 _SPECS[static.score_key].grad_jit(static.needs)  # raises, naming the mod
             # A library op, so that torch.func transforms (grad, vmap of grad) see plain tensors.
-            grads = torch.ops.fp8ops.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed, *bm,
-                                                   list(buffers), repr(tuple(static)))
+            grads = OPS.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed, *bm,
+                                      list(buffers), repr(tuple(static)))
         buf_grads = [g if _needs_slot(static, i) else None for i, g in enumerate(grads[3:])]
         return (grads[0], grads[1], grads[2], None, None, None, *([None] * 8), None, *buf_grads)
 
