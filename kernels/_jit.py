@@ -128,11 +128,13 @@ def atomic_amax(
 
 @triton.jit
 def clear_next_amax(
-    amax_next_ptr,  # () fp32: the amax output of the next amax-producing launch on this stream
+    amax_next_ptr,  # () fp32: the amax output of the next amax-producing launch on this stream, or
+    # None (a compile-time constant) when the launch is not chained
     pid,  # this program's id
 ):
-    if pid == 0:
-        tl.store(amax_next_ptr, 0.0)
+    if amax_next_ptr is not None:
+        if pid == 0:
+            tl.store(amax_next_ptr, 0.0)
 
 
 @triton.jit

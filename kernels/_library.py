@@ -372,7 +372,8 @@ class AmaxChain:
     that launch starts. :meth:`output` hands a launch ``(amax, amax_next)``: ``amax`` is the word the
     launch before zeroed, or a ``torch.zeros`` (a fill) when there is none; each launch gets a new
     tensor, its caller's. ``amax_next`` is a new uninitialised word, kept for the next launch once
-    this one has been issued. The launch happens inside the ``with`` block, under a lock, so that
+    this one has been issued; None for a launch that is not chained (the kernel, compiled for a None
+    argument, then zeroes nothing, and no word is allocated). The launch happens inside the ``with`` block, under a lock, so that
     words are handed on in launch order also when several threads launch on one stream.
 
     Which launches are chained:
@@ -408,8 +409,9 @@ class AmaxChain:
         return where if self.eager else None
 
     @contextlib.contextmanager
-    def output(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(amax, amax_next)`` for one launch on ``device``'s current stream, made inside the block."""
+    def output(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(amax, amax_next)`` for one launch on ``device``'s current stream, made inside the block;
+        ``amax_next`` None when the launch is not chained."""
         with self._lock:
             key = self._key(device)
             amax = None if key is None else self._next.pop(key, None)
@@ -417,7 +419,7 @@ class AmaxChain:
                 amax = torch.zeros((), dtype=torch.float32, device=device)
             else:
                 self.chained += 1
-            amax_next = self._word(device)
+            amax_next = None if key is None else self._word(device)
             yield amax, amax_next
             # issued: the next launch on this stream may take amax_next (on an exception it takes a
             # fresh torch.zeros instead, as the word was popped above)

@@ -85,11 +85,15 @@ def test_a_launch_that_fails_hands_no_word_on(poisoned):
 
 
 def test_plain_launches_are_not_chained_by_default(monkeypatch):
-    monkeypatch.setattr(L.AMAX_CHAIN, "_word", lambda device: torch.full((), POISON, device=device))
+    words = []
+    monkeypatch.setattr(L.AMAX_CHAIN, "_word", lambda device: words.append(1) or torch.full((), POISON, device=device))
     L.AMAX_CHAIN.reset()
     assert not L.AMAX_CHAIN.eager
     chained = L.AMAX_CHAIN.chained
     xs = [torch.randn(4, 8) * m for m in (2.0, 0.5)]
     got = [KQ.cast_transpose_launch(x, torch.tensor(1.0), None, 0, False, E4M3)[2] for x in xs]
     assert L.AMAX_CHAIN.chained == chained
+    assert not words  # an unchained launch gets no word to zero (its kernel is compiled for None)
+    with L.AMAX_CHAIN.output(torch.device("cpu")) as (amax, amax_next):
+        assert amax_next is None and float(amax) == 0.0
     assert [float(a) for a in got] == [_amax(x) for x in xs]
