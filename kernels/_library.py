@@ -373,19 +373,22 @@ class AmaxChain:
     launch before zeroed, or a ``torch.zeros`` (a fill) when there is none; each launch gets a new
     tensor, its caller's. ``amax_next`` is a new uninitialised word, kept for the next launch once
     this one has been issued; None for a launch that is not chained (the kernel, compiled for a None
-    argument, then zeroes nothing, and no word is allocated). The launch happens inside the ``with`` block, under a lock, so that
-    words are handed on in launch order also when several threads launch on one stream.
+    argument, then zeroes nothing, and no word is allocated). The launch happens inside the
+    ``with`` block, under a lock, so that words are handed on in launch order also when several
+    threads launch on one stream.
 
     Which launches are chained:
 
     - those of a CUDA graph capture that :meth:`capturing` announced (``fp8ops.graph_step``), per
       (device, capture stream): the capture's first amax word is a fill node of the graph, the
       others are zeroed inside the graph by the kernel before them, at every replay;
-    - plain launches (outside captures) only with :attr:`eager` on, per (device, stream). It is
-      off by default: ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``) run their
-      warm-up calls with allocations from their own memory pool, and a word kept for the next
-      launch would stay alive in that pool, which they reject ("tensor(s) in the cudagraph pool not
-      tracked as outputs");
+    - plain launches (outside captures), per (device, stream), with :attr:`eager` on (the
+      default), except under a ``TorchFunctionMode``: ``torch.compile``'s CUDA graphs
+      (``mode="reduce-overhead"``) run their warm-up calls with allocations from their own memory
+      pool, inside a ``torch.device`` context (a function mode), and a word kept for the next
+      launch would stay alive in that pool, which they reject ("tensor(s) in the cudagraph pool
+      not tracked as outputs"); such launches, and those in any other function mode (a user's
+      ``with torch.device(...)`` included), take a ``torch.zeros``;
     - no launch of any other capture, and none when :attr:`enabled` is off.
     """
 
@@ -395,18 +398,19 @@ class AmaxChain:
         self._captures: dict[tuple[int, int], object] = {}
         self.chained = 0  # launches that took a word zeroed by the launch before (for tests)
         self.enabled = True  # False: a torch.zeros for every launch (for measurements)
-        self.eager = False  # chain plain launches too (see the class notes)
+        self.eager = True  # chain plain launches too (see the class notes)
 
     def _key(self, device: torch.device) -> tuple[Any, ...] | None:
         if not self.enabled:
             return None
+        plain = self.eager and not torch._C._is_torch_function_mode_enabled()
         if device.type != "cuda":  # the interpreter: kernels run one after the other
-            return (device.type,) if self.eager else None
+            return (device.type,) if plain else None
         where = _current_stream(device)
         if torch.cuda.is_current_stream_capturing():
             token = self._captures.get(where)
             return None if token is None else (*where, token)
-        return where if self.eager else None
+        return where if plain else None
 
     @contextlib.contextmanager
     def output(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
     if args.launch_paths != "default":
         from fp8ops.kernels import _library
 
-        _library.EAGER_DIRECT, _library.TMA_STORE_MIN_ELEMENTS = False, 0
+        _library.EAGER_DIRECT, _library.TMA_STORE_MIN_ELEMENTS, _library.AMAX_CHAIN.eager = False, 0, False
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
@@ -133,10 +133,11 @@ def main() -> None:
     ap.add_argument("--wrap", choices=("block", "linear"), default="block", help="FSDP2 groups: per block or per Linear")
     ap.add_argument("--out", default=".")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    ap.add_argument("--launch-paths", choices=("default", "torch.ops + TMA"), default="default",
-                    help="'torch.ops + TMA': every fp8ops library op called through torch.ops and every transposed "
-                         "FP8 copy stored through a tensor map (kernels/_library.EAGER_DIRECT off, "
-                         "TMA_STORE_MIN_ELEMENTS 0), for comparisons")
+    ap.add_argument("--launch-paths", choices=("default", "before"), default="default",
+                    help="'before': every fp8ops library op called through torch.ops, every transposed FP8 copy "
+                         "stored through a tensor map and a fill kernel for every amax output "
+                         "(kernels/_library.EAGER_DIRECT off, TMA_STORE_MIN_ELEMENTS 0, AMAX_CHAIN.eager off), "
+                         "for comparisons")
     ap.add_argument("--cprofile", action="store_true", help="print rank 0's cProfile top by own and by cumulative time")
     args = ap.parse_args()
     world = torch.cuda.device_count()

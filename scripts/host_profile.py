@@ -15,9 +15,9 @@ is the host's time. ``--profile`` also prints the cProfile top 35 functions of e
 tottime and by cumtime. ``--stub-kernels`` (CPU only) replaces the CPU kernel of every ``fp8ops::``
 library op by its fake kernel (outputs of the right shape, uninitialised, no arithmetic), so the time
 left is the glue alone: what a GPU host pays per call besides the launches themselves.
-``--compare-launch-paths`` times every case as fp8ops runs by default and with its library ops
-called through ``torch.ops`` and its transposed FP8 copies stored through tensor maps, alternating
-the two in each of ``--rounds`` rounds.
+``--compare-launch-paths`` times every case as fp8ops runs by default and as it ran before (its
+library ops called through ``torch.ops``, its transposed FP8 copies stored through tensor maps, a
+fill kernel for each amax output), alternating the two in each of ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -172,22 +172,24 @@ def profile(name: str, fn: Callable[[], None], device: str, calls: int, out: str
 def _compare_launch_paths(todo: dict[str, Callable[[], None]], args: argparse.Namespace,
                           clock: Callable[[], float], width: int) -> None:
     """Each case timed in ``--rounds`` rounds, each round both launch paths one after the other (the
-    best of each path counts): the default, and the library ops through torch.ops with tensor-map stores."""
+    best of each path counts): the default, and "before": the library ops through torch.ops,
+    tensor-map stores at every size, a fill kernel for every amax output."""
     from fp8ops.kernels import _library as L
 
-    default = (L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS)
-    paths = {"default": default, "torch.ops + TMA": (False, 0)}
-    print(f"{'case':<{width}}  {'default':>9}  {'torch.ops + TMA':>15}  (µs/call)")
+    default = (L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS, L.AMAX_CHAIN.eager)
+    paths = {"default": default, "before": (False, 0, False)}
+    print(f"{'case':<{width}}  {'default':>9}  {'before':>9}  (µs/call)")
     try:
         for name, fn in todo.items():
             best = {p: math.inf for p in paths}
             for _ in range(args.rounds):
-                for path, (direct, tma_min) in paths.items():
-                    L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS = direct, tma_min
+                for path, (direct, tma_min, chain) in paths.items():
+                    L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS, L.AMAX_CHAIN.eager = direct, tma_min, chain
+                    L.AMAX_CHAIN.reset()
                     best[path] = min(best[path], time_us(fn, args.device, args.calls, args.repeats, clock=clock))
-            print(f"{name:<{width}}  {best['default']:9.1f}  {best['torch.ops + TMA']:15.1f}", flush=True)
+            print(f"{name:<{width}}  {best['default']:9.1f}  {best['before']:9.1f}", flush=True)
     finally:
-        L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS = default
+        L.EAGER_DIRECT, L.TMA_STORE_MIN_ELEMENTS, L.AMAX_CHAIN.eager = default
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,9 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="with --compare-launch-paths: rounds per case")
     parser.add_argument("--compare-launch-paths", action="store_true",
                         help="time each case twice over, alternating: as fp8ops runs by default, and with "
-                             "every library op called through torch.ops and every transposed FP8 copy "
-                             "stored through a tensor map (kernels/_library.EAGER_DIRECT off, "
-                             "TMA_STORE_MIN_ELEMENTS 0)")
+                             "every library op called through torch.ops, every transposed FP8 copy "
+                             "stored through a tensor map and a fill kernel for every amax output "
+                             "(kernels/_library.EAGER_DIRECT off, TMA_STORE_MIN_ELEMENTS 0, "
+                             "AMAX_CHAIN.eager off)")
     parser.add_argument("--profile-out", default=None, metavar="DIR",
                         help="with --profile: also write each case's whole profile to DIR/<case>.prof")
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ the amax word of the next such launch, so that launches in a row need no fill ke
 The chain's new words are poisoned (a huge value instead of uninitialised memory): a kernel that
 failed to zero the next word would hand that value to the next launch as its amax."""
 
+import contextlib
 import os
 
 import pytest
@@ -26,7 +27,7 @@ POISON = 3.0e38
 @pytest.fixture
 def poisoned(monkeypatch):
     monkeypatch.setattr(L.AMAX_CHAIN, "_word", lambda device: torch.full((), POISON, device=device))
-    monkeypatch.setattr(L.AMAX_CHAIN, "eager", True)  # plain launches chained too (off by default)
+    monkeypatch.setattr(L.AMAX_CHAIN, "eager", True)  # plain launches chained (the default)
     L.AMAX_CHAIN.reset()
     yield L.AMAX_CHAIN
     L.AMAX_CHAIN.reset()
@@ -84,16 +85,27 @@ def test_a_launch_that_fails_hands_no_word_on(poisoned):
     assert float(amax) == _amax(x)
 
 
-def test_plain_launches_are_not_chained_by_default(monkeypatch):
+@pytest.mark.parametrize("how", ["default", "function mode", "eager off"])
+def test_plain_launches_chain_by_default_only(how, monkeypatch):
+    """Plain launches are chained by default; not under a TorchFunctionMode (torch.compile's CUDA
+    graph warm-up runs in a torch.device context, whose pool must not keep a word) nor with eager
+    off. An unchained launch gets no word to zero: its kernel is compiled for None."""
     words = []
     monkeypatch.setattr(L.AMAX_CHAIN, "_word", lambda device: words.append(1) or torch.full((), POISON, device=device))
+    if how == "eager off":
+        monkeypatch.setattr(L.AMAX_CHAIN, "eager", False)
     L.AMAX_CHAIN.reset()
-    assert not L.AMAX_CHAIN.eager
     chained = L.AMAX_CHAIN.chained
-    xs = [torch.randn(4, 8) * m for m in (2.0, 0.5)]
-    got = [KQ.cast_transpose_launch(x, torch.tensor(1.0), None, 0, False, E4M3)[2] for x in xs]
-    assert L.AMAX_CHAIN.chained == chained
-    assert not words  # an unchained launch gets no word to zero (its kernel is compiled for None)
-    with L.AMAX_CHAIN.output(torch.device("cpu")) as (amax, amax_next):
-        assert amax_next is None and float(amax) == 0.0
+    xs = [torch.randn(4, 8) * m for m in (2.0, 0.5, 1.0)]
+    with torch.device("cpu") if how == "function mode" else contextlib.nullcontext():
+        got = [KQ.cast_transpose_launch(x, torch.tensor(1.0), None, 0, False, E4M3)[2] for x in xs]
+        with L.AMAX_CHAIN.output(torch.device("cpu")) as (amax, amax_next):
+            pass
+    if how == "default":
+        assert L.AMAX_CHAIN.chained - chained == len(xs) and len(words) == len(xs) + 1
+        assert amax_next is not None
+    else:
+        assert L.AMAX_CHAIN.chained == chained and not words and amax_next is None
+    assert float(amax) == 0.0
     assert [float(a) for a in got] == [_amax(x) for x in xs]
+    L.AMAX_CHAIN.reset()

@@ -89,7 +89,7 @@ def poisoned_words(monkeypatch):
 
 @pytest.fixture
 def poisoned(poisoned_words, monkeypatch):
-    monkeypatch.setattr(L.AMAX_CHAIN, "eager", True)  # plain launches chained too (off by default)
+    monkeypatch.setattr(L.AMAX_CHAIN, "eager", True)  # plain launches chained too (the default)
     return poisoned_words
 
 
@@ -109,6 +109,21 @@ def test_amax_words_chain_on_a_stream(poisoned):
     got = _casts(xs, scale)
     assert poisoned.chained - chained == len(xs) - 1  # all but the first took the word zeroed before them
     assert [float(a) for a in got] == _maxima(xs)
+
+
+def test_plain_launches_chain_by_default_but_not_in_a_function_mode(poisoned_words):
+    """Eager launches chain their amax words by default; inside a TorchFunctionMode (here a
+    torch.device context, which torch.compile's CUDA-graph warm-up runs in) each takes a fill."""
+    assert poisoned_words.eager
+    xs = [torch.randn(64, 128, device="cuda").bfloat16() * m for m in (4.0, 0.5, 2.0)]
+    scale = torch.tensor(4.0, device="cuda")
+    chained = poisoned_words.chained
+    got = _casts(xs, scale)
+    assert poisoned_words.chained - chained == len(xs) - 1
+    with torch.device("cuda"):
+        got += _casts(xs, scale)
+    assert poisoned_words.chained - chained == len(xs) - 1
+    assert [float(a) for a in got] == _maxima(xs) * 2
 
 
 def test_amax_words_chain_per_stream(poisoned):
@@ -146,14 +161,14 @@ def test_amax_words_chain_across_threads_on_one_stream(poisoned):
     assert [float(got[i]) for i in range(len(xs))] == _maxima(xs)
 
 
-def test_amax_words_under_graph_capture(poisoned_words):
-    # the default: plain launches and a capture nobody announced take a torch.zeros per launch; a
-    # graph_step capture is chained, its words zeroed in the graph at every replay; all give the
-    # replayed inputs' amaxes, replay after replay
+def test_amax_words_under_graph_capture(poisoned_words, monkeypatch):
+    # with plain launches not chained (eager off), plain launches and a capture nobody announced
+    # take a torch.zeros per launch; a graph_step capture is chained, its words zeroed in the graph
+    # at every replay; all give the replayed inputs' amaxes, replay after replay
     import fp8ops
 
     poisoned = poisoned_words
-    assert not poisoned.eager
+    monkeypatch.setattr(poisoned, "eager", False)
 
     xs = [torch.randn(128, 256, device="cuda").bfloat16() for _ in range(3)]
     scale = torch.tensor(2.0, device="cuda")
