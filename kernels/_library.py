@@ -382,13 +382,12 @@ class AmaxChain:
     - those of a CUDA graph capture that :meth:`capturing` announced (``fp8ops.graph_step``), per
       (device, capture stream): the capture's first amax word is a fill node of the graph, the
       others are zeroed inside the graph by the kernel before them, at every replay;
-    - plain launches (outside captures), per (device, stream), with :attr:`eager` on (the
-      default), except under a ``TorchFunctionMode``: ``torch.compile``'s CUDA graphs
-      (``mode="reduce-overhead"``) run their warm-up calls with allocations from their own memory
-      pool, inside a ``torch.device`` context (a function mode), and a word kept for the next
-      launch would stay alive in that pool, which they reject ("tensor(s) in the cudagraph pool
-      not tracked as outputs"); such launches, and those in any other function mode (a user's
-      ``with torch.device(...)`` included), take a ``torch.zeros``;
+    - plain launches (outside captures) on a device's default stream, with :attr:`eager` on (the
+      default); on other streams only with :attr:`eager_side_streams` on (off by default):
+      ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``) run their warm-up calls on a
+      stream of their own with allocations from their own memory pool, and a word kept for that
+      stream's next launch would stay alive in the pool, which they reject ("tensor(s) in the
+      cudagraph pool not tracked as outputs");
     - no launch of any other capture, and none when :attr:`enabled` is off.
     """
 
@@ -398,19 +397,20 @@ class AmaxChain:
         self._captures: dict[tuple[int, int], object] = {}
         self.chained = 0  # launches that took a word zeroed by the launch before (for tests)
         self.enabled = True  # False: a torch.zeros for every launch (for measurements)
-        self.eager = True  # chain plain launches too (see the class notes)
+        self.eager = True  # chain plain launches on the default stream (see the class notes)
+        self.eager_side_streams = False  # ... and on every other stream (for tests)
 
     def _key(self, device: torch.device) -> tuple[Any, ...] | None:
         if not self.enabled:
             return None
-        plain = self.eager and not torch._C._is_torch_function_mode_enabled()
         if device.type != "cuda":  # the interpreter: kernels run one after the other
-            return (device.type,) if plain else None
+            return (device.type,) if self.eager else None
         where = _current_stream(device)
         if torch.cuda.is_current_stream_capturing():
             token = self._captures.get(where)
             return None if token is None else (*where, token)
-        return where if plain else None
+        # the default stream's raw handle is 0
+        return where if self.eager and (where[1] == 0 or self.eager_side_streams) else None
 
     @contextlib.contextmanager
     def output(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -89,7 +89,8 @@ def poisoned_words(monkeypatch):
 
 @pytest.fixture
 def poisoned(poisoned_words, monkeypatch):
-    monkeypatch.setattr(L.AMAX_CHAIN, "eager", True)  # plain launches chained too (the default)
+    monkeypatch.setattr(L.AMAX_CHAIN, "eager", True)  # plain launches chained (the default) ...
+    monkeypatch.setattr(L.AMAX_CHAIN, "eager_side_streams", True)  # ... on every stream (not the default)
     return poisoned_words
 
 
@@ -111,17 +112,20 @@ def test_amax_words_chain_on_a_stream(poisoned):
     assert [float(a) for a in got] == _maxima(xs)
 
 
-def test_plain_launches_chain_by_default_but_not_in_a_function_mode(poisoned_words):
-    """Eager launches chain their amax words by default; inside a TorchFunctionMode (here a
-    torch.device context, which torch.compile's CUDA-graph warm-up runs in) each takes a fill."""
-    assert poisoned_words.eager
+def test_plain_launches_chain_on_the_default_stream_only(poisoned_words):
+    """Eager launches on the default stream chain their amax words by default; on another stream
+    (torch.compile's CUDA-graph warm-up runs on one of its own) each takes a fill."""
+    assert poisoned_words.eager and not poisoned_words.eager_side_streams
     xs = [torch.randn(64, 128, device="cuda").bfloat16() * m for m in (4.0, 0.5, 2.0)]
     scale = torch.tensor(4.0, device="cuda")
     chained = poisoned_words.chained
     got = _casts(xs, scale)
     assert poisoned_words.chained - chained == len(xs) - 1
-    with torch.device("cuda"):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         got += _casts(xs, scale)
+    torch.cuda.current_stream().wait_stream(side)
     assert poisoned_words.chained - chained == len(xs) - 1
     assert [float(a) for a in got] == _maxima(xs) * 2
 
