@@ -24,8 +24,7 @@ from torch import Tensor
 from ._glue import apply, refuse_compiled_transform
 from ._checks import check_float_tensor
 from .kernels import activation as _K
-from .kernels._library import OPS
-from .kernels._library import define as _define
+from .kernels._library import OPS, define as _define
 from .quantize import QuantSpec, _loop_vmap
 from .reference import activation as _ref
 

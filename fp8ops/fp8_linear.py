@@ -43,8 +43,8 @@ from ._parallel import (
     wait,
 )
 from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
-from .kernels._library import OPS
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
+from .kernels._library import OPS
 from ._operands import (
     cached_dgrad_operand,
     dgrad_weight,

@@ -11,8 +11,7 @@ import torch
 from torch import Tensor
 
 from .kernels import gemm as _K
-from .kernels._library import OPS
-from .kernels._library import define as _define
+from .kernels._library import OPS, define as _define
 from ._glue import cast
 from .reference import gemm as _ref
 

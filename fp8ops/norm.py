@@ -18,8 +18,7 @@ from torch import Tensor
 from ._checks import check_device, check_eps, check_float_tensor, check_zero_centered_gamma
 from ._glue import apply, autocast_dtype, refuse_compiled_transform
 from .kernels import norm as _K
-from .kernels._library import OPS
-from .kernels._library import define as _define
+from .kernels._library import OPS, define as _define
 from .quantize import _loop_vmap
 from .reference import norm as _ref
 

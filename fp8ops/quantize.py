@@ -16,8 +16,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .kernels import quantize as _K
-from .kernels._library import OPS
-from .kernels._library import define as _define
+from .kernels._library import OPS, define as _define
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_recipe
 from .formats import Role, check_role
 from .recipes import Recipe

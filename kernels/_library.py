@@ -78,8 +78,9 @@ class EagerOp:
     CUDA kernel (the boxed call into Python and the argument conversion;
     ``scripts/launch_overhead.py``). Where nothing but that kernel could run, this calls the kernel
     (the launcher) itself: every tensor argument a plain dense CUDA ``torch.Tensor`` (or
-    ``nn.Parameter``; not a ``torch.func`` wrapper), gradients off (fp8ops calls its library ops inside autograd Functions, whose
-    forward and backward run without gradients), and none of what reroutes a dispatch active:
+    ``nn.Parameter``; not a ``torch.func`` wrapper), gradients off (fp8ops calls its library ops
+    inside autograd Functions, whose forward and backward run without gradients), and none of what
+    reroutes a dispatch active:
     ``torch.compile`` tracing, a ``torch.func`` transform, a ``TorchDispatchMode`` (fake tensors,
     functionalization, ``FlopCounterMode``...), a ``TorchFunctionMode``. Arguments the call leaves
     out get the schema's defaults, as the dispatcher gives them. Everything else, keyword
@@ -191,8 +192,8 @@ def tma_store_ok(out: torch.Tensor) -> bool:
 TMA_STORE_MIN_ELEMENTS = 1 << 24
 """The size from which a launcher stores a transposed FP8 copy through a tensor map by default.
 
-The tensor map is encoded on the host at every launch (about 15 µs, ``docs/benchmarks/host.md``)
-and saves device time in proportion to the copy: on an H200, 0.1 µs for a cast of 8192 x 512, 1-2 µs
+The tensor map is encoded on the host at every launch (15-38 µs on the H100 and H200 machines
+measured, ``docs/benchmarks/host.md``) and saves device time in proportion to the copy: on an H200, 0.1 µs for a cast of 8192 x 512, 1-2 µs
 at 8192 x 768 and 8192 x 1536, 4-5 µs at 8192 x 4096, 12 µs for the activation forward at 8192 x 2048
 (``docs/benchmarks/tma_store_check.json``). Below 2**24 elements the host's cost is the larger one."""
 

@@ -510,7 +510,6 @@ def act_fwd_launch(
     qt = _output((F, M), qdt, dev, transpose)
     tma = transpose and tma_store_wanted(qt, config)
     cfg = merge_config(_FWD_CFG_TMA if tma else _FWD_CFG, config, name=name)
-    tma = tma and bool(cfg["TMA"])
     num_m, num_n = _tiles(M, F, cfg)
     desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])
     with AMAX_CHAIN.output(dev) as (amax, amax_next):
@@ -584,7 +583,7 @@ def act_bwd_launch(
     q = _output((M, C), qdt, dev, has_fp8)
     qt = _output((C, M), qdt, dev, transpose)
     # TMA store of q^T (see _FWD_CFG_TMA); a gated tile must not cross from one half into the other
-    tma = (transpose and bool(cfg["TMA"]) and tma_store_wanted(qt, config) and not (gated and F % cfg["BLOCK_N"]))
+    tma = transpose and tma_store_wanted(qt, config) and not (gated and F % cfg["BLOCK_N"])
     num_m, num_n = _tiles(M, F, cfg)
     part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else cast["scale_ptr"]
     desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])

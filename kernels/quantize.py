@@ -427,7 +427,6 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
     qt = torch.empty((K, M), dtype=out_dtype, device=x.device)
     tma = tma_store_wanted(qt, config)
     cfg = merge_config(_CAST_T_CFG_TMA if tma else _CAST_T_CFG, config, name=name)
-    tma = tma and bool(cfg["TMA"])
     # An empty x still launches one program (it writes the inverse scale), which writes one row of
     # zero partial sums.
     partial = (torch.empty((max(1, cdiv(M, cfg["BLOCK_M"])), K), dtype=torch.float32, device=x.device)
