@@ -1193,11 +1193,14 @@ def _launch_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             tuple(a.dtype if isinstance(a, torch.Tensor) else a is None for a in args))
 
 
-def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, varlen: bool = False) -> dict[str, int]:
+def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, varlen: bool = False,
+                short_rows: bool = False) -> dict[str, int]:
     # 16-bit values timed on an H200 (triton 3.6, causal, B=8, H=32, S=8192; scripts/attn_tune.py,
     # docs/benchmarks/attention_tune_tma.json) with no spills in ptxas's register report. TMA: 1 loads
     # Q, K and V through tensor descriptors where _tma_view allows it (pointer loads otherwise, with
-    # the same tiles); it lowers register pressure and was faster at every head dim.
+    # the same tiles); it lowers register pressure and was faster at every head dim. ``short_rows``:
+    # see :func:`_short_rows` (never under block masks or with packed sequences, whose rows' lengths
+    # the host does not know).
     if interpret:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "TMA": 0}
     dmax = max(d, dv)
@@ -1211,12 +1214,38 @@ def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, varlen: bo
     if dmax <= 64:
         # d=64: 5.64 ms against 6.97 with (128, 64, 8 warps, 3 stages, pointer loads); 5.84 pointer
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
+    if dmax <= 128 and short_rows:
+        # d=128, rows of at most 1024 keys on average (H100, 32 heads; scripts/attn_tune.py and
+        # `bench attention`, docs/benchmarks/attention_short_rows_h100.md): 64-row tiles of four
+        # warps, two or three programs per SM. Forward µs against the 128-row tiles below, side by
+        # side: causal S=1024 391 / 470, S=2048 645 / 728; a window of 1024 at S=2048..8192 538-657
+        # / 627-753; no mask S=1024 594 / 628-647. Longer rows: level or slower (no mask S=2048
+        # 1146 / 1133-1180; causal S=4096 level or 17 % slower, S=8192 12 % slower).
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
     if dmax <= 128:
         # d=128: 9.25 ms against 9.95 with (128, 64, 8, 3, pointer loads); 9.56 pointer (224 / 255
         # registers). Shared memory is near the limit: a mod's extra tiles make it one stage shallower.
         return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": 1}
     # d=256: 16.8 ms against 35.7 with (64, 64, 8, 2, pointer loads); 17.6 pointer
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "TMA": 1}
+
+
+SHORT_ROW_KEYS = 1024  # query rows that see at most this many keys on average: short rows
+
+
+def _short_rows(seq_kv: int, left: int | None, right: int | None) -> bool:
+    """Whether a dense problem's query rows see at most ``SHORT_ROW_KEYS`` keys on average, for the
+    small forward tiles. Without a band (or with bounds that cut nothing) every row sees ``seq_kv``
+    keys; in a band a bounded side adds its bound (at most half the keys) and an unbounded one half
+    the keys: causal about ``seq_kv / 2``, a window ``w`` about ``w``."""
+    left, right = (None if b is None or b >= seq_kv - 1 else b for b in (left, right))
+    if left is None and right is None:
+        return seq_kv <= SHORT_ROW_KEYS
+
+    def side(bound: int | None) -> float:
+        return seq_kv / 2 if bound is None else min(bound, seq_kv / 2)
+
+    return side(left) + side(right) <= SHORT_ROW_KEYS
 
 
 class _TmaView(NamedTuple):
@@ -1473,8 +1502,9 @@ def attention_fwd_launch(
                 raise ValueError(f"{name}: descale block sizes must be powers of two >= 16, got {descale[3:]}")
     kernels = kernels or specialize()
     interp = _is_interpreter(kernels.fwd)
-    cfg = merge_config(_fwd_config(prob.d, prob.dv, q.dtype, interp, prob.varlen), config, name="attention_fwd")
     bs = block_sparsity
+    short = not prob.varlen and bs is None and _short_rows(prob.seq_kv, *window)
+    cfg = merge_config(_fwd_config(prob.d, prob.dv, q.dtype, interp, prob.varlen, short), config, name="attention_fwd")
     if bs is not None and prob.varlen:
         raise ValueError(f"{name}: block sparsity is not available with packed sequences")
     block_m = _fit_block(cfg["BLOCK_M"], bs.block_q if bs else None)

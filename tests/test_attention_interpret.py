@@ -493,6 +493,38 @@ def test_packed_sequences_pick_their_own_tiles(monkeypatch):
         assert K._bwd_config(*args, varlen=True) == K._bwd_config(*args)
 
 
+def test_short_rows_take_the_small_forward_tiles(monkeypatch):
+    """The d = 128 forward takes 64-row tiles of four warps where query rows see at most
+    SHORT_ROW_KEYS keys on average (no mask up to 1024 keys, causal up to 2048, a window of up to 1024
+    at any length); the 128-row tiles beyond, and under block masks and packed sequences (whose rows'
+    lengths the host does not know)."""
+    bf16 = torch.bfloat16
+    short = K._short_rows
+    assert K.SHORT_ROW_KEYS == 1024
+    assert short(1024, None, None) and not short(1025, None, None) and not short(2048, None, None)
+    assert short(2048, None, 0) and not short(2050, None, 0) and short(2048, 0, None)  # causal either way
+    assert short(65536, 1023, 0) and short(65536, 1024, 0) and not short(65536, 1025, 0)  # windows
+    assert short(65536, 512, 512) and not short(65536, 512, 513)  # both sides bounded: their sum
+    assert short(1500, 1000, 0) and not short(3000, 1000, 100)  # a side counts at most half the keys
+    assert not short(2000, 3000, 3000) and short(1024, 3000, 3000)  # bounds that cut nothing: no band
+    small = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
+    assert K._fwd_config(128, 128, bf16, False, False, True) == small
+    assert K._fwd_config(96, 128, torch.float16, False, False, True) == small
+    assert K._fwd_config(128, 128, bf16, False, False, False)["BLOCK_M"] == 128
+    assert K._fwd_config(64, 64, bf16, False, False, True) == K._fwd_config(64, 64, bf16, False)
+    assert K._fwd_config(256, 256, bf16, False, False, True) == K._fwd_config(256, 256, bf16, False)
+    assert K._fwd_config(128, 128, torch.float32, False, False, True)["BLOCK_N"] == 16
+    assert K._fwd_config(128, 128, bf16, True, False, True)["BLOCK_M"] == 32  # the interpreter's tiles
+    seen = []
+    real = K._fwd_config
+    monkeypatch.setattr(K, "_fwd_config", lambda *a: (seen.append(a[5]), real(*a))[1])
+    _fused(*_tensors([(1, 2, 24, 16)] * 3, torch.float32, 1)).sum()  # causal, 24 keys
+    q, k, v, cu_q, cu_kv = _packed([5, 9], [5, 9], 2, 2, 16)
+    A._attention_triton(q, k, v, score_mod=None, mask_mod=None, block_mask=None, scale=0.3, left=None, right=0,
+                        layout="thd", cu_q=cu_q, cu_kv=cu_kv, max_q=9, max_kv=9, dropout_p=0.0, seed=None)
+    assert seen == [True, False]
+
+
 def test_tma_view_places_heads_in_rows_or_columns():
     """Where the descriptor puts each head: bhsd heads are outer indices, bshd heads columns of a row
     with the batch outer, sbhd (and fused QKV slices) everything in the columns of a row."""
