@@ -1219,8 +1219,9 @@ def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, varlen: bo
         # `bench attention`, docs/benchmarks/attention_short_rows_h100.md): 64-row tiles of four
         # warps, two or three programs per SM. Forward µs against the 128-row tiles below, side by
         # side: causal S=1024 391 / 470, S=2048 645 / 728; a window of 1024 at S=2048..8192 538-657
-        # / 627-753; no mask S=1024 594 / 628-647. Longer rows: level or slower (no mask S=2048
-        # 1146 / 1133-1180; causal S=4096 level or 17 % slower, S=8192 12 % slower).
+        # / 627-753; no mask S=1024 594 / 628-647. Longer rows: level in the sweep or slower (no mask
+        # S=2048 1146 / 1133-1180; causal S=4096 1177 / 1263, but 5.75 / 4.90 ms in two bench runs
+        # with 16 sequences on two machines; causal S=8192 2650 / 2359).
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
     if dmax <= 128:
         # d=128: 9.25 ms against 9.95 with (128, 64, 8, 3, pointer loads); 9.56 pointer (224 / 255
