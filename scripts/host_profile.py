@@ -91,7 +91,17 @@ def cases(device: str) -> dict[str, Callable[[], None]]:
     fp8ops.nn.update_scaling(nn_lin)  # calibrated from here on
     x_in = leaf(T, H)
 
+    extra: dict[str, Callable[[], None]] = {}
+    if device == "cuda":  # the fused attention kernels run on the GPU only (the CPU runs the reference)
+        qa, ka, va = (torch.randn(B, HEADS, S, H // HEADS, device=device, dtype=torch.bfloat16).requires_grad_()
+                      for _ in range(3))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        extra = {
+            "torch SDPA causal": lambda: back(sdpa(qa, ka, va, is_causal=True)),
+            "attention causal (triton)": lambda: back(fp8ops.attention(qa, ka, va, causal=True, backend="triton")[0]),
+        }
     return {
+        **extra,
         "torch F.linear": lambda: back(torch.nn.functional.linear(x, w, b)),
         "torch nn.Linear": lambda: back(torch_lin(x_in)),
         "fp8ops.nn.Linear delayed": lambda: back(nn_lin(x_in)),

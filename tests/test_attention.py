@@ -814,3 +814,16 @@ def test_launch_drops_a_pipeline_stage_when_shared_memory_runs_out(monkeypatch):
     assert kern.tried == [3, 2, 2, 3, 2]
     with pytest.raises(OutOfResources):
         K._launch(FakeKernel(fits=0), (1,), x, BLOCK_M=64, num_stages=2)
+
+
+def test_the_static_configuration_string_is_its_repr_and_parses_back():
+    """The fused path hands its library ops ``repr(tuple(static))`` (cached per configuration in
+    eager mode); the ops parse it back into the same configuration."""
+    G = importlib.import_module("fp8ops.attention.autograd")
+    st = G._Static(score_key=None, mask_key="m", score_slots=(0,), mask_slots=(), needs=(True,), scale=0.125,
+                   left=None, right=0, layout="bshd", max_q=None, max_kv=None, dropout_p=0.1, sparse_block=(128, 64),
+                   dq_mode="separate", fwd_config=(("BLOCK_M", 64),), bwd_config=None)
+    text = G._static_str(st)
+    assert text == repr(tuple(st)) and G._static_str(st._replace()) is text  # one string per configuration
+    assert G._parse_static(text) == st
+    assert G._static_str(st._replace(scale=0.25)) != text

@@ -167,3 +167,32 @@ def test_launch_hooks_of_either_triton_form():
     runtime = getattr(getattr(L.triton, "knobs", None), "runtime", None)
     if runtime is not None:  # the installed Triton, with no profiler attached
         assert not L._hooks_set()
+
+
+def test_launches_repeating_their_values_find_the_kernel_by_value(fk, monkeypatch):
+    """The by-value key (ints as they are, tensors by dtype and alignment) is finer than Triton's
+    specialization: other sizes of the same specialization find the compiled kernel through the
+    specialization, once, and then by value; the by-value entries are bounded."""
+    k, jit = fk
+    x = torch.zeros(64)
+    k[(1,)](x, x, 32, 1.0, BLOCK=16)
+    k[(1,)](x, x, 48, 1.0, BLOCK=16)  # another multiple of 16: the same compiled kernel
+    k[(1,)](x, x, 48, 3.0, BLOCK=16)  # floats are keyed by type, not value
+    assert len(jit.triton_launches) == 1 and len(jit.compiled[0].calls) == 2
+    assert len(k._by_value) == 1  # (48, float): the first launch of 32 went through Triton
+    monkeypatch.setattr(L, "BY_VALUE_ENTRIES", 3)
+    for n in range(64, 64 + 16 * 6, 16):
+        k[(1,)](x, x, n, 1.0, BLOCK=16)
+    assert len(k._by_value) == 3 and len(jit.triton_launches) == 1 and len(jit.compiled[0].calls) == 8
+
+
+@pytest.mark.parametrize("first, second", [(1, 1.0), (1, True), (0, False), (16, 16.0)])
+def test_equal_values_of_other_types_are_other_kernels(fk, first, second):
+    """1, 1.0 and True are equal in Python but compile to different kernels (an int, a float and a
+    bool parameter): a launch with one never reuses the kernel of another by value."""
+    k, jit = fk
+    x = torch.zeros(64)
+    k[(1,)](x, x, first, 1.0, BLOCK=16)
+    k[(1,)](x, x, first, 1.0, BLOCK=16)
+    k[(1,)](x, x, second, 1.0, BLOCK=16)
+    assert len(jit.triton_launches) == 2 and len(jit.compiled[0].calls) == 1

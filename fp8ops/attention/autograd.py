@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .._glue import refuse_compiled_transform
+from .._glue import apply, refuse_compiled_transform
 from ..kernels import attention as _K
 from ..kernels._library import OPS, OpSpec, define as _define
 from ..reference import attention as _ref
@@ -75,6 +75,17 @@ def _sparsity(bm: tuple[Tensor | None, ...], static: _Static) -> tuple[Any, Any]
     bq, bkv = static.sparse_block
     kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi = bm
     return (_K.BlockSparsity(kvn, kvi, fkvn, fkvi, bq, bkv), _K.BlockSparsity(qn, qi, fqn, fqi, bq, bkv))
+
+
+@functools.lru_cache(maxsize=256)
+def _static_repr(static: _Static) -> str:
+    return repr(tuple(static))
+
+
+def _static_str(static: _Static) -> str:
+    """``repr(tuple(static))``, the form the library ops take (cached per configuration in eager
+    mode: the repr of a call's 16 fields is a visible part of its host time)."""
+    return repr(tuple(static)) if torch.compiler.is_compiling() else _static_repr(static)
 
 
 @functools.lru_cache(maxsize=256)
@@ -159,7 +170,7 @@ class _AttentionFunction(torch.autograd.Function):
         # One opaque library op (see _attention_fwd_impl): torch.compile records a single node and
         # never re-generates the kernel, whose mods are globals of a specialized copy.
         out, lse = OPS.attention_fwd(q, k, v, cu_q, cu_kv, seed, kvn, kvi, fkvn, fkvi,
-                                     list(buffers), repr(tuple(static)))
+                                     list(buffers), _static_str(static))
         return out, lse
 
     @staticmethod
@@ -186,7 +197,7 @@ class _AttentionFunction(torch.autograd.Function):
                 _SPECS[static.score_key].grad_jit(static.needs)  # raises, naming the mod
             # A library op, so that torch.func transforms (grad, vmap of grad) see plain tensors.
             grads = OPS.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed, *bm,
-                                      list(buffers), repr(tuple(static)))
+                                      list(buffers), _static_str(static))
         buf_grads = [g if _needs_slot(static, i) else None for i, g in enumerate(grads[3:])]
         return (grads[0], grads[1], grads[2], None, None, None, *([None] * 8), None, *buf_grads)
 
@@ -332,7 +343,7 @@ def _attention_triton(
     )
     q4, k4, v4 = _distinct(q4, k4, v4)
     refuse_compiled_transform("attention", q4)
-    out4, lse3 = _AttentionFunction.apply(q4, k4, v4, cu_q, cu_kv, seed, *bm, static, *uniq)
+    out4, lse3 = apply(_AttentionFunction, q4, k4, v4, cu_q, cu_kv, seed, *bm, static, *uniq)
     if varlen:
         return out4, lse3
     return _ref.from_bhsd(out4, layout), _ref.lse_from_bhs(lse3, layout)
