@@ -1,0 +1,84 @@
+"""Forward launch configurations of the attention kernels side by side on the GPU, interleaved
+round by round (the benchmark's variants and inputs, ``fp8ops.bench.attention``).
+
+    python scripts/attn_fwd_ab.py OUT.json [--seqlen 8192] [--batch 8] [--heads 32] [--head-dim 128]
+        [--variants document] [--configs 64,64,4,2,1 128,64,8,3,1] [--rounds 8]
+
+Arms: the library's default configuration and each ``--configs`` entry (BLOCK_M, BLOCK_N,
+num_warps, num_stages, TMA). Each round times every arm once, in a new random order, each after
+``--gap-ms`` of idle GPU (CUDA events around 3 forward calls after one warm call), so that neither
+the clock's drift nor the heat of the arm before falls on one arm more than another; prints the
+median per arm and its ratio to the default, and writes every sample. A configuration equal to
+the default's, given as an arm, shows what is left of the noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from fp8ops.bench import attention as BA
+from fp8ops.bench import common
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=["document"])
+    ap.add_argument("--configs", nargs="+", default=["64,64,4,2,1", "64,64,4,3,1", "128,64,8,3,1"])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--gap-ms", type=float, default=100.0, help="idle time before each arm's timing")
+    args = ap.parse_args()
+    B, H, S, D = args.batch, args.heads, args.seqlen, args.head_dim
+    sets = [s[:3] for s in BA._inputs(B, H, H, S, D, 2)]
+    arms: dict[str, dict[str, int] | None] = {"default": None}
+    for c in args.configs:
+        m, n, w, st, tma = (int(x) for x in c.split(","))
+        arms[c] = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "TMA": tma}
+    record = {"env": common.environment(), "shape": {"B": B, "H": H, "S": S, "D": D}, "rows": []}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    rng = random.Random(0)
+    with torch.no_grad():
+        for variant in args.variants:
+            docs = BA._documents(S, 0) if variant == "document" else None
+            fns = {name: BA._fp8ops_fn(variant, S, H, docs, dq_mode="separate", fwd_config=cfg)
+                   if cfg is not None else BA._fp8ops_fn(variant, S, H, docs) for name, cfg in arms.items()}
+            for fn in fns.values():
+                fn(*sets[0])
+            torch.cuda.synchronize()
+            samples: dict[str, list[float]] = {n: [] for n in fns}
+            for r in range(args.rounds):
+                names = list(fns)
+                rng.shuffle(names)  # a new order every round
+                for name in names:
+                    fn = fns[name]
+                    torch.cuda.synchronize()
+                    time.sleep(args.gap_ms / 1e3)  # every arm starts from an idle GPU
+                    fn(*sets[r % 2])
+                    ev[0].record()
+                    for i in range(3):
+                        fn(*sets[(r + i) % 2])
+                    ev[1].record()
+                    torch.cuda.synchronize()
+                    samples[name].append(ev[0].elapsed_time(ev[1]) * 1e3 / 3)
+            base = statistics.median(samples["default"])
+            for name, xs in samples.items():
+                row = {"variant": variant, "arm": name, "median_us": round(statistics.median(xs), 1),
+                       "vs_default": round(statistics.median(xs) / base, 4), "samples_us": [round(x, 1) for x in xs]}
+                record["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
