@@ -1215,23 +1215,23 @@ def _fwd_config(d: int, dv: int, dtype: torch.dtype, interpret: bool, varlen: bo
         # d=64: 5.64 ms against 6.97 with (128, 64, 8 warps, 3 stages, pointer loads); 5.84 pointer
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
     if dmax <= 128 and short_rows:
-        # d=128, rows of at most 4096 keys on average (H100, 32 heads, 65536 tokens; forward µs of the
-        # default against these tiles, interleaved in random order with idle gaps, scripts/attn_fwd_ab.py,
-        # docs/benchmarks/attention_short_rows_h100.md): causal S=8192 8939 / 8424 (B=1: 1173 / 1106),
-        # S=4096 4835 / 4448, S=2048 3089 / 2672; no mask S=2048 4425 / 4297, S=4096 level (8367 / 8297);
-        # ALiBi S=8192 9846 / 9648. Longer rows keep the 128-row tiles: no mask S=8192 16458 against
-        # 17345 with these, causal S=16384 level.
+        # d=128, rows of at most 1024 keys on average (H100, 32 heads; scripts/attn_tune.py and
+        # `bench attention`, docs/benchmarks/attention_short_rows_h100.md): 64-row tiles of four
+        # warps, two or three programs per SM. Forward µs against the 128-row tiles below, side by
+        # side: causal S=1024 391 / 470, S=2048 645 / 728; a window of 1024 at S=2048..8192 538-657
+        # / 627-753; no mask S=1024 594 / 628-647. Longer rows: level in the sweep or slower (no mask
+        # S=2048 1146 / 1133-1180; causal S=4096 1177 / 1263, but 5.75 / 4.90 ms in two bench runs
+        # with 16 sequences on two machines; causal S=8192 2650 / 2359).
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
     if dmax <= 128:
-        # d=128 (timed at causal S=8192 on an H200, which the small tiles above now take; these serve
-        # longer rows): 9.25 ms against 9.95 with (128, 64, 8, 3, pointer loads); 9.56 pointer (224 /
-        # 255 registers). Shared memory is near the limit: a mod's extra tiles make it one stage shallower.
+        # d=128: 9.25 ms against 9.95 with (128, 64, 8, 3, pointer loads); 9.56 pointer (224 / 255
+        # registers). Shared memory is near the limit: a mod's extra tiles make it one stage shallower.
         return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": 1}
     # d=256: 16.8 ms against 35.7 with (64, 64, 8, 2, pointer loads); 17.6 pointer
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "TMA": 1}
 
 
-SHORT_ROW_KEYS = 4096  # query rows that see at most this many keys on average: short rows
+SHORT_ROW_KEYS = 1024  # query rows that see at most this many keys on average: short rows
 
 
 def _short_rows(seq_kv: int, left: int | None, right: int | None) -> bool:

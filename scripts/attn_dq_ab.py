@@ -6,8 +6,7 @@
 Arms, each forward+backward through the fused kernels (``fp8ops.bench.attention``'s functions):
 ``separate`` (the dQ kernel of its own, deterministic) and ``atomic`` (dQ accumulated by the dK/dV
 kernel with float32 atomics); with ``--config KEY=VALUE ...``, each arm also as a backward launch
-config override (an experimental kernel's switch, for instance). Each round times every arm once, starting with
-another arm each round (CUDA events around 3 calls
+config override (an experimental kernel's switch, for instance). Each round times every arm once (CUDA events around 3 calls
 after one warm call), so drifts of the GPU's clock fall on every arm alike; prints the median per
 arm and its ratio to ``separate``, and writes every sample.
 """
@@ -53,9 +52,7 @@ def main() -> None:
         torch.cuda.synchronize()
         samples: dict[str, list[float]] = {n: [] for n in fns}
         for r in range(args.rounds):
-            names = list(fns)
-            for name in names[r % len(names):] + names[:r % len(names)]:  # each arm first in turn
-                fn = fns[name]
+            for name, fn in fns.items():
                 fn(*sets[r % 2])
                 ev[0].record()
                 for i in range(3):

@@ -6,7 +6,8 @@ round by round (the benchmark's variants and inputs, ``fp8ops.bench.attention``)
 
 Arms: the library's default configuration and each ``--configs`` entry (BLOCK_M, BLOCK_N,
 num_warps, num_stages, TMA). Each round times every arm once, in a new random order, each after
-``--gap-ms`` of idle GPU (CUDA events around 3 forward calls after one warm call), so that neither
+``--gap-ms`` of idle GPU (CUDA events around ``--calls`` forward calls after one warm call, or
+around a replay of a CUDA graph of them with ``--graph``, as ``bench attention`` times), so that neither
 the clock's drift nor the heat of the arm before falls on one arm more than another; prints the
 median per arm and its ratio to the default, and writes every sample. A configuration equal to
 the default's, given as an arm, shows what is left of the noise.
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["64,64,4,2,1", "64,64,4,3,1", "128,64,8,3,1"])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--gap-ms", type=float, default=100.0, help="idle time before each arm's timing")
+    ap.add_argument("--calls", type=int, default=3, help="calls per timing (default 3)")
+    ap.add_argument("--graph", action="store_true", help="time a CUDA graph of the calls (as the bench does)")
     args = ap.parse_args()
     B, H, S, D = args.batch, args.heads, args.seqlen, args.head_dim
     sets = [s[:3] for s in BA._inputs(B, H, H, S, D, 2)]
@@ -55,6 +58,13 @@ def main() -> None:
             for fn in fns.values():
                 fn(*sets[0])
             torch.cuda.synchronize()
+            graphs: dict[str, torch.cuda.CUDAGraph] = {}
+            for name, fn in fns.items() if args.graph else ():  # one graph of --calls calls per arm
+                graphs[name] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[name]):
+                    for i in range(args.calls):
+                        fn(*sets[i % 2])
+            torch.cuda.synchronize()
             samples: dict[str, list[float]] = {n: [] for n in fns}
             for r in range(args.rounds):
                 names = list(fns)
@@ -63,13 +73,18 @@ def main() -> None:
                     fn = fns[name]
                     torch.cuda.synchronize()
                     time.sleep(args.gap_ms / 1e3)  # every arm starts from an idle GPU
-                    fn(*sets[r % 2])
-                    ev[0].record()
-                    for i in range(3):
-                        fn(*sets[(r + i) % 2])
+                    if graphs:
+                        graphs[name].replay()
+                        ev[0].record()
+                        graphs[name].replay()
+                    else:
+                        fn(*sets[r % 2])
+                        ev[0].record()
+                        for i in range(args.calls):
+                            fn(*sets[(r + i) % 2])
                     ev[1].record()
                     torch.cuda.synchronize()
-                    samples[name].append(ev[0].elapsed_time(ev[1]) * 1e3 / 3)
+                    samples[name].append(ev[0].elapsed_time(ev[1]) * 1e3 / args.calls)
             base = statistics.median(samples["default"])
             for name, xs in samples.items():
                 row = {"variant": variant, "arm": name, "median_us": round(statistics.median(xs), 1),

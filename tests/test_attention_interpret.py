@@ -495,18 +495,18 @@ def test_packed_sequences_pick_their_own_tiles(monkeypatch):
 
 def test_short_rows_take_the_small_forward_tiles(monkeypatch):
     """The d = 128 forward takes 64-row tiles of four warps where query rows see at most
-    SHORT_ROW_KEYS keys on average (no mask up to 4096 keys, causal up to 8192, a window of up to 4096
+    SHORT_ROW_KEYS keys on average (no mask up to 1024 keys, causal up to 2048, a window of up to 1024
     at any length); the 128-row tiles beyond, and under block masks and packed sequences (whose rows'
     lengths the host does not know)."""
     bf16 = torch.bfloat16
     short = K._short_rows
-    assert K.SHORT_ROW_KEYS == 4096
-    assert short(4096, None, None) and not short(4097, None, None) and not short(8192, None, None)
-    assert short(8192, None, 0) and not short(8194, None, 0) and short(8192, 0, None)  # causal either way
-    assert short(65536, 4095, 0) and short(65536, 4096, 0) and not short(65536, 4097, 0)  # windows
-    assert short(65536, 2048, 2048) and not short(65536, 2048, 2049)  # both sides bounded: their sum
-    assert short(6000, 4000, 0) and not short(12000, 4000, 100)  # a side counts at most half the keys
-    assert not short(8000, 9000, 9000) and short(4096, 9000, 9000)  # bounds that cut nothing: no band
+    assert K.SHORT_ROW_KEYS == 1024
+    assert short(1024, None, None) and not short(1025, None, None) and not short(2048, None, None)
+    assert short(2048, None, 0) and not short(2050, None, 0) and short(2048, 0, None)  # causal either way
+    assert short(65536, 1023, 0) and short(65536, 1024, 0) and not short(65536, 1025, 0)  # windows
+    assert short(65536, 512, 512) and not short(65536, 512, 513)  # both sides bounded: their sum
+    assert short(1500, 1000, 0) and not short(3000, 1000, 100)  # a side counts at most half the keys
+    assert not short(2000, 3000, 3000) and short(1024, 3000, 3000)  # bounds that cut nothing: no band
     small = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": 1}
     assert K._fwd_config(128, 128, bf16, False, False, True) == small
     assert K._fwd_config(96, 128, torch.float16, False, False, True) == small
