@@ -1,30 +1,47 @@
-"""Forward launch configurations of the attention kernels side by side on the GPU, interleaved
-round by round (the benchmark's variants and inputs, ``fp8ops.bench.attention``).
+"""Launch configurations or dQ schemes of the attention kernels side by side on the GPU,
+interleaved round by round (the benchmark's variants and inputs, ``fp8ops.bench.attention``).
 
-    python scripts/attn_fwd_ab.py OUT.json [--seqlen 8192] [--batch 8] [--heads 32] [--head-dim 128]
-        [--variants document] [--configs 64,64,4,2,1 128,64,8,3,1] [--rounds 8]
+    python scripts/attn_ab.py OUT.json [--pass fwd|bwd] [--seqlen 8192] [--batch 8] [--heads 32]
+        [--head-dim 128] [--variants document] [--configs ARM ...] [--rounds 8] [--gap-ms 100]
+        [--calls 3] [--graph]
 
-Arms: the library's default configuration and each ``--configs`` entry (BLOCK_M, BLOCK_N,
-num_warps, num_stages, TMA). Each round times every arm once, in a new random order, each after
-``--gap-ms`` of idle GPU (CUDA events around ``--calls`` forward calls after one warm call, or
-around a replay of a CUDA graph of them with ``--graph``, as ``bench attention`` times), so that neither
-the clock's drift nor the heat of the arm before falls on one arm more than another; prints the
-median per arm and its ratio to the default, and writes every sample. A configuration equal to
-the default's, given as an arm, shows what is left of the noise.
+Arms: the library's default and each ``--configs`` entry. ``--pass fwd`` times the forward and an
+arm is a forward launch configuration ``BLOCK_M,BLOCK_N,num_warps,num_stages,TMA``; ``--pass bwd``
+times forward+backward and an arm is a dQ scheme with optional backward config overrides,
+``separate`` / ``atomic`` / ``atomic:BLOCK_M1=32,num_warps1=4``. Each round times every arm once,
+in a new random order, each after ``--gap-ms`` of idle GPU (CUDA events around ``--calls`` calls
+after one warm call, or around a replay of a CUDA graph of them with ``--graph``, as ``bench
+attention`` times), so that neither the clock's drift nor the heat of the arm before falls on one
+arm more than another; prints the median per arm and its ratio to the default, and writes every
+sample. An arm equal to the default (its tiles given explicitly, or the default dQ scheme by name)
+shows what is left of the noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from fp8ops.bench import attention as BA
 from fp8ops.bench import common
+
+
+def _arm(pass_: str, variant: str, S: int, H: int, docs: Any, arm: Any) -> Any:
+    """The function an arm times: the forward with a launch config, or forward+backward with a dQ
+    scheme and backward config (None: the library's default)."""
+    if pass_ == "fwd":
+        if arm is None:
+            return BA._fp8ops_fn(variant, S, H, docs)
+        return BA._fp8ops_fn(variant, S, H, docs, dq_mode="separate", fwd_config=arm)
+    mode, cfg = arm if arm is not None else (None, None)
+    return BA._fwd_bwd(BA._fp8ops_fn(variant, S, H, docs, dq_mode=mode, bwd_config=cfg))
 
 
 def main() -> None:
@@ -35,26 +52,38 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--variants", nargs="+", default=["document"])
-    ap.add_argument("--configs", nargs="+", default=["64,64,4,2,1", "64,64,4,3,1", "128,64,8,3,1"])
+    ap.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd",
+                    help="fwd: the forward's launch configs; bwd: forward+backward, dQ schemes")
+    ap.add_argument("--configs", nargs="+", default=None, metavar="ARM",
+                    help="fwd: M,N,W,S,TMA (default 64,64,4,2,1 64,64,4,3,1 128,64,8,3,1); "
+                         "bwd: separate, atomic or atomic:KEY=V,... (default separate atomic)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--gap-ms", type=float, default=100.0, help="idle time before each arm's timing")
     ap.add_argument("--calls", type=int, default=3, help="calls per timing (default 3)")
     ap.add_argument("--graph", action="store_true", help="time a CUDA graph of the calls (as the bench does)")
     args = ap.parse_args()
+    if args.configs is None:
+        fwd_arms = ["64,64,4,2,1", "64,64,4,3,1", "128,64,8,3,1"]
+        args.configs = fwd_arms if args.pass_ == "fwd" else ["separate", "atomic"]
     B, H, S, D = args.batch, args.heads, args.seqlen, args.head_dim
-    sets = [s[:3] for s in BA._inputs(B, H, H, S, D, 2)]
-    arms: dict[str, dict[str, int] | None] = {"default": None}
+    sets = BA._inputs(B, H, H, S, D, 2)
+    if args.pass_ == "fwd":
+        sets = [s[:3] for s in sets]
+    arms: dict[str, Any] = {"default": None}
     for c in args.configs:
-        m, n, w, st, tma = (int(x) for x in c.split(","))
-        arms[c] = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "TMA": tma}
+        if args.pass_ == "fwd":
+            m, n, w, st, tma = (int(x) for x in c.split(","))
+            arms[c] = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "TMA": tma}
+        else:
+            mode, _, over = c.partition(":")
+            arms[c] = (mode, {k: int(v) for k, v in (kv.split("=") for kv in over.split(","))} if over else None)
     record = {"env": common.environment(), "shape": {"B": B, "H": H, "S": S, "D": D}, "rows": []}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     rng = random.Random(0)
-    with torch.no_grad():
+    with torch.no_grad() if args.pass_ == "fwd" else contextlib.nullcontext():
         for variant in args.variants:
             docs = BA._documents(S, 0) if variant == "document" else None
-            fns = {name: BA._fp8ops_fn(variant, S, H, docs, dq_mode="separate", fwd_config=cfg)
-                   if cfg is not None else BA._fp8ops_fn(variant, S, H, docs) for name, cfg in arms.items()}
+            fns = {name: _arm(args.pass_, variant, S, H, docs, arm) for name, arm in arms.items()}
             for fn in fns.values():
                 fn(*sets[0])
             torch.cuda.synchronize()
