@@ -237,7 +237,8 @@ def next_pow2(n: int) -> int:
 _I32 = 2**31
 _U63 = 2**63
 _T, _P = torch.Tensor, torch.nn.Parameter
-# keyed by value; bools and floats by _spec (True == 1 == 1.0, and Triton takes a float's type, not its value)
+# runtime arguments keyed by value; bools and floats by _spec (True == 1 == 1.0, and Triton takes a
+# runtime float's type, not its value; a constexpr float's value is in the key as it is)
 _SCALARS = frozenset((int, str, type(None)))
 BY_VALUE_ENTRIES = 4096
 """Launch keys by value kept per kernel (sizes that change at every call would grow it without end;
@@ -290,8 +291,8 @@ class FastKernel:
     that is at least as fine as Triton's (:func:`_spec` of every runtime argument, the constexpr values, ``num_warps``,
     ``num_stages``, the device); later launches with the same key call the compiled kernel's
     launcher directly on the current stream. A second, cheaper key looks first: the arguments by
-    value (ints and strings as they are; tensors by dtype and alignment, bools, floats and
-    descriptors as in :func:`_spec`), filled from the first one for the values a loop repeats;
+    value (constexprs, ints and strings as they are; tensors by dtype and alignment, bools, floats
+    and descriptors as in :func:`_spec`), filled from the first one for the values a loop repeats;
     for the attention kernels' hundred arguments it halves the key's cost (21 -> 11 µs per launch
     with a stand-in launcher on a development CPU). Triton's own path is taken under the interpreter, when
     launch hooks are installed (profilers such as Proton), and for arguments of other types.
@@ -335,12 +336,12 @@ class FastKernel:
             if len(values) != len(self._names) or used != len(kwargs):  # too many, or unknown keywords
                 raise TypeError("arguments")
             device = torch.cuda.current_device()
-            # First by value: ints and strings as they are, tensors by dtype and alignment
-            # (a key finer than Triton's specialization, and cheaper to build); the launches of a
-            # training loop repeat their sizes and strides, so this finds the compiled kernel.
+            # First by value: constexprs, ints and strings as they are, tensors by dtype and
+            # alignment (a key finer than Triton's specialization, and cheaper to build); the
+            # launches of a training loop repeat their sizes and strides, so this finds the kernel.
             by_value = (device, num_warps, num_stages,
-                        *[(v.dtype, v.data_ptr() % 16 == 0) if (t := type(v)) is _T or t is _P
-                          else v if t in _SCALARS else _spec(v) for v in values])
+                        *[v if c else (v.dtype, v.data_ptr() % 16 == 0) if (t := type(v)) is _T or t is _P
+                          else v if t in _SCALARS else _spec(v) for v, c in zip(values, self._constexpr)])
             kernel = self._by_value.get(by_value)  # TypeError for an unhashable constexpr
             if kernel is None:
                 parts: list[Any] = [device, num_warps, num_stages]

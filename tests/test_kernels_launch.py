@@ -196,3 +196,15 @@ def test_equal_values_of_other_types_are_other_kernels(fk, first, second):
     k[(1,)](x, x, first, 1.0, BLOCK=16)
     k[(1,)](x, x, second, 1.0, BLOCK=16)
     assert len(jit.triton_launches) == 2 and len(jit.compiled[0].calls) == 1
+
+
+def test_a_constexpr_float_is_keyed_by_its_value(fk):
+    """Constexprs compile into the kernel by value, floats too (an FP8 format's largest value, say):
+    a launch with another constexpr float never reuses a kernel by value, although runtime floats
+    are keyed by type only."""
+    k, jit = fk
+    x = torch.zeros(64)
+    k[(1,)](x, x, 32, 1.0, BLOCK=16, FLAG=448.0)
+    k[(1,)](x, x, 32, 1.0, BLOCK=16, FLAG=448.0)  # direct, now also known by value
+    k[(1,)](x, x, 32, 1.0, BLOCK=16, FLAG=57344.0)
+    assert len(jit.triton_launches) == 2 and len(jit.compiled[0].calls) == 1
