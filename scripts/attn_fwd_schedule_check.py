@@ -15,8 +15,9 @@ Variants of the loop body (``VARIANT``):
 
 Prints and writes (``OUT_DIR/attn_fwd_schedule.json``) µs per forward (median over interleaved
 rounds), TFLOP/s (causal counted as half the square), the largest difference from SDPA's output,
-registers and spills, and the ``wgmma.wait_group`` instructions of each compiled variant's PTX (a
-wait with a count above zero leaves that many matrix products in flight).
+registers and spills, the ``wgmma.wait_group`` instructions of each compiled variant's PTX (a
+wait with a count above zero leaves that many matrix products in flight) and its block-wide
+barriers (``bar.sync``), and keeps each variant's PTX in ``OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -106,9 +107,12 @@ def _fwd(q_desc, k_desc, v_desc, o_ptr, S, qk_scale,
 
 
 def _waits(ptx: str) -> dict[str, int]:
+    """``wgmma.wait_group N`` instructions by N, and (key ``"bar.sync"``) the block-wide barriers,
+    which every warp of the program must reach before any goes on."""
     out: dict[str, int] = {}
     for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx):
         out[n] = out.get(n, 0) + 1
+    out["bar.sync"] = len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx))
     return out
 
 
@@ -155,6 +159,10 @@ def main() -> None:
                     print(name, "skipped:", str(exc)[:120], flush=True)
                     continue
                 torch.cuda.synchronize()
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, f"attn_fwd_v{variant}_s{stages}_{'causal' if causal else 'none'}.ptx"),
+                          "w") as f:
+                    f.write(ck.asm["ptx"])
                 meta[name] = {"err": float((o.float() - ref).abs().max()), "n_regs": ck.n_regs,
                               "n_spills": ck.n_spills, "waits": _waits(ck.asm["ptx"])}
                 runs[name] = run
