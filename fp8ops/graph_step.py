@@ -32,7 +32,7 @@ calibrated), so a run starts eagerly, flips ``calibrated``, warms up once and ca
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import warnings
@@ -136,14 +136,24 @@ class GraphStep:
         stats: counts of ``eager`` calls, ``captures`` and ``replays`` so far.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, warmup: int = 1) -> None:
+    def __init__(self, fn: Callable[..., Any], *, warmup: int = 1, args_by_reference: Iterable[int] = ()) -> None:
         if not callable(fn):
             raise TypeError(f"graph_step: fn must be callable (a step fn(carry, *args) -> (carry, outputs)), "
                             f"got {type(fn).__name__}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"graph_step: warmup must be an int >= 1 (eager calls before the capture), got {warmup!r}")
+        try:
+            positions = tuple(args_by_reference)
+        except TypeError:
+            raise TypeError(f"graph_step: args_by_reference must be an iterable of argument positions (ints), "
+                            f"got {type(args_by_reference).__name__}") from None
+        bad = [i for i in positions if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+        if bad:
+            raise ValueError(f"graph_step: args_by_reference must hold positions of the step's arguments after the "
+                             f"carry (ints >= 0: 0 is the first argument after the carry), got {bad[0]!r}")
         self._fn = fn
         self._warmup = warmup
+        self._args_by_reference = frozenset(positions)
         self._entries: dict[Any, _Entry] = {}
         self._last: _Entry | None = None
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
@@ -164,6 +174,10 @@ class GraphStep:
                tuple(_meta(x) for x in arg_leaves))
         entry = self._entries.get(key)
         if entry is None:
+            if self._args_by_reference and max(self._args_by_reference) >= len(args):
+                raise ValueError(f"graph_step: args_by_reference names argument {max(self._args_by_reference)} (0 is "
+                                 f"the first after the carry), but the step was called with {len(args)} "
+                                 f"argument(s) after the carry")
             entry = self._entries[key] = _Entry(self._eager_reason(carry_leaves + arg_leaves))
         self._last = entry
         if entry.graph is not None:
@@ -190,6 +204,19 @@ class GraphStep:
                             + (f" of length {len(result)}" if isinstance(result, tuple) else ""))
         return result
 
+    def _forced_leaves(self, args: tuple[Any, ...]) -> set[int]:
+        """Indices (among the flattened args' leaves) of the leaves of the ``args_by_reference`` arguments."""
+        if not self._args_by_reference:
+            return set()
+        forced: set[int] = set()
+        start = 0
+        for i, a in enumerate(args):
+            n = len(pytree.tree_leaves(a))
+            if i in self._args_by_reference:
+                forced.update(range(start, start + n))
+            start += n
+        return forced
+
     def _eager(self, entry: _Entry, carry: Any, carry_spec: Any, args: tuple[Any, ...],
                arg_leaves: list[Any]) -> tuple[Any, Any]:
         self.stats["eager"] += 1
@@ -210,8 +237,9 @@ class GraphStep:
             entry.calls += 1
             # Arguments the step changes in place (or that require grad: parameters) are used as
             # they are in the graph, not copied: the caller sees the changes.
-            entry.by_reference = [isinstance(a, Tensor) and (a.requires_grad or a._version != v)
-                                  for a, v in zip(arg_leaves, versions)]
+            forced = self._forced_leaves(args)
+            entry.by_reference = [isinstance(a, Tensor) and (a.requires_grad or a._version != v or i in forced)
+                                  for i, (a, v) in enumerate(zip(arg_leaves, versions))]
             if repr(pytree.tree_flatten(new_carry)[1]) != repr(carry_spec):
                 entry.eager_reason = "the step returns a carry of another structure than it takes"
         return new_carry, out
@@ -262,9 +290,9 @@ class GraphStep:
                 continue
             if ref:
                 raise ValueError(
-                    "graph_step: an argument that requires grad or that the step changes in place must be the "
-                    "same tensor at every call (the graph uses it as it is); pass it through the closure or "
-                    "the carry instead")
+                    "graph_step: an argument that requires grad, that the step changes in place or that "
+                    "args_by_reference names must be the same tensor at every call (the graph uses it as it is); "
+                    "write new values into it in place, or pass it through the closure or the carry instead")
             dst.append(s)
             src.append(a)
         if dst:
@@ -283,7 +311,7 @@ class GraphStep:
         return pytree.tree_unflatten(outs, entry.out_spec)
 
 
-def graph_step(fn: Callable[..., Any], *, warmup: int = 1) -> GraphStep:
+def graph_step(fn: Callable[..., Any], *, warmup: int = 1, args_by_reference: Iterable[int] = ()) -> GraphStep:
     """Wrap a training step so that, once warmed up, each call replays one CUDA graph.
 
     ``fn(carry, *args) -> (new_carry, outputs)``: ``carry`` is the state the step carries from one
@@ -295,9 +323,10 @@ def graph_step(fn: Callable[..., Any], *, warmup: int = 1) -> GraphStep:
     The wrapper returns what ``fn`` returns. The returned carry's tensors are the graph's own
     buffers: pass the carry back to the next call (free), or read it, but do not change it in place
     while the wrapper is in use. ``outputs`` are fresh copies. Arguments are copied into the
-    graph's input buffers, except those that require grad or that the step changes in place
-    (detected on the warm-up call): those are used as they are and must be the same tensors at
-    every call.
+    graph's input buffers, except those that require grad, that the step changes in place
+    (detected on the warm-up call) or that ``args_by_reference`` names: those are used as they are
+    and must be the same tensors at every call (a loop that already writes each batch into a buffer
+    of its own passes that buffer this way and saves the copy).
 
     Calls run eagerly (and are never captured) on CPU tensors, under ``torch.compile`` or a
     ``torch.func`` transform, and while the carry holds an uncalibrated scaling state; the first
@@ -307,12 +336,17 @@ def graph_step(fn: Callable[..., Any], *, warmup: int = 1) -> GraphStep:
         fn: the step, ``fn(carry, *args) -> (carry, outputs)``; free of host synchronization once
             the states are calibrated.
         warmup: eager calls of a signature before it is captured (default 1).
+        args_by_reference: positions of arguments after the carry (0: the first) whose tensors
+            the graph reads as they are instead of copying them at each call; the caller passes
+            the same tensors at every call and changes their values in place.
 
     Returns:
         A :class:`GraphStep`; call it as ``fn``. ``.stats`` counts eager calls, captures and replays.
 
     Raises:
         TypeError: ``fn`` is not callable, or returns something other than a pair.
+        ValueError: ``warmup`` or ``args_by_reference`` is invalid; a call passes another tensor
+            where the graph reads one by reference.
         RuntimeError: the capture failed (a host sync in the step, a non-capturable optimizer);
             the message says what to look for.
 
@@ -336,4 +370,4 @@ def graph_step(fn: Callable[..., Any], *, warmup: int = 1) -> GraphStep:
         >>> train.stats  # on a CPU every call is eager; on a GPU: eager, eager, then a capture
         {'eager': 3, 'captures': 0, 'replays': 0}
     """
-    return GraphStep(fn, warmup=warmup)
+    return GraphStep(fn, warmup=warmup, args_by_reference=args_by_reference)

@@ -33,6 +33,19 @@ def test_bad_arguments_are_named() -> None:
             fp8ops.graph_step(lambda c: (c, None), warmup=bad)  # type: ignore[arg-type]
 
 
+def test_bad_args_by_reference_are_named() -> None:
+    with pytest.raises(TypeError, match="graph_step: args_by_reference must be an iterable"):
+        fp8ops.graph_step(lambda c, x: (c, None), args_by_reference=1)  # type: ignore[arg-type]
+    for bad in ([-1], [0.5], [True], ["x"]):
+        with pytest.raises(ValueError, match="graph_step: args_by_reference must hold positions"):
+            fp8ops.graph_step(lambda c, x: (c, None), args_by_reference=bad)  # type: ignore[arg-type]
+    fn = fp8ops.graph_step(lambda c, x: (c, None), args_by_reference=range(1))  # an iterable of ints is fine
+    assert fn(torch.zeros(()), torch.ones(2))[1] is None
+    past = fp8ops.graph_step(lambda c, x: (c, None), args_by_reference=[1])
+    with pytest.raises(ValueError, match=r"graph_step: args_by_reference names argument 1 .* called with 1 argument"):
+        past(torch.zeros(()), torch.ones(2))
+
+
 @pytest.mark.parametrize("result", [torch.zeros(()), (torch.zeros(()),), (1, 2, 3)])
 def test_a_step_must_return_a_pair(result: object) -> None:
     fn = fp8ops.graph_step(lambda c: result)

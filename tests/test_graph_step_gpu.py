@@ -156,6 +156,32 @@ def test_carry_round_trip_and_argument_copies() -> None:
         fn(c, torch.ones(8, 8, device="cuda"), w.detach().clone().requires_grad_())
 
 
+def test_arguments_by_reference_are_read_as_they_are() -> None:
+    """An argument named in args_by_reference is not copied: the graph reads the caller's tensor,
+    so values written into it in place between calls reach the step, and another tensor in its
+    place is refused; the other arguments are still copied at each call."""
+    def step(c: torch.Tensor, x: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return c + (x * d).sum(), (x + d).sum()
+
+    d = torch.zeros(8, 8, device="cuda")
+    fn = fp8ops.graph_step(step, args_by_reference=[1])
+    c = torch.zeros((), device="cuda")
+    want_c, outs, wants = 0.0, [], []
+    for i in range(5):
+        d.fill_(float(i + 1))  # in place: the graph sees it
+        x = torch.full((8, 8), float(i), device="cuda")  # a new tensor each call: copied in
+        c, out = fn(c, x, d)
+        want_c += 64.0 * i * (i + 1)
+        outs.append(float(out))
+        wants.append(64.0 * (2 * i + 1))
+    assert fn.stats == {"eager": 1, "captures": 1, "replays": 4}
+    assert float(c) == want_c and outs == wants
+    entry = fn._last
+    assert entry is not None and entry.static_args[1] is d and entry.static_args[0] is not x
+    with pytest.raises(ValueError, match="args_by_reference"):
+        fn(c, x, d.clone())
+
+
 def test_a_step_that_syncs_stays_eager_and_says_so() -> None:
     """A step that reads a device value on the host every call is never captured (the capture
     would fail): it keeps running eagerly, correctly, and a warning after 3 calls says why."""

@@ -229,18 +229,20 @@ def _measure(step: Callable[..., Any], carry: Any, batch: tuple[Any, ...], steps
 
 
 def measure_variant(build: Callable[[], tuple[Callable[..., Any], Any, tuple[Any, ...]]], mode: str, steps: int,
-                    tag: str, failed: list[str], progress: Progress, profile: str | None = None) -> dict[str, Any] | None:
+                    tag: str, failed: list[str], progress: Progress, profile: str | None = None,
+                    args_by_reference: tuple[int, ...] = ()) -> dict[str, Any] | None:
     """Build a variant's ``(step, carry, batch)``, run the step as built or, for a ``mode``
     containing "graph", through :func:`fp8ops.graph_step`, and time it (:func:`_measure`; graph
     modes also record ``graph_stats``). Returns the record, or None after appending a message
     naming ``tag`` to ``failed`` (an exception, or a graph that never replayed), so that one failing
-    variant does not hide the others. Resets Dynamo first and frees the variant's memory after."""
+    variant does not hide the others. Resets Dynamo first and frees the variant's memory after.
+    ``args_by_reference``: passed to :func:`fp8ops.graph_step` (arguments the graph reads in place)."""
     import fp8ops
 
     torch._dynamo.reset()
     try:
         step, carry, batch = build()
-        fn = fp8ops.graph_step(step) if "graph" in mode else step
+        fn = fp8ops.graph_step(step, args_by_reference=args_by_reference) if "graph" in mode else step
         r, _ = _measure(fn, carry, batch, steps, profile)
         if "graph" in mode:
             r["graph_stats"] = dict(fn.stats)  # type: ignore[union-attr]
