@@ -174,10 +174,10 @@ class GraphStep:
                tuple(_meta(x) for x in arg_leaves))
         entry = self._entries.get(key)
         if entry is None:
-            if self._args_by_reference and max(self._args_by_reference) >= len(args):
-                raise ValueError(f"graph_step: args_by_reference names argument {max(self._args_by_reference)} (0 is "
-                                 f"the first after the carry), but the step was called with {len(args)} "
-                                 f"argument(s) after the carry")
+            last_ref = max(self._args_by_reference, default=-1)
+            if last_ref >= len(args):
+                raise ValueError(f"graph_step: args_by_reference names argument {last_ref} (0 is the first after "
+                                 f"the carry), but the step was called with {len(args)} argument(s) after the carry")
             entry = self._entries[key] = _Entry(self._eager_reason(carry_leaves + arg_leaves))
         self._last = entry
         if entry.graph is not None:

@@ -25,10 +25,10 @@ Full training steps (the suite's first table, the one its target is on): at each
 a single linear layer as a training loop runs it: fresh probe, forward, backward (dy given),
 :func:`fp8ops.update` (FP8), and a fused, capturable AdamW step on the weight; x requires grad (the
 layer's input gradient is computed, as inside a model). Each implementation runs in each of its
-modes (eager, ``torch.compile``, one CUDA graph per step through :func:`fp8ops.graph_step`, which
-reads x and dy where they are (``args_by_reference``: no copy of dy into the graph at each step,
-as in the eager modes), and both), timed by :func:`fp8ops.bench.step._measure` (steps back to back), and the comparison takes
-each one's fastest mode: bf16 ``F.linear`` (eager, compile, graph, compile + graph), fp8ops delayed
+modes (eager, ``torch.compile``, one CUDA graph per step through :func:`fp8ops.graph_step`, and
+both), timed by :func:`fp8ops.bench.step._measure` (steps back to back); the graphs read x and dy
+where they are (``args_by_reference``: no copy of dy at each step, as in the eager modes). The
+comparison takes each one's fastest mode: bf16 ``F.linear`` (eager, compile, graph, compile + graph), fp8ops delayed
 scaling with cuBLAS GEMMs (eager, compile with ``fullgraph=True``, graph, compile + graph) and
 torchao float8 tensorwise (compile, compile + graph). Target: fp8ops >= 1.1x torchao at every shape.
 ``--ops`` adds the op-level table (forward, forward+backward, graph replays, every recipe and GEMM
