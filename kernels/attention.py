@@ -257,9 +257,15 @@ def _dropout_key(seed_ptr, b, h):
 
 @triton.jit
 def _dropout_keep(key, q_idx, kv_idx, drop_thresh):
-    # True where the weight of (q_idx, kv_idx) is kept; q_idx / kv_idx broadcast to the tile.
-    r = _mix32(_mix32(key + q_idx.to(tl.uint32)) + kv_idx.to(tl.uint32))
-    return (r >> 8).to(tl.int32) >= drop_thresh
+    # True where the weight of (q_idx, kv_idx) is kept; q_idx / kv_idx broadcast to the tile. The
+    # row's hash is a vector (one full mix per row); each element costs one xor, two multiplies and
+    # one xor-shift (the integer work per element bounds a forward with dropout), and its top 31
+    # bits are compared with the threshold.
+    r = _mix32(key + q_idx.to(tl.uint32)) ^ kv_idx.to(tl.uint32)
+    r = r * 0x21F0AAAD
+    r = r ^ (r >> 15)
+    r = r * 0x735A2D97
+    return (r >> 1).to(tl.int32) >= drop_thresh
 
 
 @triton.jit
@@ -721,10 +727,10 @@ def _attn_bwd_dkdv_tiles(
         else:
             vis = (offs_m[None, :] >= 0) & (offs_n[:, None] >= 0)
         pT = tl.math.exp2(s2 - lse2[None, :])
-        # Step 3: dV += P^T dO (dropout-scaled), dP^T = V dO^T.
+        # Step 3: dV += P^T dO (dropped; scaled once at the end), dP^T = V dO^T.
         if DROPOUT:
             keep = _dropout_keep(drop_key, offs_m[None, :], offs_n[:, None], drop_thresh)
-            dv = tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dv = tl.dot(tl.where(keep, pT, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -861,8 +867,10 @@ def _attention_bwd_dkdv_kernel(
                     BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                     DOT_PRECISION=DOT_PRECISION, TMA=TMA, ZERO_TAIL=TMA and VARLEN)
 
-    # Step 3: store dK (scaled once) and dV; rows past the sequence end are not written.
+    # Step 3: store dK and dV (scaled once); rows past the sequence end are not written.
     dk = dk * sm_scale
+    if DROPOUT:
+        dv = dv * drop_scale
     row0 = (kv_start + n0).to(tl.int64)
     dk_base = _head_ptr(dk_ptr, b, hk, row0, stride_dkb, stride_dkh, stride_dks)
     dv_base = _head_ptr(dv_ptr, b, hk, row0, stride_dvb, stride_dvh, stride_dvs)
@@ -1551,7 +1559,8 @@ def attention_fwd_launch(
 
 
 def _threshold(p: float) -> int:
-    return int(round(float(p) * (1 << 24)))
+    # fp8ops.reference.attention.dropout_threshold: the top 31 bits of the hash are compared with it
+    return min(int(round(float(p) * (1 << 31))), (1 << 31) - 1)
 
 
 def _precision(dtype: torch.dtype) -> str:
