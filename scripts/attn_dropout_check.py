@@ -7,7 +7,8 @@ forward and forward+backward of ``fp8ops.attention(backend="triton")`` without d
 compiled Triton attention kernels' registers and spills and the device time per kernel of one
 Triton forward+backward with dropout (profiler).
 
-    python scripts/attn_dropout_check.py [--p 0.1] [--seq 2048] [--batch 4] [--out DIR]
+    python scripts/attn_dropout_check.py [--p 0.1] [--seq 2048] [--batch 4] [--causal] [--contiguous]
+                                         [--dq-mode auto|separate|atomic] [--out DIR]
 """
 
 from __future__ import annotations
@@ -39,8 +40,14 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--contiguous", action="store_true",
                     help="contiguous (B, h, S, d) q, k, v (layout bhsd) instead of views of the QKV projection")
+    ap.add_argument("--dq-mode", choices=("auto", "separate", "atomic"), default="auto",
+                    help="the backward's dQ scheme for the fp8ops rows (auto: the library's choice)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.dq_mode != "auto":
+        from fp8ops.attention import op as attention_op
+
+        attention_op._dq_mode = lambda *a, **k: args.dq_mode
     S, B, h, d = args.seq, args.batch, args.heads, args.head_dim
     torch.manual_seed(0)
     qkv = torch.randn(S, B, 3 * h * d, device="cuda", dtype=torch.bfloat16)
