@@ -47,6 +47,7 @@ from .transformer_layer import (
 )
 from .parallel import all_gather_weight, gather_transformer_params, shard_transformer_params
 from .graph_step import GraphStep, graph_step
+from .optim import adamw_quantize_
 
 __version__ = "0.1.0"
 
@@ -74,6 +75,7 @@ __all__ = [
     "ScoreMod",
     "TransformerConfig",
     "WeightCache",
+    "adamw_quantize_",
     "alibi",
     "all_gather_weight",
     "and_masks",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fp8ops
-from fp8ops.bench.linear import STEP_IMPLS, step_case
+from fp8ops.bench.linear import FUSED_OPT, STEP_IMPLS, step_case
 
 
 def _train(impl: str, steps: int = 3, graph: bool = False):
@@ -34,6 +34,21 @@ def test_fp8_step_trains_like_the_bf16_step(graph: bool) -> None:
     assert cos > 0.95, cos
     # y[0, 0] of each step: the FP8 forward within a few percent of the float32 one
     assert y == pytest.approx(y_ref, rel=0.1, abs=0.05)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_fused_optimizer_step_trains_like_the_fp8_step(graph: bool) -> None:
+    # fp8ops.adamw_quantize_ writes the next forward's weight copy with the scale that forward would
+    # cast with, and records the weight's amax for the same update: the same training as
+    # torch's AdamW followed by the forward's own cast, up to AdamW's float32 bias corrections
+    d_ref, st_ref, y_ref = _train("fp8ops delayed")
+    d, st, y = _train(FUSED_OPT, graph=graph)
+    torch.testing.assert_close(d, d_ref, rtol=1e-3, atol=1e-6)  # steps of about 3e-4
+    assert y == pytest.approx(y_ref, rel=1e-5, abs=1e-6)
+    for role in ("input", "weight", "grad_output"):
+        torch.testing.assert_close(getattr(st, role).amax_history, getattr(st_ref, role).amax_history, rtol=1e-5,
+                                   atol=0.0)
+        assert torch.equal(getattr(st, role).scale, getattr(st_ref, role).scale) or role == "weight"
 
 
 def test_step_case_rejects_an_unknown_implementation() -> None:

@@ -143,6 +143,7 @@ def test_reference_imports_no_op() -> None:
 # Public op -> its stem. The stem is the op's name; two families share one: the norm ops (one
 # kernel with an RMS flag) and quantize / dequantize.
 OPS = {
+    "adamw_quantize_": "optim",
     "attention": "attention",
     "dequantize": "quantize",
     "fake_quantize": "fake_quantize",

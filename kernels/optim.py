@@ -1,0 +1,162 @@
+"""An AdamW step that also writes the updated weight's FP8 copy (the next forward's weight operand).
+
+Per element of a weight ``w`` (N, K), its gradient ``g`` and moments ``m``, ``v``, with the step
+count ``t`` after this step and the learning rate ``lr`` read from device memory (so that a CUDA
+graph replays the step with new values), all arithmetic in float32 (torch's AdamW)::
+
+    w  = w - lr * weight_decay * w
+    m  = beta1 * m + (1 - beta1) * g
+    v  = beta2 * v + (1 - beta2) * g * g
+    w  = w - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+    q  = rne(clamp(w' * s, -fmax, fmax))          # w' = w as stored (rounded to w's dtype)
+    amax = max |w'|
+
+``w``, ``m`` and ``v`` are written back in place in their own dtypes; ``q`` (N, K) and its
+transpose ``q_t`` (K, N), the dgrad GEMM's K-major operand, are written in the same pass with the
+delayed-scaling scale ``s`` of the weight's state, so the forward of the next step needs no cast
+of the weight (``fp8ops.adamw_quantize_``). ``1 / s`` goes to ``inv``. One launch, 2-D tiles,
+grouped as in the cast-and-transpose kernel (``kernels/quantize.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, grouped_tile
+from ._library import AMAX_CHAIN, OpSpec, cdiv, fast_launch, merge_config
+
+__all__ = ["adamw_cast_transpose", "adamw_cast_transpose_launch"]
+
+# 12288 x 4096 bf16 on an H100 (scripts/adamw_cast_check.py --sweep), µs: 32 x 128 with 4 warps 322,
+# 64 x 64 / 4 324, 32 x 256 / 8 348, 128 x 64 / 8 357, 16 x 256 / 4 409, 64 x 128 / 8 427, 64 x 128 / 4
+# 494, 128 x 128 / 8 496; torch's fused AdamW alone took 329 and with the library's cast 417.
+_CFG = {"BLOCK_M": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4}
+
+
+@fast_launch
+@triton.jit
+def _adamw_cast_transpose_kernel(
+    w_ptr,  # (N, K) weight, contiguous: read and written
+    g_ptr,  # (N, K) gradient, contiguous
+    m_ptr,  # (N, K) first moment, contiguous: read and written
+    v_ptr,  # (N, K) second moment, contiguous: read and written
+    q_ptr,  # (N, K) fp8 out
+    qt_ptr,  # (K, N) fp8 out: the transposed copy
+    scale_ptr,  # () fp32 scale of the cast
+    inv_ptr,  # () fp32 out: 1 / scale
+    amax_ptr,  # () fp32 out, zero-initialised: max |w| after the step
+    amax_next_ptr,  # () fp32: zeroed by program 0 (_library.AmaxChain), or None
+    step_ptr,  # () fp32: the step count t after this step
+    lr_ptr,  # () fp32 learning rate
+    N,
+    K,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Step 1: the tile, and the step's scalars.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid_m, pid_k = grouped_tile(pid, GROUP_M * num_k, num_m, GROUP_M=GROUP_M)
+    scale = tl.load(scale_ptr)
+    if pid == 0:
+        tl.store(inv_ptr, tl.math.div_rn(1.0, scale))
+    t = tl.load(step_ptr)
+    lr = tl.load(lr_ptr)
+    bias1 = 1.0 - tl.math.exp2(t * tl.math.log2(beta1))
+    bias2_sqrt = tl.math.sqrt_rn(1.0 - tl.math.exp2(t * tl.math.log2(beta2)))
+    # Step 2: AdamW on the tile, in float32; the weight and the moments written back.
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rm[:, None] < N) & (rk[None, :] < K)
+    offs = rm[:, None] * K + rk[None, :]
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = w - lr * weight_decay * w
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    denom = tl.math.sqrt_rn(v) / bias2_sqrt + eps
+    w = w - (lr / bias1) * (m / denom)
+    w_out = w.to(w_ptr.dtype.element_ty)
+    tl.store(w_ptr + offs, w_out, mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    # Step 3: the FP8 copy of the weight as stored, its transpose, and its amax (lanes outside the
+    # weight held at 0: with eps = 0 their 0 / 0 would be a NaN).
+    ws = tl.where(mask, w_out.to(tl.float32), 0.0)
+    q = cast_fp8(ws, scale, q_ptr, FP8_MAX=FP8_MAX)
+    tl.store(q_ptr + offs, q, mask=mask)
+    tl.store(qt_ptr + rk[:, None] * N + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    atomic_amax(amax_ptr, tl.max(tl.max(abs_bits(ws), axis=1), axis=0))
+    clear_next_amax(amax_next_ptr, pid)
+
+
+def adamw_cast_transpose_launch(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    lr: torch.Tensor,
+    scale: torch.Tensor,
+    q: torch.Tensor,
+    q_t: torch.Tensor,
+    inv: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    *,
+    config: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """One AdamW step on ``w``, ``m``, ``v`` in place and the FP8 copy of the new ``w`` into ``q``,
+    ``q_t`` and ``inv`` (in place); returns the amax of the new ``w`` (a new () float32 tensor).
+
+    ``w``, ``g``, ``m``, ``v``: (N, K) contiguous, one device, float32/bfloat16/float16 each;
+    ``step``, ``lr``, ``scale``: () float32 (``step`` already counts this step); ``q`` (N, K) and
+    ``q_t`` (K, N) contiguous FP8 of one dtype; ``inv``: () float32. The caller validates.
+    """
+    cfg = merge_config(_CFG, config, name="adamw_cast_transpose")
+    N, K = w.shape
+    fp8_max = torch.finfo(q.dtype).max
+    grid = (max(1, cdiv(N, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_K"])),)
+    with AMAX_CHAIN.output(w.device) as (amax, amax_next):
+        _adamw_cast_transpose_kernel[grid](
+            w, g, m, v, q, q_t, scale, inv, amax, amax_next, step, lr, N, K,
+            float(beta1), float(beta2), float(eps), float(weight_decay),
+            FP8_MAX=fp8_max, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"],
+        )
+    return amax
+
+
+# ------------------------------------------------------------------------------------------------
+# Library op: the weight, the moments and the FP8 outputs are written in place (mutable arguments).
+
+
+def _adamw_cast_transpose_fake(w, g, m, v, step, lr, scale, q, q_t, inv, beta1, beta2, eps,  # type: ignore[no-untyped-def]
+                               weight_decay):
+    return scale.new_empty(())
+
+
+adamw_cast_transpose = OpSpec(
+    "adamw_cast_transpose(Tensor(a!) w, Tensor g, Tensor(b!) m, Tensor(c!) v, Tensor step, Tensor lr, Tensor scale,"
+    " Tensor(d!) q, Tensor(e!) q_t, Tensor(f!) inv, float beta1, float beta2, float eps, float weight_decay) -> Tensor",
+    cuda=lambda w, g, m, v, step, lr, scale, q, q_t, inv, beta1, beta2, eps, weight_decay: adamw_cast_transpose_launch(
+        w, g, m, v, step, lr, scale, q, q_t, inv, beta1, beta2, eps, weight_decay
+    ),
+    fake=_adamw_cast_transpose_fake,
+)
+"""``fp8ops::adamw_cast_transpose``: see :func:`adamw_cast_transpose_launch`; returns the amax."""
