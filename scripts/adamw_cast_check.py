@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from typing import Any
+import sys
+from pathlib import Path
 
 import torch
 
@@ -28,23 +28,11 @@ import fp8ops
 from fp8ops.kernels.optim import adamw_cast_transpose_launch
 from fp8ops.testing.states import calibrate
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_host_check import device_us  # noqa: E402  (CUDA events around 20 calls, median of 5)
+
 SHAPES = [(12288, 4096), (4096, 4096), (16384, 4096), (4096, 16384)]
 BETAS, EPS, WD = (0.9, 0.999), 1e-8, 1e-2
-
-
-def _time(fn: Any, calls: int = 20, samples: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(samples):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -103,7 +91,7 @@ def main() -> None:
             opt.step()
 
         with torch.no_grad():
-            t_torch, t_adamw, t_fused = _time(torch_step), _time(adamw_only), _time(fused_step)
+            t_torch, t_adamw, t_fused = device_us(torch_step), device_us(adamw_only), device_us(fused_step)
         nbytes = N * K * (2 * 7 + 2)  # bf16 w, g, m, v read; w, m, v written; two FP8 copies
         row = {"N": N, "K": K, "torch_adamw_plus_cast_us": t_torch, "torch_adamw_us": t_adamw, "fused_us": t_fused,
                "fused_TB_s": nbytes / t_fused / 1e6, "max_w_diff_over_lr": w_diff,
@@ -120,7 +108,7 @@ def main() -> None:
         for bm, bk, nw in [(64, 128, 8), (64, 128, 4), (32, 128, 4), (64, 64, 4), (128, 64, 8), (32, 256, 8),
                            (128, 128, 8), (16, 256, 4)]:
             cfg = {"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": nw}
-            us = _time(lambda: adamw_cast_transpose_launch(w, g, m, v, step, lr, scale, q, qt, inv, *BETAS, EPS, WD,
+            us = device_us(lambda: adamw_cast_transpose_launch(w, g, m, v, step, lr, scale, q, qt, inv, *BETAS, EPS, WD,
                                                            config=cfg))
             row = {"sweep": cfg, "us": us, "TB_s": N * K * 16 / us / 1e6}
             rows.append(row)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -32,25 +33,14 @@ from fp8ops.gemm import scaled_mm
 from fp8ops.kernels import gemm as kg
 from fp8ops.kernels._library import FastKernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch_overhead import per_call_us  # noqa: E402  (host µs per call: best of 3 asynchronous loops)
+
 E4M3 = torch.float8_e4m3fn
 # (M, N, K) of the GPT benchmark's layers at hidden 512 and 768 (8192 tokens): fprop QKV / proj /
 # fc1 / fc2, and a wgrad (M = out features, K = tokens)
 SHAPES = [(8192, 1536, 512), (8192, 512, 512), (8192, 2048, 512), (8192, 512, 2048),
           (8192, 2304, 768), (8192, 3072, 768), (8192, 768, 3072), (1536, 512, 8192), (3072, 768, 8192)]
-
-
-def host_us(fn: Callable[[], Any], calls: int = 1000, repeats: int = 3) -> float:
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
 
 
 def device_us(fn: Callable[[], Any], calls: int = 20, samples: int = 5) -> float:
@@ -108,7 +98,7 @@ def main() -> None:
     rec: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "host_us": {}, "device_us": []}
     for fast_accum in (False, True):
         for name, fn in paths(128, 128, 128, fast_accum).items():
-            us = host_us(fn)
+            us = per_call_us(fn, calls=1000)
             rec["host_us"][f"{name}, fast_accum={fast_accum}"] = us
             print(f"host  128x128x128 fast_accum={fast_accum!s:5}  {name:<26} {us:7.1f} µs")
     for M, N, K in SHAPES:
