@@ -93,7 +93,8 @@ def adamw_quantize_(
     kernel on the GPU (``fp8ops::adamw_cast_transpose``). Otherwise (current scaling, whose scale
     needs the new weight's amax first; a state not yet calibrated) the AdamW step runs first and
     the copy is then quantized and written into ``out``: the same values, one more pass. Row-wise
-    scaling is not supported (its transposed copy has scales of its own).
+    scaling is not supported (its transposed copy has scales of its own). The call is captured by
+    CUDA graphs (``fp8ops.graph_step``) and traced whole by ``torch.compile(fullgraph=True)``.
 
     Args:
         weight: (N, K) float32, bfloat16 or float16, contiguous; updated in place.

@@ -176,3 +176,26 @@ def test_opcheck():
     # the CPU; the mutations themselves are checked above (test_reference_and_library_op)
     torch.library.opcheck(torch.ops.fp8ops.adamw_cast_transpose.default, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_compile_fullgraph_matches_eager():
+    # traced whole (validation, the mutating library op, the new cache and state), the in-place
+    # writes visible to the caller as in eager mode
+    r = fp8ops.DelayedScaling()
+    w, st, cache, g = _setup(r, N=16, K=32)
+    grad = torch.randn(w.shape, generator=g)
+    runs = []
+    for compiled in (False, True):
+        w_i, cache_i = w.clone(), fp8ops.quantize_weight(w.clone(), st, recipe=r)[0]
+        m, v, t = torch.zeros_like(w), torch.zeros_like(w), torch.zeros(())
+
+        def f(w_, m_, v_, t_, st_, cache_):
+            return fp8ops.adamw_quantize_(w_, grad, m_, v_, t_, st_, recipe=r, lr=1e-3, out=cache_)
+
+        fn = torch.compile(f, fullgraph=True) if compiled else f
+        cache_out, st_out = fn(w_i, m, v, t, st, cache_i)
+        assert cache_out.value.data.data_ptr() == cache_i.value.data.data_ptr()
+        runs.append((w_i, m, v, t, cache_i.value.data.view(torch.uint8), cache_i.value.data_t.view(torch.uint8),
+                     st_out.weight.pending_amax))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
