@@ -16,6 +16,11 @@ transpose ``q_t`` (K, N), the dgrad GEMM's K-major operand, are written in the s
 delayed-scaling scale ``s`` of the weight's state, so the forward of the next step needs no cast
 of the weight (``fp8ops.adamw_quantize_``). ``1 / s`` goes to ``inv``. One launch, 2-D tiles,
 grouped as in the cast-and-transpose kernel (``kernels/quantize.py``).
+
+Unlike the ops' library ops, ``fp8ops::adamw_cast_transpose`` writes its arguments: an optimizer
+step runs outside autograd and in place, as ``torch.optim``'s do (a CUDA graph of a training step
+replays it on the same buffers). Its schema marks them mutable (``Tensor(a!)``), so
+``torch.compile`` functionalizes the call.
 """
 
 from __future__ import annotations
