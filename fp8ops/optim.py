@@ -91,8 +91,8 @@ def adamw_quantize_(
 
     With delayed scaling and a calibrated state (one scale per tensor) the step and the copy are one
     kernel on the GPU (``fp8ops::adamw_cast_transpose``). Otherwise (current scaling, whose scale
-    needs the new weight's amax first; a state not yet calibrated) the AdamW step runs first and
-    the copy is then quantized and written into ``out``: the same values, one more pass. Row-wise
+    needs the new weight's amax first; a state not yet calibrated) the same kernel runs and the
+    copy is then quantized again and written into ``out``: the same values, more passes. Row-wise
     scaling is not supported (its transposed copy has scales of its own). The call is captured by
     CUDA graphs (``fp8ops.graph_step``) and traced whole by ``torch.compile(fullgraph=True)``.
 
@@ -149,7 +149,8 @@ def adamw_quantize_(
     if isinstance(lr, Tensor):
         lr_t = _check_scalar_tensor(lr, "lr", weight, where)
     else:
-        lr_t = torch.tensor(_check_hyper(lr, "lr", where, 0.0, math.inf, False), device=weight.device)
+        # a fill kernel with the value, not a copy from host memory (capturable in a CUDA graph)
+        lr_t = torch.full((), _check_hyper(lr, "lr", where, 0.0, math.inf, False), device=weight.device)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
     beta1 = _check_hyper(betas[0], "betas[0]", where, 0.0, 1.0, True)
@@ -174,11 +175,10 @@ def adamw_quantize_(
                          f"{None if data_t is None else tuple(data_t.shape)}, inv_scale {tuple(inv.shape)}")
     with torch.no_grad():
         step.add_(1.0)
-        if spec.mode == "delayed" and spec.calibrated:
-            amax = OPS.adamw_cast_transpose(weight, grad, exp_avg, exp_avg_sq, step, lr_t, ws.scale, data, data_t,
-                                            inv, beta1, beta2, eps, weight_decay)
-        else:
-            _ref.adamw_step(weight, grad, exp_avg, exp_avg_sq, step, lr_t, beta1, beta2, eps, weight_decay)
+        amax = OPS.adamw_cast_transpose(weight, grad, exp_avg, exp_avg_sq, step, lr_t, ws.scale, data, data_t,
+                                        inv, beta1, beta2, eps, weight_decay)
+        if not (spec.mode == "delayed" and spec.calibrated):
+            # the scale comes from the new weight's amax: cast again, as quantize_weight would
             q, inv_new, q_t, _, amax = quantize_pair(weight, ws.scale, spec, True)
             data.copy_(q)
             data_t.copy_(q_t)

@@ -236,7 +236,6 @@ def _fused_opt_step(w: Tensor, x: Tensor, dy: Tensor, lr: Tensor, recipe: Any, c
     the update comes before the optimizer, which casts with the next step's scale."""
     import fp8ops
 
-    w = w.detach().requires_grad_()
     m, v, t = torch.zeros_like(w), torch.zeros_like(w), torch.zeros((), device=device)
     first, st0 = fp8ops.quantize_weight(w, fp8ops.LinearState.init(recipe, device=device), recipe=recipe)
     value = first.value  # overwritten in place by every step's optimizer

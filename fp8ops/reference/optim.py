@@ -58,6 +58,9 @@ def adamw_quantize_(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: T
     :func:`adamw_step` in place, then ``(q, q_t, inv_scale, amax)`` of the new weight (the FP8 copy,
     its transpose, ``1 / scale`` and max |w|), as :func:`quantize.cast_transpose` computes them."""
     step.add_(1.0)
-    adamw_step(weight, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps, weight_decay)
-    q, q_t, amax, inv = _q.cast_transpose(weight, scale, None, 0, False, fp8_dtype)
+    q = torch.empty(weight.shape, dtype=fp8_dtype, device=weight.device)
+    q_t = torch.empty(weight.shape[::-1], dtype=fp8_dtype, device=weight.device)
+    inv = torch.empty((), device=weight.device)
+    amax = adamw_cast_transpose(weight, grad, exp_avg, exp_avg_sq, step, lr, scale, q, q_t, inv, betas[0], betas[1],
+                                eps, weight_decay)
     return q, q_t, inv, amax
