@@ -19,9 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fp8ops
 from fp8ops.bench import common
-from fp8ops.bench.layer import SEED, _fp8ops_case
-from fp8ops.reference.transformer_layer import BasicTransformerLayer
-from fp8ops.transformer_layer import TransformerConfig
+from fp8ops.bench.layer import _fp8ops_case, seed_layer_inputs
 
 
 def kernels(fn, x, dy, gaps: int) -> tuple[dict[str, tuple[int, float]], float]:
@@ -62,14 +60,7 @@ def main() -> None:
                     help="also print the cProfile top N host functions of 5 steps of each mode (backward on the "
                          "calling thread)")
     args = ap.parse_args()
-    H, Fh, h, S, B = (SEED[k] for k in ("hidden", "ffn", "heads", "seq", "batch"))
-    cfg = TransformerConfig(hidden_size=H, ffn_hidden_size=Fh, num_attention_heads=h, hidden_dropout=args.dropout,
-                            attention_dropout=args.dropout)
-    torch.manual_seed(0)
-    seed_state = {k: v.clone() for k, v in BasicTransformerLayer(H, Fh, h).state_dict().items()}
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(S, B, H, device="cuda", generator=g).bfloat16().requires_grad_()
-    dy = (torch.randn(S, B, H, device="cuda", generator=g) * 1e-2).bfloat16()
+    cfg, seed_state, x, dy = seed_layer_inputs(args.dropout)
     res = {}
     for label, compiled in (("eager", False), ("compile", True)):
         step, _, params = _fp8ops_case(seed_state, cfg, fp8ops.DelayedScaling(), x, dy, compiled=compiled)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fp8ops.bench import common
-from fp8ops.bench.layer import SEED, _fp8ops_case
+from fp8ops.bench.layer import _fp8ops_case, seed_layer_inputs
 
 
 def _chain(event: Any, depth: int = 4) -> str:
@@ -41,18 +41,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import fp8ops
-    from fp8ops.reference.transformer_layer import BasicTransformerLayer
-    from fp8ops.transformer_layer import TransformerConfig
     from torch.profiler import ProfilerActivity, profile
 
-    S, B, H, F, h = SEED["seq"], SEED["batch"], SEED["hidden"], SEED["ffn"], SEED["heads"]
-    config = TransformerConfig(hidden_size=H, ffn_hidden_size=F, num_attention_heads=h, hidden_dropout=args.dropout,
-                               attention_dropout=args.dropout)
-    torch.manual_seed(0)
-    seed_state = {k: v.clone() for k, v in BasicTransformerLayer(H, F, h).state_dict().items()}
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(S, B, H, device="cuda", generator=g).bfloat16().requires_grad_()
-    dy = (torch.randn(S, B, H, device="cuda", generator=g) * 1e-2).bfloat16()
+    config, seed_state, x, dy = seed_layer_inputs(args.dropout)
     step, _, params = _fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x, dy)
     fn = common.clearing_grads(step, params)
     for _ in range(3):

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_replay_gaps import _gaps  # noqa: E402
 
 from fp8ops.bench import common  # noqa: E402
-from fp8ops.bench.layer import SEED, _basic, _fp8ops_case, _module_case  # noqa: E402
+from fp8ops.bench.layer import SEED, _basic, _fp8ops_case, _module_case, seed_layer_inputs  # noqa: E402
 
 IMPLS = ("fp8ops delayed", "basic SDPA bf16")
 
@@ -49,12 +49,9 @@ def _make(impl: str, seed_state: dict[str, torch.Tensor], config: Any, p: float,
     return common.clearing_grads(step, params), params
 
 
-def measure(impl: str, seed_state: dict[str, torch.Tensor], config: Any, p: float, replays: int, top: int
-            ) -> dict[str, Any]:
-    S, B, H = SEED["seq"], SEED["batch"], SEED["hidden"]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(S, B, H, device="cuda", generator=g).bfloat16().requires_grad_()
-    dy = (torch.randn(S, B, H, device="cuda", generator=g) * 1e-2).bfloat16()
+def measure(impl: str, seed_state: dict[str, torch.Tensor], config: Any, p: float, replays: int, top: int,
+            x0: torch.Tensor, dy: torch.Tensor) -> dict[str, Any]:
+    x = x0.detach().clone().requires_grad_()
     fn, _ = _make(impl, seed_state, config, p, x, dy)
     for _ in range(3):
         fn(x, dy)
@@ -97,18 +94,11 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from fp8ops.reference.transformer_layer import BasicTransformerLayer
-    from fp8ops.transformer_layer import TransformerConfig
-
-    H, F, h = SEED["hidden"], SEED["ffn"], SEED["heads"]
-    config = TransformerConfig(hidden_size=H, ffn_hidden_size=F, num_attention_heads=h, hidden_dropout=args.dropout,
-                               attention_dropout=args.dropout)
-    torch.manual_seed(0)
-    seed_state = {k: v.clone() for k, v in BasicTransformerLayer(H, F, h).state_dict().items()}
+    config, seed_state, x, dy = seed_layer_inputs(args.dropout)
     print(common.describe_environment(common.environment()))
     out = []
     for impl in args.impls:
-        r = measure(impl, seed_state, config, args.dropout, args.replays, args.top)
+        r = measure(impl, seed_state, config, args.dropout, args.replays, args.top, x, dy)
         out.append(r)
         rp, un = r["replay"], r["unreplayed"]
         within = rp["span_ms"] / rp["busy_ms"] - 1

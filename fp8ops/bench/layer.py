@@ -102,6 +102,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # Cases: each is (step(x, dy) -> y, parameters) with a training and an eval (no dropout) variant
 
 
+def seed_layer_inputs(dropout: float, device: str = "cuda") -> tuple[Any, dict[str, Tensor], Tensor, Tensor]:
+    """The seed layer as the measurement scripts take it: ``(config, seed_state, x, dy)``, the
+    :class:`TransformerConfig` of :data:`SEED` with ``dropout`` for the hidden and attention
+    dropouts, the seed layer's fp32 CPU parameters (``torch.manual_seed(0)``), a bf16 (S, B, H) input
+    that requires grad and a bf16 output gradient scaled by 1e-2 (generator seed 1)."""
+    from fp8ops.reference.transformer_layer import BasicTransformerLayer
+    from fp8ops.transformer_layer import TransformerConfig
+
+    S, B, H, F, h = SEED["seq"], SEED["batch"], SEED["hidden"], SEED["ffn"], SEED["heads"]
+    config = TransformerConfig(hidden_size=H, ffn_hidden_size=F, num_attention_heads=h, hidden_dropout=dropout,
+                               attention_dropout=dropout)
+    torch.manual_seed(0)
+    seed_state = {k: v.clone() for k, v in BasicTransformerLayer(H, F, h).state_dict().items()}
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(S, B, H, device=device, generator=g).bfloat16().requires_grad_()
+    dy = (torch.randn(S, B, H, device=device, generator=g) * 1e-2).bfloat16()
+    return config, seed_state, x, dy
+
+
 def _basic(seed_state: dict[str, Tensor], dims: dict[str, int], dropout: float, impl: str,
            dtype: torch.dtype) -> torch.nn.Module:
     from fp8ops.reference.transformer_layer import BasicTransformerLayer
