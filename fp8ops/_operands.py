@@ -92,22 +92,23 @@ compiled, graphed GPT steps with the flag off and on."""
 
 
 def quantize_grad_db(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool, need_q: bool, need_t: bool,
-                     need_db: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor,
-                                             Tensor | None]:
-    """:func:`quantize_grad` plus, with ``need_db``, the float32 column sums of dy (the bias
-    gradient): ``(q, inv, q_t, inv_t, amax, db)``. The sums are ``dy.sum(0)``, or, with
-    :data:`FUSE_DBIAS` on where the cast writes the transposed copy with a per-tensor scale, come
-    out of that same pass over dy."""
+                     need_db: bool, db_dtype: torch.dtype = torch.float32
+                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
+    """:func:`quantize_grad` plus, with ``need_db``, the column sums of dy (the bias gradient) in
+    ``db_dtype``, summed in float32: ``(q, inv, q_t, inv_t, amax, db)``. The sums are
+    ``dy.sum(0, dtype=db_dtype)`` (one reduction kernel, float32 accumulation, rounded once to
+    ``db_dtype``), or, with :data:`FUSE_DBIAS` on where the cast writes the transposed copy with a
+    per-tensor scale, come out of that same pass over dy."""
     if not (need_q or need_t):
-        return None, None, None, None, _ops.amax(dy), (dy.sum(0, dtype=torch.float32) if need_db else None)
+        return None, None, None, None, _ops.amax(dy), (dy.sum(0, dtype=db_dtype) if need_db else None)
     if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
         spec = spec._replace(calibrated=False)
     scale = g_scale if has_probe else None
     if need_db and need_t and spec.mode != "rowwise" and FUSE_DBIAS:
         q, inv, q_t, amax, db = quantize_2d_dbias(dy, scale, spec)
-        return q, inv, q_t, inv, amax, db
+        return q, inv, q_t, inv, amax, db.to(db_dtype)
     q, inv, q_t, inv_t, amax = quantize_pair(dy, scale, spec, need_t)
-    return q, inv, q_t, inv_t, amax, (dy.sum(0, dtype=torch.float32) if need_db else None)
+    return q, inv, q_t, inv_t, amax, (dy.sum(0, dtype=db_dtype) if need_db else None)
 
 
 def gemm_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor | None, wq: Tensor | None,

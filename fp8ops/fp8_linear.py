@@ -316,7 +316,7 @@ class _FP8Linear(torch.autograd.Function):
             wq_t = dgrad_weight(wq_t, ctx.w_t_later and fp8_dgrad)
             # Step 1: quantize dy (and its transpose for wgrad) in one pass; its amax is the observation.
             # Row-parallel SP: this rank's (M/w, N) slice with the group's scale, the FP8 bytes gathered.
-            db32 = dx = dw = db = None
+            dx = dw = db = None
             if cfg.sp == "row":
                 data, dy_inv, dy_amax = fp8_group_quantize(dy, g_scale, cfg.g_spec, ctx.group)
                 if cfg.fused and cfg.need_dx:  # the gather and dgrad in one pipelined op
@@ -327,8 +327,9 @@ class _FP8Linear(torch.autograd.Function):
                     dyq, dyq_t = _gathered_fp8(all_gather_async(data, ctx.group), cfg.g_spec.dtype, fp8_wgrad)
                 dy_inv_t = dy_inv
             else:  # the bias gradient from the same pass where it writes dy's transposed copy
-                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db32 = quantize_grad_db(
-                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db = quantize_grad_db(
+                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db,
+                    ctx.bias_dtype or torch.float32,
                 )
             # Step 2: dgrad, then (column-parallel SP) its reduce-scatter in flight while wgrad runs.
             if cfg.need_dx and dx is None:
@@ -338,8 +339,8 @@ class _FP8Linear(torch.autograd.Function):
             if cfg.need_dw:
                 with overlap_carveout(cfg.carveout if cfg.sp == "column" and dx is not None else 0):
                     dw = gemm_wgrad(dyq_t, dy_inv_t, dy, xq_t, x_inv_t, x, cfg.wgrad, cfg.wgrad_dtype)
-            if cfg.need_db:
-                db = (db32 if db32 is not None else dy.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
+            if cfg.need_db and db is None:  # row-parallel SP: dy was gathered, not quantized here
+                db = dy.sum(0, dtype=ctx.bias_dtype)
             if cfg.sp == "column" and dx is not None:
                 dx = wait(dx)
         probe_grad = dy_amax if cfg.has_probe else None

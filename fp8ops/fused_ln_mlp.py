@@ -327,11 +327,10 @@ class _FusedLNMLP(torch.autograd.Function):
         with torch.no_grad():
             dy = dy.contiguous()
             # Step 1: quantize dy (and its transpose) in one pass; its amax is fc2's observation.
-            db2_32 = None
             if cfg.fp8:  # db2 from the same pass where it writes dy's transposed copy
-                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db2_32 = quantize_grad_db(
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db2 = quantize_grad_db(
                     dy, s_g2, sp_g2, cfg.has_probe, cfg.need_dh and fp8_dgrad, cfg.need_dw2 and fp8_wgrad,
-                    cfg.need_db2
+                    cfg.need_db2, b2_dtype or torch.float32,
                 )
             else:
                 dyq = dy_inv = dyq_t = dy_inv_t = dy_amax = None
@@ -347,8 +346,8 @@ class _FusedLNMLP(torch.autograd.Function):
                 dw2 = gemm_wgrad(dyq_t, dy_inv_t, dy, aq_t, a_inv_t, a, cfg.wgrad, w2_dtype)
                 del aq_t, a
             del dyq_t
-            if cfg.need_db2:
-                db2 = (db2_32 if db2_32 is not None else dy.sum(0, dtype=torch.float32)).to(b2_dtype)
+            if cfg.need_db2 and db2 is None:
+                db2 = dy.sum(0, dtype=b2_dtype)
             if cfg.need_dh:
                 # Step 3: fc2's dgrad, then dact fused with the FP8 cast of fc1's output gradient.
                 da = gemm_dgrad(dyq, dy_inv, dy, dgrad_weight(w2q_t, ctx.w_t_later[1]), w2_inv_t, w2, cfg.dgrad,

@@ -205,18 +205,17 @@ class _LayerNormLinear(torch.autograd.Function):
             fp8_dgrad = cfg.need_dx and cfg.dgrad.precision == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
             # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
-            db32 = None
             if cfg.fp8:  # the bias gradient from the same pass where it writes dy's transposed copy
-                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db32 = quantize_grad_db(
-                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db = quantize_grad_db(
+                    dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db, b_dtype or torch.float32
                 )
             else:
                 dyq = dy_inv = dyq_t = dy_inv_t = dy_amax = None
             # Step 2: wgrad and the bias gradient.
             if cfg.need_dw:
                 dw = gemm_wgrad(dyq_t, dy_inv_t, dy, lnq_t, ln_inv_t, ln, cfg.wgrad, w_dtype)
-            if cfg.need_db:
-                db = (db32 if db32 is not None else dy.sum(0, dtype=torch.float32)).to(b_dtype)
+            if cfg.need_db and db is None:
+                db = dy.sum(0, dtype=b_dtype)
             # Step 3: dgrad into the norm's output, then the norm's backward.
             if cfg.need_dx:
                 dln = gemm_dgrad(dyq, dy_inv, dy, dgrad_weight(wq_t, ctx.w_t_later), w_inv_t, w, cfg.dgrad, x_dtype)

@@ -314,6 +314,37 @@ def test_compile_of_func_grad_raises(case):
         f(x, w, b, st, torch.zeros(()))
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+def test_bias_gradient_is_one_reduction_in_the_bias_dtype(bias_dtype):
+    """db is dy.sum(0) written in the bias's dtype by the reduction itself (float32 accumulation,
+    one rounding): no float32 result converted by a second kernel."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((str(func), tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+            return out
+
+    st = _calibrated(DELAYED)
+    x, w, _, dy = _data((6,), 40, 24, torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+    b = torch.randn(24, dtype=bias_dtype, requires_grad=True)
+    y, _ = fp8ops.fp8_linear(x, w, b, st, recipe=DELAYED, grad_probe=torch.zeros((), requires_grad=True))
+    with Ops() as mode:
+        y.backward(dy)
+    sums = [f for f, shape in mode.seen if f.startswith("aten.sum") and shape == (24,)]
+    converts = [f for f, shape in mode.seen if f.startswith(("aten._to_copy", "aten.to")) and shape == (24,)]
+    assert len(sums) == 1 and not converts, mode.seen
+    assert b.grad.dtype == bias_dtype
+    assert torch.equal(b.grad, dy.float().sum(0).to(bias_dtype))
+
+
 def test_bias_gradient_comes_from_the_quantizing_pass_in_every_mode_when_switched_on(monkeypatch):
     """By default every mode takes dy.sum(0). With FUSE_DBIAS on, the cast of dy with its transposed
     copy also returns the bias gradient (no second pass), in eager and compiled steps alike, so the
