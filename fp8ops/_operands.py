@@ -28,6 +28,7 @@ from .recipes import GemmSpec
 __all__ = [
     "HIGH",
     "NormCfg",
+    "bias_grad",
     "cached_dgrad_operand",
     "dgrad_weight",
     "gemm_dgrad",
@@ -91,16 +92,25 @@ reduction of its own, or fused into the kernel that assembles dy where that kern
 compiled, graphed GPT steps with the flag off and on."""
 
 
+def bias_grad(dy: Tensor, dtype: torch.dtype) -> Tensor:
+    """``dy.sum(0)`` in ``dtype``, summed in float32 and rounded once: one reduction kernel that
+    writes ``dtype`` where that is dy's dtype or float32 (a reduction takes its input in the output
+    dtype, so any other would round each element first), else a float32 sum and a conversion."""
+    if dtype == dy.dtype or dtype == torch.float32:
+        return dy.sum(0, dtype=dtype)
+    return dy.sum(0, dtype=torch.float32).to(dtype)
+
+
 def quantize_grad_db(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool, need_q: bool, need_t: bool,
                      need_db: bool, db_dtype: torch.dtype = torch.float32
                      ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
     """:func:`quantize_grad` plus, with ``need_db``, the column sums of dy (the bias gradient) in
     ``db_dtype``, summed in float32: ``(q, inv, q_t, inv_t, amax, db)``. The sums are
-    ``dy.sum(0, dtype=db_dtype)`` (one reduction kernel, float32 accumulation, rounded once to
-    ``db_dtype``), or, with :data:`FUSE_DBIAS` on where the cast writes the transposed copy with a
-    per-tensor scale, come out of that same pass over dy."""
+    :func:`bias_grad`'s (rounded once to ``db_dtype``), or, with
+    :data:`FUSE_DBIAS` on where the cast writes the transposed copy with a per-tensor scale, come
+    out of that same pass over dy."""
     if not (need_q or need_t):
-        return None, None, None, None, _ops.amax(dy), (dy.sum(0, dtype=db_dtype) if need_db else None)
+        return None, None, None, None, _ops.amax(dy), (bias_grad(dy, db_dtype) if need_db else None)
     if not has_probe:  # nothing is recorded: the scale comes from this gradient's own amax
         spec = spec._replace(calibrated=False)
     scale = g_scale if has_probe else None
@@ -108,7 +118,7 @@ def quantize_grad_db(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bo
         q, inv, q_t, amax, db = quantize_2d_dbias(dy, scale, spec)
         return q, inv, q_t, inv, amax, db.to(db_dtype)
     q, inv, q_t, inv_t, amax = quantize_pair(dy, scale, spec, need_t)
-    return q, inv, q_t, inv_t, amax, (dy.sum(0, dtype=db_dtype) if need_db else None)
+    return q, inv, q_t, inv_t, amax, (bias_grad(dy, db_dtype) if need_db else None)
 
 
 def gemm_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor | None, wq: Tensor | None,

@@ -46,6 +46,7 @@ from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_trans
 from ._checks import check_device, check_float_tensor, check_probe, check_recipe, check_state_recipe
 from .kernels._library import OPS
 from ._operands import (
+    bias_grad,
     cached_dgrad_operand,
     dgrad_weight,
     gemm_dgrad,
@@ -340,7 +341,7 @@ class _FP8Linear(torch.autograd.Function):
                 with overlap_carveout(cfg.carveout if cfg.sp == "column" and dx is not None else 0):
                     dw = gemm_wgrad(dyq_t, dy_inv_t, dy, xq_t, x_inv_t, x, cfg.wgrad, cfg.wgrad_dtype)
             if cfg.need_db and db is None:  # row-parallel SP: dy was gathered, not quantized here
-                db = dy.sum(0, dtype=ctx.bias_dtype)
+                db = bias_grad(dy, ctx.bias_dtype)
             if cfg.sp == "column" and dx is not None:
                 dx = wait(dx)
         probe_grad = dy_amax if cfg.has_probe else None

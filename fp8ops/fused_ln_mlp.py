@@ -54,6 +54,7 @@ from .formats import Role
 from ._operands import (
     HIGH,
     NormCfg,
+    bias_grad,
     cached_dgrad_operand,
     dgrad_weight,
     gemm_dgrad,
@@ -347,7 +348,7 @@ class _FusedLNMLP(torch.autograd.Function):
                 del aq_t, a
             del dyq_t
             if cfg.need_db2 and db2 is None:
-                db2 = dy.sum(0, dtype=b2_dtype)
+                db2 = bias_grad(dy, b2_dtype)
             if cfg.need_dh:
                 # Step 3: fc2's dgrad, then dact fused with the FP8 cast of fc1's output gradient.
                 da = gemm_dgrad(dyq, dy_inv, dy, dgrad_weight(w2q_t, ctx.w_t_later[1]), w2_inv_t, w2, cfg.dgrad,

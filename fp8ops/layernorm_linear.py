@@ -34,6 +34,7 @@ from ._checks import check_norm_args, check_probe, check_residual, check_state_r
 from ._operands import (
     HIGH,
     NormCfg,
+    bias_grad,
     cached_dgrad_operand,
     dgrad_weight,
     gemm_dgrad,
@@ -215,7 +216,7 @@ class _LayerNormLinear(torch.autograd.Function):
             if cfg.need_dw:
                 dw = gemm_wgrad(dyq_t, dy_inv_t, dy, lnq_t, ln_inv_t, ln, cfg.wgrad, w_dtype)
             if cfg.need_db and db is None:
-                db = dy.sum(0, dtype=b_dtype)
+                db = bias_grad(dy, b_dtype)
             # Step 3: dgrad into the norm's output, then the norm's backward.
             if cfg.need_dx:
                 dln = gemm_dgrad(dyq, dy_inv, dy, dgrad_weight(wq_t, ctx.w_t_later), w_inv_t, w, cfg.dgrad, x_dtype)

@@ -345,6 +345,20 @@ def test_bias_gradient_is_one_reduction_in_the_bias_dtype(bias_dtype):
     assert torch.equal(b.grad, dy.float().sum(0).to(bias_dtype))
 
 
+def test_bias_gradient_of_another_dtype_than_dy_is_rounded_once():
+    """A bf16 bias next to float32 activations: db is the float32 column sum rounded once to bf16,
+    not a sum of dy's elements each rounded to bf16 first (what a reduction with dtype=bf16 does)."""
+    st = _calibrated(DELAYED)
+    x, w, _, dy = _data((256,), 40, 24, torch.float32, seed=3)
+    dy = dy * 100
+    b = torch.zeros(24, dtype=torch.bfloat16, requires_grad=True)
+    y, _ = fp8ops.fp8_linear(x.requires_grad_(), w.requires_grad_(), b, st, recipe=DELAYED)
+    y.backward(dy)
+    exact = dy.double().sum(0).to(torch.bfloat16)
+    assert torch.equal(b.grad, exact)
+    assert not torch.equal(dy.sum(0, dtype=torch.bfloat16), exact)  # the data tells the two apart
+
+
 def test_bias_gradient_comes_from_the_quantizing_pass_in_every_mode_when_switched_on(monkeypatch):
     """By default every mode takes dy.sum(0). With FUSE_DBIAS on, the cast of dy with its transposed
     copy also returns the bias gradient (no second pass), in eager and compiled steps alike, so the
