@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, grouped_tile
+from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale, grouped_tile
 from ._library import AMAX_CHAIN, OpSpec, cdiv, fast_launch, merge_config
 
 __all__ = ["adamw_cast_transpose", "adamw_cast_transpose_launch"]
@@ -73,9 +73,8 @@ def _adamw_cast_transpose_kernel(
     num_m = tl.cdiv(N, BLOCK_M)
     num_k = tl.cdiv(K, BLOCK_K)
     pid_m, pid_k = grouped_tile(pid, GROUP_M * num_k, num_m, GROUP_M=GROUP_M)
-    scale = tl.load(scale_ptr)
-    if pid == 0:
-        tl.store(inv_ptr, tl.math.div_rn(1.0, scale))
+    scale = fp8_scale(scale_ptr, scale_ptr, inv_ptr, pid, FP8_MAX=FP8_MAX, MARGIN=0, SCALE_FROM_AMAX=False,
+                      POWER_2=False)  # the given scale; program 0 writes 1 / scale
     t = tl.load(step_ptr)
     lr = tl.load(lr_ptr)
     bias1 = 1.0 - tl.math.exp2(t * tl.math.log2(beta1))

@@ -63,23 +63,8 @@ def measure(impl: str, seed_state: dict[str, torch.Tensor], config: Any, p: floa
     eager_ms = (time.perf_counter() - t0) / 10 * 1e3
     unreplayed = _gaps(common.device_events(lambda: fn(x, dy), 2), 2, top)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # first calls on a side stream, as before any capture
-        fn(x, dy)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(x, dy)
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    replay_ms = (time.perf_counter() - t0) / 20 * 1e3
+    graph = common.capture_graph(lambda: fn(x, dy), lambda: fn(x, dy))
+    replay_ms = common.replay_wall_ms(graph, 20, warmup=5)
     replayed = _gaps(common.device_events(graph.replay, replays), replays, top)
     del graph
     return {"impl": impl, "eager_step_ms": eager_ms, "replay_step_ms": replay_ms, "replay": replayed,

@@ -85,8 +85,9 @@ class _Floor(torch.autograd.Function):
             else:
                 wq, wqt, _, winv = KQ.cast_transpose_launch(w, one, None, 0, False, E4M3)
         else:  # the operands as stand-ins (bytes reinterpreted, no kernel)
-            xq, xqt, xinv = x.view(torch.uint8)[:, :x.shape[1]].view(E4M3), _stand_in(x), one.clone()
-            wq, wqt, winv = w.view(torch.uint8)[:, :w.shape[1]].view(E4M3), _stand_in(w), one.clone()
+            # (the scales as views of `one`: a Function may return an input it saves only as a view)
+            xq, xqt, xinv = x.view(torch.uint8)[:, :x.shape[1]].view(E4M3), _stand_in(x), one.view(())
+            wq, wqt, winv = w.view(torch.uint8)[:, :w.shape[1]].view(E4M3), _stand_in(w), one.view(())
         if gemms:
             y = torch._scaled_mm(xq, wq.t(), scale_a=xinv, scale_b=winv, bias=b, out_dtype=BF16, use_fast_accum=True)
         else:

@@ -177,20 +177,38 @@ def _loop_times(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], count
     return times
 
 
-def _graph_times(
-    fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], count: int, samples: int, warmup: int
-) -> list[float]:
-    """Per-call times (µs) of ``samples`` replays of a graph of ``count`` calls."""
+def capture_graph(warm: Callable[[], Any], body: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``body()``, captured after ``warm()`` ran on a side stream (capture needs the
+    first calls, allocator warm-up and lazy initialisation, made outside it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        # Capture needs the first calls (allocator warm-up, lazy init) made on a side stream.
-        _run_calls(fn, arg_sets, len(arg_sets))
+        warm()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _run_calls(fn, arg_sets, count)
+        body()
+    return graph
+
+
+def replay_wall_ms(graph: torch.cuda.CUDAGraph, replays: int, warmup: int) -> float:
+    """Wall ms per replay of ``graph`` over a synchronized loop of ``replays``, after ``warmup``."""
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / replays * 1e3
+
+
+def _graph_times(
+    fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], count: int, samples: int, warmup: int
+) -> list[float]:
+    """Per-call times (µs) of ``samples`` replays of a graph of ``count`` calls."""
+    graph = capture_graph(lambda: _run_calls(fn, arg_sets, len(arg_sets)), lambda: _run_calls(fn, arg_sets, count))
     try:
         for _ in range(warmup):
             graph.replay()

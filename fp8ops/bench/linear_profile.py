@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 from typing import Any
 
 import torch
 
-from .common import host_us
+from .common import capture_graph, host_us, replay_wall_ms
 
 __all__ = ["DEFAULT_SHAPE", "run"]
 
@@ -80,25 +79,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         h, wl = host_us(fn)
         rows.append({"what": name, "host_us": h, "wall_us": wl})
         print(f"{name:60s} host {h:8.1f} µs/call   wall {wl:8.1f} µs/call", flush=True)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
     try:
-        with torch.cuda.graph(g):
-            step()
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            g.replay()
-        torch.cuda.synchronize()
+        g = capture_graph(lambda: [step() for _ in range(3)], step)
         print(f"{'fp8_linear forward+backward, graph replay (device time)':60s} "
-              f"{(time.perf_counter() - t0) / 50 * 1e6:8.1f} µs/call")
+              f"{replay_wall_ms(g, 50, warmup=3) * 1e3:8.1f} µs/call")
     except Exception as exc:  # noqa: BLE001  (capture can fail; the host numbers above stand on their own)
         print("graph capture failed:", type(exc).__name__, exc)
     # device kernels of one forward+backward (after warm-up), to see where device time goes
