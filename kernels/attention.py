@@ -89,6 +89,7 @@ from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._library import cdiv, fast_launch, merge_config, next_pow2
+from ._attention_hopper import hopper_fwd, hopper_supported
 
 __all__ = [
     "MASKED_ROW_LSE",
@@ -1061,12 +1062,15 @@ def _attention_bwd_dq_kernel(
 
 
 class AttentionKernels(NamedTuple):
-    """The kernels of one (score_mod, mask_mod) pair (``@triton.jit`` functions)."""
+    """The kernels of one (score_mod, mask_mod) pair (``@triton.jit`` functions), and the mods
+    themselves (None: the default) for the Hopper forward, which takes them as arguments."""
 
     fwd: Any
     bwd_preprocess: Any
     bwd_dkdv: Any
     bwd_dq: Any
+    score_mod: Any = None
+    mask_mod: Any = None
 
 
 def _jit(raw: Any, mods: dict[str, Any]) -> Any:
@@ -1109,6 +1113,8 @@ def specialize(score_mod: Any = None, score_grad: Any = None, score_grad_dq: Any
         bwd_preprocess=_PREPROCESS,
         bwd_dkdv=_jit(_attention_bwd_dkdv_kernel, mods),
         bwd_dq=_jit(_attention_bwd_dq_kernel, mods),
+        score_mod=score_mod,
+        mask_mod=mask_mod,
     )
 
 
@@ -1495,7 +1501,9 @@ def attention_fwd_launch(
         descale: (q_descale (B, Hq, nq), k_descale (B, Hkv, nkv), v_descale (B, Hkv, nkv), block_q,
             block_kv) fp32 per-block descales (FP8 operands), or None.
         config: overrides of BLOCK_M, BLOCK_N, num_warps, num_stages and TMA (1: Q, K and V tiles
-            through tensor descriptors where the layout allows it, else pointer loads).
+            through tensor descriptors where the layout allows it, else pointer loads), and HOPPER
+            (1, the default on a GPU: the warp-specialised sm_90 kernel of ``_attention_hopper`` where
+            it applies; 0: always this module's kernel, as does any override of the other keys).
     """
     name = "attention_fwd_launch"
     prob = _check_problem(name, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
@@ -1513,7 +1521,10 @@ def attention_fwd_launch(
     interp = _is_interpreter(kernels.fwd)
     bs = block_sparsity
     short = not prob.varlen and bs is None and _short_rows(prob.seq_kv, *window)
-    cfg = merge_config(_fwd_config(prob.d, prob.dv, q.dtype, interp, prob.varlen, short), config, name="attention_fwd")
+    # HOPPER: 1 runs kernels/_attention_hopper.py where it applies (sm_90, see hopper_supported); a config
+    # that sets any of the portable kernel's own keys asks for that kernel.
+    cfg = merge_config({**_fwd_config(prob.d, prob.dv, q.dtype, interp, prob.varlen, short), "HOPPER": int(not interp)},
+                       config, name="attention_fwd")
     if bs is not None and prob.varlen:
         raise ValueError(f"{name}: block sparsity is not available with packed sequences")
     block_m = _fit_block(cfg["BLOCK_M"], bs.block_q if bs else None)
@@ -1537,6 +1548,18 @@ def attention_fwd_launch(
         ds_args = (None, None, None, 0, 0, 0, 0)
     grid = (cdiv(prob.seq_q, block_m), prob.hq, prob.batch)
     if grid[0] == 0 or prob.batch == 0 or prob.hq == 0:
+        return
+    # The Hopper kernel takes the mods themselves: kernels without them (has_*_mod set) stay portable.
+    if (cfg["HOPPER"] and not set(config or ()) - {"HOPPER"}
+            and (kernels.score_mod is not None or not has_score_mod)
+            and (kernels.mask_mod is not None or not has_mask_mod)
+            and hopper_supported(q, k, v, varlen=vl, dropout=dropout_p > 0.0, descale=descale is not None,
+                                 sparse_q=bs.block_q if bs else None, sparse_kv=bs.block_kv if bs else None)
+            and hopper_fwd(q, k, v, out, lse, sm_scale=sm_scale, window=window,
+                           score_fn=kernels.score_mod or _identity_score_mod, mask_fn=kernels.mask_mod or _all_visible,
+                           has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, score_buffers=sm,
+                           mask_buffers=mm, sparse=_sparse_args(bs) if bs else None,
+                           sparse_q=bs.block_q if bs else 1, sparse_kv=bs.block_kv if bs else 1)):
         return
     tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), interp)
     _launch(

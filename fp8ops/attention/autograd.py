@@ -109,7 +109,8 @@ def _attention_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu
     from the registry of generated mods (:data:`_SPECS`) through the keys in ``static``, the
     ``repr`` of the call's :class:`_Static`; ``buffers`` are the unique captured tensors."""
     st = _parse_static(static)
-    kern = _K.AttentionKernels(_kernels(st.score_key, st.mask_key, st.needs).fwd, None, None, None)
+    ks = _kernels(st.score_key, st.mask_key, st.needs)
+    kern = _K.AttentionKernels(ks.fwd, None, None, None, ks.score_mod, ks.mask_mod)
     out, lse = _attention_fwd_outputs(q, v, st.layout)
     flat = [_flat(t) for t in buffers]
     bs = None

@@ -21,9 +21,9 @@ and to the flash backend (``none`` and ``causal`` only: SDPA cannot express the 
 without a dense bias), and ``torch.compile(flex_attention)`` with the same mods (causal variants get
 a block mask). Block masks are built once per case, outside the timing. fp8ops is also timed with
 ``deterministic=True`` (the separate dQ kernel; not for ``none``, which uses that kernel anyway),
-and as ``fp8ops (pointer loads)``: the forward's tiles loaded through pointers instead of TMA
-tensor descriptors (launch config ``TMA=0``; ``--no-pointer-loads`` skips it), its output checked
-against the default's.
+and as ``fp8ops (portable fwd)``: the forward through the portable Triton kernel instead of the
+warp-specialised Hopper kernel that runs by default on sm_90 (launch config ``HOPPER=0``; the same
+backward; ``--no-portable`` skips it), its output checked against the default's.
 
 TFLOP/s follow one convention for every implementation: ``4 B H S^2 d`` with H the query heads,
 halved for every causal variant whatever the mask skips beyond causality, x3.5 for
@@ -69,11 +69,11 @@ SDPA_VARIANTS = ("none", "causal")
 WINDOW = 1024
 SOFTCAP = 50.0
 DOCUMENTS = 8
-IMPLS = ["fp8ops", "fp8ops (deterministic)", "fp8ops (pointer loads)", "SDPA cuDNN", "SDPA flash", "Flex (compiled)"]
-# "fp8ops (pointer loads)": the same kernels and tiles with every load through pointers (launch
-# configs TMA, TMA1, TMA2 = 0; the forward's default loads through TMA descriptors), the public
+IMPLS = ["fp8ops", "fp8ops (deterministic)", "fp8ops (portable fwd)", "SDPA cuDNN", "SDPA flash", "Flex (compiled)"]
+# "fp8ops (portable fwd)": the forward of kernels/attention.py (launch config HOPPER = 0) where the
+# default runs the Hopper kernel of kernels/_attention_hopper.py; the same backward, the public
 # op's dQ scheme.
-POINTER_CONFIGS = ({"TMA": 0}, {"TMA1": 0, "TMA2": 0})
+PORTABLE_FWD_CONFIG = {"HOPPER": 0}
 # Targets, on the peer's time over fp8ops's, forward and forward+backward (see the module docstring).
 FLEX_TARGET_VARIANTS = ("causal", "alibi", "sliding_window", "document")
 FLEX_TARGET, FLEX_TARGET_OTHER_D, CUDNN_TARGET, TARGET_HEAD_DIM = 1.3, 1.0, 0.9, 128
@@ -96,8 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     parser.add_argument("--no-deterministic", action="store_true",
                         help="skip the fp8ops deterministic=True (separate dQ kernel) rows")
-    parser.add_argument("--no-pointer-loads", action="store_true",
-                        help="skip the fp8ops run with pointer loads only (launch configs TMA, TMA1, TMA2 = 0)")
+    parser.add_argument("--no-portable", action="store_true",
+                        help="skip the fp8ops run with the portable forward kernel (launch config HOPPER = 0)")
     parser.add_argument("--tune", action="store_true", help="also sweep fp8ops launch configs at S=4096")
     parser.add_argument("--varlen", action="store_true",
                         help="also time the variable-length attention block (fp8ops packed sequences vs SDPA on "
@@ -408,7 +408,7 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
     use_flex = not getattr(args, "no_flex", False)
     impl_names = [i for i in IMPLS if (use_flex or i != "Flex (compiled)")
                   and not (getattr(args, "no_deterministic", False) and i == "fp8ops (deterministic)")
-                  and not (getattr(args, "no_pointer_loads", False) and i == "fp8ops (pointer loads)")]
+                  and not (getattr(args, "no_portable", False) and i == "fp8ops (portable fwd)")]
     progress = common.Progress(len(head_dims) * len(seqlens) * len(variants) * len(impl_names), prefix="attention")
     rows: list[dict[str, Any]] = []
     for D in head_dims:
@@ -425,9 +425,8 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
                 makers: dict[str, Any] = {"fp8ops": lambda: _fp8ops_fn(variant, S, H, docs)}
                 if variant != "none":  # unmasked attention uses the separate dQ kernel already
                     makers["fp8ops (deterministic)"] = lambda: _fp8ops_fn(variant, S, H, docs, dq_mode="separate")
-                makers["fp8ops (pointer loads)"] = lambda: _fp8ops_fn(
-                    variant, S, H, docs, dq_mode=_public_dq_mode(variant, D), fwd_config=POINTER_CONFIGS[0],
-                    bwd_config=POINTER_CONFIGS[1])
+                makers["fp8ops (portable fwd)"] = lambda: _fp8ops_fn(
+                    variant, S, H, docs, dq_mode=_public_dq_mode(variant, D), fwd_config=PORTABLE_FWD_CONFIG)
                 if variant in SDPA_VARIANTS:
                     makers["SDPA cuDNN"] = lambda: _sdpa_fn(variant, "cudnn", gqa)
                     makers["SDPA flash"] = lambda: _sdpa_fn(variant, "flash", gqa)

@@ -1,0 +1,447 @@
+"""Attention forward for Hopper (sm_90) in Gluon: warp-specialised, TMA-fed, wgmma kept in flight.
+
+The same math as ``kernels/attention.py`` (FlashAttention-2's online softmax in base 2, the same
+output and natural-log LSE, ``MASKED_ROW_LSE`` for rows that see no key), with the schedule written
+out instead of left to the compiler, which on sm_90 waits for every matrix product at once and
+synchronises the whole block around each load::
+
+    loader (1 warp)        Q halves; then K_0, and per tile t: K_{t+1}, V_t into a ring of STAGES
+                           buffers, each after its "empty" barrier says both consumers are done
+    consumer h (4 warps,   S_t = Q_h K_t^T (async); O += P_{t-1} V_{t-1} (async);
+      rows h*64..h*64+63)  wait for S_t only, release K_t, softmax of S_t while P V runs;
+                           wait for P V, release V_{t-1}, rescale O; P_t to bf16/fp16 in registers
+
+Two consumer warpgroups share each K/V tile and run independently of each other, so the warp
+schedulers overlap one's softmax with the other's products (the effect of FlashAttention-3's
+ping-pong without its named barriers). The loader sets its registers down to 24, the consumers up.
+
+What it covers (``hopper_fwd`` returns False otherwise and the portable kernel runs): an sm_90 GPU,
+16-bit q/k/v with one head dim D = Dv in {64, 128, 256}, dense (B, H, S, D) views whose rows each
+head can address through a 2-D tensor descriptor (bhsd, bshd, sbhd and their GQA forms), sequence
+lengths that are multiples of the tiles (128 query rows, 64 or 128 keys), a band (causal / sliding
+window), a ``score_mod``, a ``mask_mod`` and block-mask lists; no packed sequences, dropout or FP8
+descales. Mods are the same ``@triton.jit`` functions the portable kernels call.
+
+References: Shah et al., "FlashAttention-3" (2024), sections 3.1-3.2 (producer/consumer warp
+specialisation, intra-warpgroup overlap of softmax and GEMMs); the Gluon tutorials on wgmma, TMA and
+warp specialisation in the Triton repository.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+
+try:  # Gluon (triton.experimental) with its Hopper dialect; absent on older Triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    AVAILABLE = hasattr(gl, "warp_specialize")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "HopperConfig", "hopper_config", "hopper_fwd", "hopper_supported"]
+
+_LN2 = 0.6931471805599453
+_LOG2E = 1.4426950408889634
+_MASKED_LSE = -1.0e30  # kernels/attention.MASKED_ROW_LSE
+_NO_BOUND = 1 << 30  # kernels/attention.NO_BOUND
+
+
+class HopperConfig(NamedTuple):
+    """Key tile and ring depth per head dim (one H100, B=1, H=32, S=8192, bf16, causal and no mask;
+    ``docs/benchmarks/attention_hopper_h100.md``)."""
+
+    block_n: int
+    stages: int
+
+
+def hopper_config(d: int) -> HopperConfig:
+    # d=64: 3 stages of 128 keys 308 / 375 TFLOP/s (causal / none) against 301 / 377 with 2 and
+    # 270 / 344 with 64 keys x 4; d=128: 128 keys x 2 526 / 575 against 64 x 3 451 / 518 and
+    # 64 x 4 476 / 507; d=256: 64 keys x 2 571 / 678 against 32 x 4 469 / 503.
+    if d <= 64:
+        return HopperConfig(128, 3)
+    if d <= 128:
+        return HopperConfig(128, 2)
+    return HopperConfig(64, 2)
+
+
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+
+
+if AVAILABLE:
+    # TMA copies were renamed after Triton 3.6 (async_copy_* -> async_load / async_store).
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # warp_specialize's signature changed after Triton 3.6: [(fn, args), ...] instead of
+    # (default_args, default_fn, worker_args, worker_fns).
+    _NEW_WS = next(iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args"
+
+    @gluon.jit
+    def _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
+        # First key of tile t: dense tiles run from lo_t; block-sparse ones walk the partial list's
+        # blocks, then the full list's, SPARSE_KV // BLOCK_N tiles per block.
+        if BLOCK_SPARSE:
+            per: gl.constexpr = SPARSE_KV // BLOCK_N
+            n_part_t = n_part * per
+            if t < n_part_t:
+                start = gl.load(part_ptr + t // per) * SPARSE_KV + (t % per) * BLOCK_N
+            else:
+                j = t - n_part_t
+                start = gl.load(full_ptr + j // per) * SPARSE_KV + (j % per) * BLOCK_N
+        else:
+            start = (lo_t + t) * BLOCK_N
+        return start
+
+    @gluon.jit
+    def _load_k(k_desc, k_smem, k_ready, k_empty, t, row, col, STAGES: gl.constexpr):
+        st = t % STAGES
+        mbarrier.wait(k_empty.index(st), ((t // STAGES) & 1) ^ 1)  # a new barrier passes parity 1
+        mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [row, col], k_ready.index(st), k_smem.index(st))
+
+    @gluon.jit
+    def _loader(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
+                HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr,
+                HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+         v_empty) = a
+        (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col, lse_off, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
+         sm_scale, qk_scale, win_left, win_right) = d
+        for i in gl.static_range(2):
+            mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row + i * HALF, q_col], q_bar.index(i), q_smem.index(i))
+        if n > 0:
+            k0 = _tile_start(0, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
+            _load_k(k_desc, k_smem, k_ready, k_empty, 0, k_row0 + k0, k_col, STAGES)
+        for t in range(0, n):
+            if t + 1 < n:
+                k1 = _tile_start(t + 1, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
+                _load_k(k_desc, k_smem, k_ready, k_empty, t + 1, k_row0 + k1, k_col, STAGES)
+            st = t % STAGES
+            mbarrier.wait(v_empty.index(st), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            kt = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
+            _tma_load(v_desc, [k_row0 + kt, k_col], v_ready.index(st), v_smem.index(st))
+
+    @gluon.jit
+    def _scores(s, t, k0, mh, b, h, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                layout: gl.constexpr):
+        # One tile's scores in base-2 units: score_mod in natural units, then the band and mask_mod
+        # where the tile needs them (-inf where a key is not visible).
+        (b_, h_, m0, q_row, q_col, k_row0, k_col, o_row, o_col, lse_off, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
+         sm_scale, qk_scale, win_left, win_right) = d
+        rows = gl.expand_dims(mh + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout)), 1)
+        cols = gl.expand_dims(k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout)), 0)
+        if HAS_SCORE_MOD:
+            s2 = SCORE_FN(s * sm_scale, b, h, rows, cols, st0, st1, st2, st3).to(gl.float32) * 1.4426950408889634
+        else:
+            s2 = s * qk_scale
+        if BAND:
+            edge = True
+            if not BLOCK_SPARSE:
+                kt = lo_t + t
+                edge = (kt < flo_t) | (kt >= fhi_t)
+            if edge:
+                diff = rows - cols
+                s2 = gl.where((diff <= win_left) & (-diff <= win_right), s2, float("-inf"))
+        if HAS_MASK_MOD:
+            partial = True
+            if BLOCK_SPARSE:
+                partial = t < n_part * (SPARSE_KV // BLOCK_N)
+            if partial:
+                s2 = gl.where(MASK_FN(b, h, rows, cols, mt0, mt1, mt2, mt3), s2, float("-inf"))
+        return s2
+
+    @gluon.jit
+    def _softmax(s2, m_i, l_i):
+        # Online softmax step; a row with no visible key so far keeps m = -inf, l = 0.
+        m_new = gl.maximum(m_i, gl.max(s2, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s2 - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _consume(half: gl.constexpr, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                 HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                 BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+         v_empty) = a
+        (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col, lse_off, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
+         sm_scale, qk_scale, win_left, win_right) = d
+        dtype: gl.constexpr = q_desc.dtype
+        k_width: gl.constexpr = 32 // dtype.primitive_bitwidth
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=k_width)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        mh = m0 + half * HALF
+        qh = q_smem.index(half)
+        s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+        acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
+        m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([HALF], gl.float32, layout=row_s)
+        p_op = gl.zeros([HALF, BLOCK_N], dtype, layout=p_layout)
+        mbarrier.wait(q_bar.index(half), 0)
+        if n > 0:  # tile 0: scores and the first softmax step, no P V in flight yet
+            mbarrier.wait(k_ready.index(0), 0)
+            s = warpgroup_mma(qh, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            mbarrier.arrive(k_empty.index(0), count=1)
+            k0 = _tile_start(0, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
+            s2 = _scores(s, 0, k0, mh, b, h, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND,
+                         BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax(s2, m_i, l_i)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for t in range(1, n):
+            st = t % STAGES
+            ps = (t - 1) % STAGES
+            mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
+            s = warpgroup_mma(qh, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(ps), ((t - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(ps), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])  # S_t done, P V may still run
+            mbarrier.arrive(k_empty.index(st), count=1)
+            kt = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
+            s2 = _scores(s, t, kt, mh, b, h, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND,
+                         BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax(s2, m_i, l_i)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(v_empty.index(ps), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if n > 0:
+            ps = (n - 1) % STAGES
+            mbarrier.wait(v_ready.index(ps), ((n - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(ps), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        # Normalise once; rows that saw nothing give 0 and the masked-row LSE. O goes out through
+        # this half's Q buffer (its last product is done).
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, -1.0e30)
+        offs = (mh + gl.arange(0, HALF, layout=row_s)).to(gl.int64)
+        gl.store(lse_ptr + lse_off + offs * stride_ls, lse)
+        qh.store(out.to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [o_row + half * HALF, o_col], qh)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer_0(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
+                    HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
+                    SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                    STAGES: gl.constexpr):
+        _consume(0, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF,
+                 BLOCK_N, HEAD_D, STAGES)
+
+    @gluon.jit
+    def _consumer_1(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
+                    HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
+                    SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                    STAGES: gl.constexpr):
+        _consume(1, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF,
+                 BLOCK_N, HEAD_D, STAGES)
+
+    @gluon.jit
+    def _hopper_fwd_kernel(
+        q_desc, k_desc, v_desc, o_desc,  # 2-D descriptors: head (b, h) rows at (b*rb + h*rh) * S, cols b*cb + h*ch
+        lse_ptr,  # (B, Hq, Sq) fp32
+        seq_q, seq_kv, group, sm_scale, win_left, win_right,
+        q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch, o_rb, o_rh, o_cb, o_ch,
+        stride_lb, stride_lh, stride_ls,
+        kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,  # block-mask lists (BLOCK_SPARSE), as in kernels/attention.py
+        stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+        st0, st1, st2, st3, mt0, mt1, mt2, mt3,  # the mods' captured tensors
+        SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr,
+        BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
+        SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr,
+    ):
+        HALF: gl.constexpr = BLOCK_M // 2
+        dtype: gl.constexpr = q_desc.dtype
+        pid = gl.program_id(0)
+        h = gl.program_id(1)
+        b = gl.program_id(2)
+        if REVERSE:  # causal-like bands: the longest query tiles first
+            pid = gl.num_programs(0) - 1 - pid
+        m0 = pid * BLOCK_M
+        hk = h // group
+        q_row = (b * q_rb + h * q_rh) * seq_q + m0
+        q_col = b * q_cb + h * q_ch
+        k_row0 = (b * k_rb + hk * k_rh) * seq_kv
+        k_col = b * k_cb + hk * k_ch
+        o_row = (b * o_rb + h * o_rh) * seq_q + m0
+        o_col = b * o_cb + h * o_ch
+        # Key tiles: [lo_t, lo_t + n), tiles outside [flo_t, fhi_t) on the band's edges (masked).
+        zero = seq_kv * 0
+        n_part = zero
+        part_ptr = lse_ptr  # unused without a block mask (partitions take no None arguments)
+        full_ptr = lse_ptr
+        lo_t = zero
+        flo_t = zero
+        fhi_t = seq_kv // BLOCK_N
+        if BLOCK_SPARSE:
+            row = m0 // SPARSE_Q
+            n_off = b * stride_nb + h * stride_nh + row * stride_nm
+            i_off = b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih + row.to(gl.int64) * stride_im
+            n_part = gl.load(kvn_ptr + n_off)
+            n = (n_part + gl.load(fkvn_ptr + n_off)) * (SPARSE_KV // BLOCK_N)
+            part_ptr = kvi_ptr + i_off
+            full_ptr = fkvi_ptr + i_off
+        elif BAND:
+            lo = gl.maximum(m0 - win_left, 0)
+            hi = gl.minimum(seq_kv, m0 + BLOCK_M + win_right)
+            lo_t = lo // BLOCK_N
+            n = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N - lo_t, 0)
+            flo_t = (gl.maximum(m0 + BLOCK_M - 1 - win_left, 0) + BLOCK_N - 1) // BLOCK_N
+            fhi_t = gl.maximum((m0 + win_right + 1) // BLOCK_N, flo_t)
+        else:
+            n = seq_kv // BLOCK_N
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release each buffer
+            mbarrier.init(v_empty.index(i), count=2)
+        a = (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+             v_empty)
+        d = (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col,
+             b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
+             sm_scale, sm_scale * 1.4426950408889634, win_left, win_right)
+        if NEW_WS:
+            gl.warp_specialize([
+                (_consumer_0, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
+                               HALF, BLOCK_N, HEAD_D, STAGES)),
+                (_consumer_1, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
+                               HALF, BLOCK_N, HEAD_D, STAGES)),
+                (_loader, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
+                           HALF, BLOCK_N, HEAD_D, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize(
+                (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N,
+                 HEAD_D, STAGES), _consumer_0,
+                (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N,
+                 HEAD_D, STAGES), [_consumer_1, _loader], [4, 1], [CONSUMER_REGS, 24])
+
+
+class _View2d(NamedTuple):
+    desc: Any
+    rb: int
+    rh: int
+    cb: int
+    ch: int
+
+
+def _view2d(t: torch.Tensor, rows: int) -> _View2d | None:
+    """A (B, H, S, D) view as one 2-D descriptor [outer * S, width] with (rows, D) tiles: head
+    (b, h) starts at row ``(b * rb + h * rh) * S`` and column ``b * cb + h * ch``. None where the
+    view has no such form: a non-unit last stride, a head dim that is not a power of two >= 16,
+    unaligned rows, S not a multiple of ``rows``, a batch or head stride that is neither a whole
+    number of sequences nor an offset inside a row, or rows of one head running into the next."""
+    B, H, S, D = t.shape
+    sb, sh, ss, sd = t.stride()
+    es = t.element_size()
+    if sd != 1 or D < 16 or D & (D - 1) or ss < D or (ss * es) % 16 or t.data_ptr() % 16 or S % rows:
+        return None
+    so = ss * S  # a whole sequence of rows
+    coef = []
+    for n, st in ((B, sb), (H, sh)):
+        if n == 1:
+            coef.append((0, 0))
+        elif st >= ss:
+            if st % so:
+                return None
+            coef.append((st // so, 0))
+        else:
+            coef.append((0, st))
+    width = sum((n - 1) * c for n, (_, c) in zip((B, H), coef)) + D
+    if width > ss and S > 1:
+        return None
+    count = 1 + sum((n - 1) * o for n, (o, _) in zip((B, H), coef))
+    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, D], gdt)
+    desc = TensorDescriptor(t, [count * S, width], [ss, 1], [rows, D], layout)
+    return _View2d(desc, coef[0][0], coef[1][0], coef[0][1], coef[1][1])
+
+
+def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
+                     descale: bool, sparse_q: int | None, sparse_kv: int | None) -> bool:
+    """Whether :func:`hopper_fwd` can run this problem (shape, layout and feature checks; no launch)."""
+    if not AVAILABLE or varlen or dropout or descale or torch.compiler.is_compiling():
+        return False
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.dim() != 4:
+        return False
+    d = q.shape[3]
+    if d not in (64, 128, 256) or v.shape[3] != d:
+        return False
+    cfg = hopper_config(d)
+    if q.shape[2] % BLOCK_M or k.shape[2] % cfg.block_n or min(q.shape[2], k.shape[2]) == 0:
+        return False
+    if sparse_q is not None and (sparse_q % BLOCK_M or sparse_kv % cfg.block_n):
+        return False
+    return True
+
+
+def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+               sm_scale: float, window: tuple[int | None, int | None], score_fn: Any, mask_fn: Any,
+               has_score_mod: bool, has_mask_mod: bool, score_buffers: tuple[Any, ...],
+               mask_buffers: tuple[Any, ...], sparse: tuple[Any, ...] | None, sparse_q: int, sparse_kv: int) -> bool:
+    """Launch the Hopper forward into ``out`` and ``lse`` if every tensor has a descriptor view;
+    return whether it ran. ``sparse``: the portable kernel's 10 block-mask arguments, or None."""
+    cfg = hopper_config(q.shape[3])
+    views = (_view2d(q, BLOCK_M // 2), _view2d(k, cfg.block_n), _view2d(v, cfg.block_n),
+             _view2d(out, BLOCK_M // 2))
+    if any(x is None for x in views) or views[1][1:] != views[2][1:]:
+        return False
+    qv, kv, vv, ov = views
+    B, H, S, D = q.shape
+    left, right = window
+    sp = sparse if sparse is not None else (None, None, None, None, 0, 0, 0, 0, 0, 0)
+    grid = (S // BLOCK_M, H, B)
+    _hopper_fwd_kernel[grid](
+        qv.desc, kv.desc, vv.desc, ov.desc, lse,
+        S, k.shape[2], H // k.shape[1], float(sm_scale),
+        _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),
+        *qv[1:], *kv[1:], *ov[1:], *lse.stride(), *sp,
+        # slots a mod does not use get a placeholder pointer (partitions take no None arguments)
+        *(lse if t is None else t for t in (*score_buffers, *mask_buffers)),
+        SCORE_FN=score_fn, MASK_FN=mask_fn, HAS_SCORE_MOD=has_score_mod, HAS_MASK_MOD=has_mask_mod,
+        BAND=left is not None or right is not None, REVERSE=right is not None, BLOCK_SPARSE=sparse is not None,
+        SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, HEAD_D=D,
+        STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=_NEW_WS, num_warps=4, maxnreg=168,
+    )
+    return True
+

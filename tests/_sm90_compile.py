@@ -1,0 +1,97 @@
+"""Compile the Hopper attention forward for sm_90 without a GPU; print each variant's PTX, resource
+usage and shared memory as one JSON line (used by tests/test_attention_hopper.py, in a process of
+its own: the interpreter must be off). Exit code 3: this Triton cannot compile Gluon offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+
+from fp8ops.kernels import _attention_hopper as H
+from fp8ops.kernels import attention as K
+
+
+@triton.jit
+def _alibi_like(score, b, h, q_idx, kv_idx, t0, t1, t2, t3):
+    return score + tl.load(t0 + h) * (kv_idx - q_idx).to(tl.float32)
+
+
+@triton.jit
+def _document_like(b, h, q_idx, kv_idx, t0, t1, t2, t3):
+    return (tl.load(t0 + q_idx) == tl.load(t0 + kv_idx)) & (q_idx >= kv_idx)
+
+
+VARIANTS = {
+    "d64_causal": dict(D=64),
+    "d128_none": dict(D=128, band=False),
+    "d256_causal": dict(D=256),
+    "d128_alibi": dict(D=128, score=_alibi_like),
+    "d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True),
+}
+
+
+def compile_variant(D, *, band=True, score=None, mask=None, sparse=False):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = H.hopper_config(D)
+
+    def desc(rows):
+        return f"tensordesc<bf16[{rows},{D}],{gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)!r}>"
+
+    consts = dict(SCORE_FN=score or K._identity_score_mod, MASK_FN=mask or K._all_visible,
+                  HAS_SCORE_MOD=score is not None, HAS_MASK_MOD=mask is not None, BAND=band, REVERSE=band,
+                  BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=H.BLOCK_M, BLOCK_N=cfg.block_n,
+                  HEAD_D=D, STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
+    kern = H._hopper_fwd_kernel
+    sig, fixed = {}, {}
+    for i, n in enumerate(kern.arg_names):
+        if n in ("q_desc", "o_desc"):
+            sig[n] = desc(H.BLOCK_M // 2)
+        elif n in ("k_desc", "v_desc"):
+            sig[n] = desc(cfg.block_n)
+        elif n == "sm_scale":
+            sig[n] = "fp32"
+        elif n in consts:
+            sig[n], fixed[(i,)] = "constexpr", consts[n]
+        elif n.endswith("_ptr") or (n[:2] in ("st", "mt") and n[2:].isdigit()):
+            sig[n] = "*i32" if n[:2] in ("kv", "fk") else "*fp32"
+        else:
+            sig[n] = "i32"
+    return triton.compile(GluonASTSource(kern, sig, fixed), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": 168})
+
+
+def resources(kernel) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main(names: list[str]) -> int:
+    if not H.AVAILABLE:
+        print("this Triton has no Gluon warp specialisation")
+        return 3
+    facts = {}
+    for name in names:
+        try:
+            kernel = compile_variant(**VARIANTS[name])
+        except TypeError as e:  # a GluonASTSource that takes no explicit target
+            print(f"offline Gluon compilation unavailable: {e}")
+            return 3
+        facts[name] = {"ptx": kernel.asm["ptx"], "resources": resources(kernel), "shared": kernel.metadata.shared}
+    print(json.dumps(facts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""CPU tests of the Hopper attention forward (``kernels/_attention_hopper.py``) and its dispatch.
+
+Gluon kernels have no interpreter, so the kernel's numbers are tested on the GPU
+(``tests/test_attention_hopper_gpu.py``). Here: the kernel compiles for sm_90 with the bundled
+compiler into the schedule it is written for (warp-specialised partitions with their register
+budgets, a scores product left in flight while the previous tile's P V runs, no spills); the 2-D
+descriptor views of every dense layout; the refusals; and that the library passes a call's mods to
+the launcher, so that the Hopper kernel can never run without them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+H = importlib.import_module("fp8ops.kernels._attention_hopper")
+K = importlib.import_module("fp8ops.kernels.attention")
+A = importlib.import_module("fp8ops.attention")
+
+needs_gluon = pytest.mark.skipif(not H.AVAILABLE, reason="this Triton has no Gluon warp specialisation")
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled for sm_90 without a GPU
+
+VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask"]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Each variant compiled for sm_90 in a process without the interpreter (which this test session
+    turns on when there is no GPU, and which turns every ``@triton.jit`` into an interpreted one)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    helper = os.path.join(os.path.dirname(__file__), "_sm90_compile.py")
+    run = subprocess.run([sys.executable, helper, *VARIANTS], capture_output=True, text=True, env=env, timeout=600)
+    if run.returncode == 3:  # pragma: no cover - a Triton that cannot compile Gluon offline
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@needs_gluon
+@pytest.mark.parametrize("name", VARIANTS)
+def test_compiles_for_sm90_into_the_warp_specialised_schedule(name, compiled):
+    ptx, res, shared = compiled[name]["ptx"], compiled[name]["resources"], compiled[name]["shared"]
+    # the loader gives registers back (24), a consumer takes them (240)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx), name
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx), name
+    # scores of tile t awaited while the P V product of tile t-1 stays in flight
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx, name
+    assert ptx.count("wgmma.mma_async") >= 8, name
+    # K/V in through TMA copies signalled on mbarriers, O out through a TMA store
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), name
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, name
+    assert "LOCAL:0" in res, f"{name}: the kernel spills to local memory: {res}"
+    assert shared <= 227 * 1024, name
+
+
+# ------------------------------------------------------------------------------------------------
+# Descriptor views and refusals
+
+
+@needs_gluon
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "sbhd", "fused_sbhd", "gqa_bshd"])
+def test_every_dense_layout_has_a_2d_view_whose_rows_address_each_head(layout):
+    B, Hh, S, D = 2, 3, 256, 64
+    if layout == "fused_sbhd":
+        x = torch.randn(S, B, 3, Hh, D, dtype=torch.bfloat16)[:, :, 1]
+        t = x.permute(1, 2, 0, 3)
+    elif layout == "gqa_bshd":
+        t = torch.randn(B, S, 1, D, dtype=torch.bfloat16).transpose(1, 2)
+        Hh = 1
+    else:
+        shape = {"bhsd": (B, Hh, S, D), "bshd": (B, S, Hh, D), "sbhd": (S, B, Hh, D)}[layout]
+        base = torch.randn(shape, dtype=torch.bfloat16)
+        t = {"bhsd": base, "bshd": base.transpose(1, 2), "sbhd": base.permute(1, 2, 0, 3)}[layout]
+    view = H._view2d(t, 64)
+    assert view is not None, layout
+    row_stride, width = view.desc.strides[0], view.desc.shape[1]
+    flat = torch.as_strided(t, (view.desc.shape[0], width), (row_stride, 1))
+    for b in range(B):
+        for h in range(Hh):
+            r0 = (b * view.rb + h * view.rh) * S
+            c0 = b * view.cb + h * view.ch
+            assert torch.equal(flat[r0:r0 + S, c0:c0 + D], t[b, h]), (layout, b, h)
+
+
+@needs_gluon
+def test_views_the_descriptor_cannot_address_are_refused():
+    t = torch.randn(2, 4, 256, 64, dtype=torch.bfloat16)
+    assert H._view2d(t, 64) is not None
+    assert H._view2d(t[..., ::2], 64) is None  # a strided head dim
+    assert H._view2d(t[:, :, :200], 64) is None  # 200 rows: not whole 64-row tiles
+    assert H._view2d(torch.randn(2, 4, 256, 72, dtype=torch.bfloat16)[..., :64], 64) is not None  # padded rows
+    assert H._view2d(torch.randn(2, 256, 4, 64, dtype=torch.bfloat16).transpose(1, 2)[:, :, :, :48], 64) is None
+    padded = torch.randn(2, 4, 320, 64, dtype=torch.bfloat16)[:, :, :256]  # heads 320 rows apart
+    assert H._view2d(padded, 64) is None
+
+
+def test_hopper_is_never_chosen_on_the_cpu():
+    q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
+    assert not H.hopper_supported(q, q, q, varlen=False, dropout=False, descale=False, sparse_q=None, sparse_kv=None)
+
+
+def test_config_hopper_key_and_portable_keys():
+    # HOPPER is a launch-config key; an unknown key still raises, naming the expected ones
+    q = torch.randn(1, 2, 32, 16)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 32)
+    with pytest.raises(ValueError, match="HOPPER"):
+        K.attention_fwd_launch(q, q, q, out, lse, sm_scale=1.0, config={"HOPER": 0})
+    K.attention_fwd_launch(q, q, q, out, lse, sm_scale=0.25, config={"HOPPER": 0})
+    ref = torch.softmax(q @ q.transpose(-1, -2) * 0.25, -1) @ q
+    assert torch.allclose(out, ref, atol=1e-4)
+
+
+def test_the_library_passes_the_mods_to_the_launcher(monkeypatch):
+    """The Hopper kernel takes a call's mods as arguments: the forward op must hand them over (a
+    launcher without them keeps the portable kernel, never an unmodified Hopper run)."""
+    seen = []
+    real = K.attention_fwd_launch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["kernels"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "attention_fwd_launch", spy)
+    q = torch.randn(1, 2, 32, 16, requires_grad=True)
+    mm = A.and_masks(A.causal_mask(), A.sliding_window_mask(8))
+    A._attention_triton(q, q, q, score_mod=A.alibi(2), mask_mod=mm, block_mask=None, scale=0.25, left=None,
+                        right=None, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None, dropout_p=0.0,
+                        seed=None)
+    assert seen and seen[-1].score_mod is not None and seen[-1].mask_mod is not None
+    assert seen[-1].score_mod is not K._identity_score_mod and seen[-1].mask_mod is not K._all_visible
