@@ -15,12 +15,16 @@ Two consumer warpgroups share each K/V tile and run independently of each other,
 schedulers overlap one's softmax with the other's products (the effect of FlashAttention-3's
 ping-pong without its named barriers). The loader sets its registers down to 24, the consumers up.
 
-What it covers (``hopper_fwd`` returns False otherwise and the portable kernel runs): an sm_90 GPU,
-16-bit q/k/v with one head dim D = Dv in {64, 128, 256}, dense (B, H, S, D) views whose rows each
-head can address through a 2-D tensor descriptor (bhsd, bshd, sbhd and their GQA forms), sequence
-lengths that are multiples of the tiles (128 query rows, 64 or 128 keys), a band (causal / sliding
-window), a ``score_mod``, a ``mask_mod`` and block-mask lists; no packed sequences, dropout or FP8
-descales. Mods are the same ``@triton.jit`` functions the portable kernels call.
+What it covers (``hopper_supported`` / ``hopper_fwd``; the portable kernel runs otherwise): an sm_90
+GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128, 256}, dense (B, H, S, D) views whose rows
+each head can address through a 2-D tensor descriptor (bhsd, bshd, sbhd and their GQA forms),
+sequence lengths that are multiples of the tiles (128 query rows, 64 or 128 keys), a band (causal /
+sliding window), a ``score_mod``, a ``mask_mod`` and block-mask lists; no packed sequences, dropout
+or FP8 descales. Mods are the same ``@triton.jit`` functions the portable kernels call. Where it was
+measured slower the launcher keeps the portable kernel: at d = 64 for short rows, mods and block
+masks, and for score mods with transcendental math per score (``fp8ops.attention.codegen.tile_math``).
+Forward times, one H100, B=8, S=8192 (``docs/benchmarks/attention_hopper_h100.md``): d = 128 causal
+7.58 ms against 9.19 for the portable kernel, 7.54 for cuDNN and 10.64 for compiled FlexAttention.
 
 References: Shah et al., "FlashAttention-3" (2024), sections 3.1-3.2 (producer/consumer warp
 specialisation, intra-warpgroup overlap of softmax and GEMMs); the Gluon tutorials on wgmma, TMA and
@@ -78,6 +82,12 @@ def hopper_config(d: int) -> HopperConfig:
 
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+# Consumers taking turns to issue their products (_turn_wait, FlashAttention-3's ping-pong through
+# mbarriers): no gain on one H100 (B=8, S=8192, forward kernel ms without / with): d=128 causal
+# 6.985 / 6.963, ALiBi 8.364 / 8.776, window 1024 2.208 / 2.210, document 1.618 / 1.573, none
+# 13.716 / 13.788; d=64 none 19.788 / 19.537; d=256 none 11.439 / 12.136. Off; the consumers
+# already interleave through the warp schedulers.
+PINGPONG = False
 
 
 if AVAILABLE:
@@ -115,9 +125,10 @@ if AVAILABLE:
     @gluon.jit
     def _loader(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
                 HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr,
-                HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                PINGPONG: gl.constexpr):
         (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-         v_empty) = a
+         v_empty, turn) = a
         (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col, lse_off, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
          sm_scale, qk_scale, win_left, win_right) = d
         for i in gl.static_range(2):
@@ -177,12 +188,24 @@ if AVAILABLE:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
+    def _turn_wait(turn, half: gl.constexpr, i, PINGPONG: gl.constexpr):
+        # Ping-pong: consumer `half` issues its i-th group of products after the other one issued
+        # its (i-1)-th (consumer 0) or i-th (consumer 1), so one's softmax overlaps the other's products.
+        if PINGPONG:
+            mbarrier.wait(turn.index(half), (i & 1) ^ (1 - half))  # a new barrier passes parity 1
+
+    @gluon.jit
+    def _turn_pass(turn, half: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - half), count=1)
+
+    @gluon.jit
     def _consume(half: gl.constexpr, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr,
                  HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                  BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
         (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-         v_empty) = a
+         v_empty, turn) = a
         (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col, lse_off, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
          sm_scale, qk_scale, win_left, win_right) = d
         dtype: gl.constexpr = q_desc.dtype
@@ -204,7 +227,9 @@ if AVAILABLE:
         mbarrier.wait(q_bar.index(half), 0)
         if n > 0:  # tile 0: scores and the first softmax step, no P V in flight yet
             mbarrier.wait(k_ready.index(0), 0)
+            _turn_wait(turn, half, 0, PINGPONG)
             s = warpgroup_mma(qh, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _turn_pass(turn, half, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(0), count=1)
             k0 = _tile_start(0, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
@@ -216,9 +241,11 @@ if AVAILABLE:
             st = t % STAGES
             ps = (t - 1) % STAGES
             mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
-            s = warpgroup_mma(qh, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(ps), ((t - 1) // STAGES) & 1)
+            _turn_wait(turn, half, t, PINGPONG)
+            s = warpgroup_mma(qh, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(ps), acc, is_async=True)
+            _turn_pass(turn, half, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s])  # S_t done, P V may still run
             mbarrier.arrive(k_empty.index(st), count=1)
             kt = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
@@ -232,7 +259,9 @@ if AVAILABLE:
         if n > 0:
             ps = (n - 1) % STAGES
             mbarrier.wait(v_ready.index(ps), ((n - 1) // STAGES) & 1)
+            _turn_wait(turn, half, n, PINGPONG)
             acc = warpgroup_mma(p_op, v_smem.index(ps), acc, is_async=True)
+            _turn_pass(turn, half, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=[acc])
         # Normalise once; rows that saw nothing give 0 and the masked-row LSE. O goes out through
         # this half's Q buffer (its last product is done).
@@ -251,17 +280,17 @@ if AVAILABLE:
     def _consumer_0(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
                     HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
                     SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
         _consume(0, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF,
-                 BLOCK_N, HEAD_D, STAGES)
+                 BLOCK_N, HEAD_D, STAGES, PINGPONG)
 
     @gluon.jit
     def _consumer_1(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
                     HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
                     SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
         _consume(1, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF,
-                 BLOCK_N, HEAD_D, STAGES)
+                 BLOCK_N, HEAD_D, STAGES, PINGPONG)
 
     @gluon.jit
     def _hopper_fwd_kernel(
@@ -276,7 +305,7 @@ if AVAILABLE:
         SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr,
         BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
         SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr, PINGPONG: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -322,37 +351,39 @@ if AVAILABLE:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(q_bar.index(i), count=1)
+            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # both consumers release each buffer
             mbarrier.init(v_empty.index(i), count=2)
         a = (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-             v_empty)
+             v_empty, turn)
         d = (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col,
              b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
              sm_scale, sm_scale * 1.4426950408889634, win_left, win_right)
         if NEW_WS:
             gl.warp_specialize([
                 (_consumer_0, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
-                               HALF, BLOCK_N, HEAD_D, STAGES)),
+                               HALF, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
                 (_consumer_1, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
-                               HALF, BLOCK_N, HEAD_D, STAGES)),
+                               HALF, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
                 (_loader, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
-                           HALF, BLOCK_N, HEAD_D, STAGES)),
+                           HALF, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize(
                 (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N,
-                 HEAD_D, STAGES), _consumer_0,
+                 HEAD_D, STAGES, PINGPONG), _consumer_0,
                 (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N,
-                 HEAD_D, STAGES), [_consumer_1, _loader], [4, 1], [CONSUMER_REGS, 24])
+                 HEAD_D, STAGES, PINGPONG), [_consumer_1, _loader], [4, 1], [CONSUMER_REGS, 24])
 
 
 class _View2d(NamedTuple):
@@ -441,7 +472,7 @@ def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         SCORE_FN=score_fn, MASK_FN=mask_fn, HAS_SCORE_MOD=has_score_mod, HAS_MASK_MOD=has_mask_mod,
         BAND=left is not None or right is not None, REVERSE=right is not None, BLOCK_SPARSE=sparse is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, HEAD_D=D,
-        STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=_NEW_WS, num_warps=4, maxnreg=168,
+        STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=_NEW_WS, PINGPONG=PINGPONG, num_warps=4, maxnreg=168,
     )
     return True
 

@@ -138,3 +138,32 @@ def test_the_library_passes_the_mods_to_the_launcher(monkeypatch):
                         seed=None)
     assert seen and seen[-1].score_mod is not None and seen[-1].mask_mod is not None
     assert seen[-1].score_mod is not K._identity_score_mod and seen[-1].mask_mod is not K._all_visible
+
+
+def test_score_mods_with_per_score_transcendental_math_stay_portable(monkeypatch):
+    from fp8ops.attention.codegen import tile_math
+
+    def low(m):
+        return m.spec.lowered
+
+    assert tile_math(low(A.softcap(5.0)))
+    assert not tile_math(low(A.alibi(8)))  # exp2 of the head index only: one value per program
+    assert not tile_math(low(A.alibi(torch.rand(8))))
+    assert not tile_math(low(A.relative_position_bias(torch.randn(2, 31))))
+    assert tile_math(low(A.ScoreMod(lambda score, b, h, q_idx, kv_idx: score / (1 + q_idx))))
+    assert not tile_math(low(A.ScoreMod(lambda score, b, h, q_idx, kv_idx: score + h / 2)))
+    # the forward op then hands no score mod to the Hopper launcher (the portable kernel runs)
+    seen = []
+    real = K.attention_fwd_launch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["kernels"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "attention_fwd_launch", spy)
+    q = torch.randn(1, 2, 32, 16)
+    for mod, passed in ((A.softcap(5.0), False), (A.alibi(2), True)):
+        A._attention_triton(q, q, q, score_mod=mod, mask_mod=None, block_mask=None, scale=0.25, left=None,
+                            right=None, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
+                            dropout_p=0.0, seed=None)
+        assert (seen[-1].score_mod is not None) == passed

@@ -20,6 +20,7 @@ from ..kernels import attention as _K
 from ..kernels._library import OPS, OpSpec, define as _define
 from ..reference import attention as _ref
 from .block_mask import BlockMask
+from .codegen import tile_math
 from .layouts import _alloc_layout, _alloc_lse
 from .mods import _SPECS, MaskMod, ScoreMod
 
@@ -55,7 +56,11 @@ def _kernels(score_key: str | None, mask_key: str | None, needs: tuple[bool, ...
     if sm.differentiable:
         grad = sm.grad_jit(needs)
         grad_dq = sm.grad_jit(tuple(False for _ in needs))
-    return _K.specialize(sm.fwd_jit(), grad, grad_dq, mm.fwd_jit() if mm is not None else None)
+    ks = _K.specialize(sm.fwd_jit(), grad, grad_dq, mm.fwd_jit() if mm is not None else None)
+    if sm.lowered is not None and tile_math(sm.lowered):
+        # transcendental math per score: the portable forward is the faster one (codegen.tile_math)
+        ks = ks._replace(score_mod=None)
+    return ks
 
 
 @torch._dynamo.assume_constant_result

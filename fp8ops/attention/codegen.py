@@ -491,6 +491,34 @@ def _dependencies(low: _Lowered) -> dict[str, set[str]]:
     return deps
 
 
+_TRANSCENDENTAL = {f"_fp8_mm_{n}" for n in ("exp", "exp2", "log", "log2", "sqrt", "tanh", "sigmoid")}
+
+
+def tile_math(low: _Lowered) -> bool:
+    """Whether a score mod computes a transcendental function or a true division per score: a call
+    of one (or a ``/``) whose operands depend on the score or a position (not only on b and h, which
+    are one value per kernel program). Such mods make the softmax tile the bottleneck, where the
+    Hopper forward measured slower than the portable one (soft-capping: 16.4 against 13.1 ms at
+    d = 128, 32.1 against 20.7 at d = 64; docs/benchmarks/attention_hopper_h100.md)."""
+    deps = _dependencies(low)
+    tile = {low.params[0], low.params[3], low.params[4]}
+
+    def depends(node: ast.AST) -> bool:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and (n.id in tile or deps.get(n.id, set()) & tile):
+                return True
+        return False
+
+    for node in [e for _, e in low.stmts] + [low.ret]:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _TRANSCENDENTAL:
+                if any(depends(a) for a in n.args):
+                    return True
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and (depends(n.left) or depends(n.right)):
+                return True
+    return False
+
+
 def _bwd_source(fn: Any, low: _Lowered, name: str, needs: tuple[bool, ...]) -> str:
     """Source of ``name(_fp8_ds, <params>, _fp8_valid, t0..t3, g0..g3) -> ds * dmod/dscore`` that also
     scatters ``ds * dmod/dload`` into the gradient buffers of the captured tensors in ``needs``."""
