@@ -54,7 +54,7 @@ try:  # Gluon (triton.experimental) with its Hopper dialect; absent on older Tri
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "HopperConfig", "hopper_config", "hopper_fwd", "hopper_supported"]
+__all__ = ["AVAILABLE", "HopperConfig", "head_placement", "hopper_config", "hopper_fwd", "hopper_supported"]
 
 _LN2 = 0.6931471805599453
 _LOG2E = 1.4426950408889634
@@ -394,18 +394,15 @@ class _View2d(NamedTuple):
     ch: int
 
 
-def _view2d(t: torch.Tensor, rows: int) -> _View2d | None:
-    """A (B, H, S, D) view as one 2-D descriptor [outer * S, width] with (rows, D) tiles: head
-    (b, h) starts at row ``(b * rb + h * rh) * S`` and column ``b * cb + h * ch``. None where the
-    view has no such form: a non-unit last stride, a head dim that is not a power of two >= 16,
-    unaligned rows, S not a multiple of ``rows``, a batch or head stride that is neither a whole
-    number of sequences nor an offset inside a row, or rows of one head running into the next."""
+def head_placement(t: torch.Tensor, so: int) -> tuple[list[tuple[int, int]], int, int] | None:
+    """Where each head (b, h) of a (B, H, S, D) view starts when its rows are addressed as
+    ``(outer, row, column)`` with outer stride ``so`` and the row stride: per dim B and H an (outer,
+    column) coefficient (an outer index if its stride is a multiple of ``so``, else a column offset
+    inside a row), the row width the heads span, and the outer count; None where a dim is neither
+    or the heads of one row would run into the next row. Shared by the portable kernels' 3-D
+    descriptors (``attention._tma_view``) and the Hopper kernel's 2-D ones."""
     B, H, S, D = t.shape
-    sb, sh, ss, sd = t.stride()
-    es = t.element_size()
-    if sd != 1 or D < 16 or D & (D - 1) or ss < D or (ss * es) % 16 or t.data_ptr() % 16 or S % rows:
-        return None
-    so = ss * S  # a whole sequence of rows
+    sb, sh, ss, _ = t.stride()
     coef = []
     for n, st in ((B, sb), (H, sh)):
         if n == 1:
@@ -419,7 +416,24 @@ def _view2d(t: torch.Tensor, rows: int) -> _View2d | None:
     width = sum((n - 1) * c for n, (_, c) in zip((B, H), coef)) + D
     if width > ss and S > 1:
         return None
-    count = 1 + sum((n - 1) * o for n, (o, _) in zip((B, H), coef))
+    return coef, width, 1 + sum((n - 1) * o for n, (o, _) in zip((B, H), coef))
+
+
+def _view2d(t: torch.Tensor, rows: int) -> _View2d | None:
+    """A (B, H, S, D) view as one 2-D descriptor [outer * S, width] with (rows, D) tiles: head
+    (b, h) starts at row ``(b * rb + h * rh) * S`` and column ``b * cb + h * ch``. None where the
+    view has no such form: a non-unit last stride, a head dim that is not a power of two >= 16,
+    unaligned rows, S not a multiple of ``rows``, a batch or head stride that is neither a whole
+    number of sequences nor an offset inside a row, or rows of one head running into the next."""
+    _, _, S, D = t.shape
+    _, _, ss, sd = t.stride()
+    es = t.element_size()
+    if sd != 1 or D < 16 or D & (D - 1) or ss < D or (ss * es) % 16 or t.data_ptr() % 16 or S % rows:
+        return None
+    placed = head_placement(t, ss * S)  # outer index unit: a whole sequence of rows
+    if placed is None:
+        return None
+    coef, width, count = placed
     gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([rows, D], gdt)
     desc = TensorDescriptor(t, [count * S, width], [ss, 1], [rows, D], layout)

@@ -89,7 +89,7 @@ from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._library import cdiv, fast_launch, merge_config, next_pow2
-from ._attention_hopper import hopper_fwd, hopper_supported
+from ._attention_hopper import head_placement, hopper_fwd, hopper_supported
 
 __all__ = [
     "MASKED_ROW_LSE",
@@ -1291,23 +1291,12 @@ def _tma_view(t: torch.Tensor, rows: int) -> _TmaView | None:
         # ss < D: rows that overlap (a broadcast sequence dim), which TMA cannot describe; S < rows:
         # a box larger than its tensor (avoided, as the GEMM launcher does)
         return None
-    dims = [(n, st) for n, st in ((B, sb), (H, sh))]
-    outer = [st for n, st in dims if n > 1 and st >= ss]
+    outer = [st for n, st in ((B, sb), (H, sh)) if n > 1 and st >= ss]
     so = min(outer) if outer else ss * S
-    coef = []  # per dim: (outer coefficient, column coefficient)
-    for n, st in dims:
-        if n == 1:
-            coef.append((0, 0))
-        elif st >= ss:
-            if st % so:
-                return None
-            coef.append((st // so, 0))
-        else:
-            coef.append((0, st))
-    width = sum((n - 1) * c for (n, _), (_, c) in zip(dims, coef)) + D
-    if width > ss and S > 1 or (so * es) % 16:
-        return None  # the heads of one row would run into the next row
-    count = 1 + sum((n - 1) * o for (n, _), (o, _) in zip(dims, coef))
+    placed = head_placement(t, so)
+    if placed is None or (so * es) % 16:
+        return None  # a stride neither outer nor inside a row, or heads running into the next row
+    coef, width, count = placed
     desc = TensorDescriptor(t, [count, S, width], [so, ss, 1], [1, rows, D])
     return _TmaView(desc, coef[0][0], coef[1][0], coef[0][1], coef[1][1])
 

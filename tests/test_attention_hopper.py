@@ -120,9 +120,9 @@ def test_config_hopper_key_and_portable_keys():
     assert torch.allclose(out, ref, atol=1e-4)
 
 
-def test_the_library_passes_the_mods_to_the_launcher(monkeypatch):
-    """The Hopper kernel takes a call's mods as arguments: the forward op must hand them over (a
-    launcher without them keeps the portable kernel, never an unmodified Hopper run)."""
+@pytest.fixture
+def launched_kernels(monkeypatch):
+    """The ``kernels`` argument of every forward launch of the test, in order."""
     seen = []
     real = K.attention_fwd_launch
 
@@ -131,6 +131,13 @@ def test_the_library_passes_the_mods_to_the_launcher(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(K, "attention_fwd_launch", spy)
+    return seen
+
+
+def test_the_library_passes_the_mods_to_the_launcher(launched_kernels):
+    """The Hopper kernel takes a call's mods as arguments: the forward op must hand them over (a
+    launcher without them keeps the portable kernel, never an unmodified Hopper run)."""
+    seen = launched_kernels
     q = torch.randn(1, 2, 32, 16, requires_grad=True)
     mm = A.and_masks(A.causal_mask(), A.sliding_window_mask(8))
     A._attention_triton(q, q, q, score_mod=A.alibi(2), mask_mod=mm, block_mask=None, scale=0.25, left=None,
@@ -140,7 +147,7 @@ def test_the_library_passes_the_mods_to_the_launcher(monkeypatch):
     assert seen[-1].score_mod is not K._identity_score_mod and seen[-1].mask_mod is not K._all_visible
 
 
-def test_score_mods_with_per_score_transcendental_math_stay_portable(monkeypatch):
+def test_score_mods_with_per_score_transcendental_math_stay_portable(launched_kernels):
     from fp8ops.attention.codegen import tile_math
 
     def low(m):
@@ -153,14 +160,7 @@ def test_score_mods_with_per_score_transcendental_math_stay_portable(monkeypatch
     assert tile_math(low(A.ScoreMod(lambda score, b, h, q_idx, kv_idx: score / (1 + q_idx))))
     assert not tile_math(low(A.ScoreMod(lambda score, b, h, q_idx, kv_idx: score + h / 2)))
     # the forward op then hands no score mod to the Hopper launcher (the portable kernel runs)
-    seen = []
-    real = K.attention_fwd_launch
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["kernels"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(K, "attention_fwd_launch", spy)
+    seen = launched_kernels
     q = torch.randn(1, 2, 32, 16)
     for mod, passed in ((A.softcap(5.0), False), (A.alibi(2), True)):
         A._attention_triton(q, q, q, score_mod=mod, mask_mod=None, block_mask=None, scale=0.25, left=None,
