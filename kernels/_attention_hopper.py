@@ -33,6 +33,7 @@ warp specialisation in the Triton repository.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, NamedTuple
 
@@ -82,12 +83,6 @@ def hopper_config(d: int) -> HopperConfig:
 
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
-# Consumers taking turns to issue their products (_turn_wait, FlashAttention-3's ping-pong through
-# mbarriers): no gain on one H100 (B=8, S=8192, forward kernel ms without / with): d=128 causal
-# 6.985 / 6.963, ALiBi 8.364 / 8.776, window 1024 2.208 / 2.210, document 1.618 / 1.573, none
-# 13.716 / 13.788; d=64 none 19.788 / 19.537; d=256 none 11.439 / 12.136. Off; the consumers
-# already interleave through the warp schedulers.
-PINGPONG = False
 
 
 if AVAILABLE:
@@ -125,10 +120,9 @@ if AVAILABLE:
     @gluon.jit
     def _loader(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
                 HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr,
-                HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr):
+                HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-         v_empty, turn) = a
+         v_empty) = a
         (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col, lse_off, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
          sm_scale, qk_scale, win_left, win_right) = d
         for i in gl.static_range(2):
@@ -188,24 +182,12 @@ if AVAILABLE:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _turn_wait(turn, half: gl.constexpr, i, PINGPONG: gl.constexpr):
-        # Ping-pong: consumer `half` issues its i-th group of products after the other one issued
-        # its (i-1)-th (consumer 0) or i-th (consumer 1), so one's softmax overlaps the other's products.
-        if PINGPONG:
-            mbarrier.wait(turn.index(half), (i & 1) ^ (1 - half))  # a new barrier passes parity 1
-
-    @gluon.jit
-    def _turn_pass(turn, half: gl.constexpr, PINGPONG: gl.constexpr):
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - half), count=1)
-
-    @gluon.jit
     def _consume(half: gl.constexpr, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr,
                  HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                  BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-         v_empty, turn) = a
+         v_empty) = a
         (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col, lse_off, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
          sm_scale, qk_scale, win_left, win_right) = d
         dtype: gl.constexpr = q_desc.dtype
@@ -227,9 +209,7 @@ if AVAILABLE:
         mbarrier.wait(q_bar.index(half), 0)
         if n > 0:  # tile 0: scores and the first softmax step, no P V in flight yet
             mbarrier.wait(k_ready.index(0), 0)
-            _turn_wait(turn, half, 0, PINGPONG)
             s = warpgroup_mma(qh, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _turn_pass(turn, half, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(0), count=1)
             k0 = _tile_start(0, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
@@ -242,10 +222,8 @@ if AVAILABLE:
             ps = (t - 1) % STAGES
             mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
             mbarrier.wait(v_ready.index(ps), ((t - 1) // STAGES) & 1)
-            _turn_wait(turn, half, t, PINGPONG)
             s = warpgroup_mma(qh, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(ps), acc, is_async=True)
-            _turn_pass(turn, half, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s])  # S_t done, P V may still run
             mbarrier.arrive(k_empty.index(st), count=1)
             kt = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
@@ -259,9 +237,7 @@ if AVAILABLE:
         if n > 0:
             ps = (n - 1) % STAGES
             mbarrier.wait(v_ready.index(ps), ((n - 1) // STAGES) & 1)
-            _turn_wait(turn, half, n, PINGPONG)
             acc = warpgroup_mma(p_op, v_smem.index(ps), acc, is_async=True)
-            _turn_pass(turn, half, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=[acc])
         # Normalise once; rows that saw nothing give 0 and the masked-row LSE. O goes out through
         # this half's Q buffer (its last product is done).
@@ -276,21 +252,24 @@ if AVAILABLE:
         _tma_store(o_desc, [o_row + half * HALF, o_col], qh)
         tma.store_wait(0)
 
+    # One entry point per consumer: the half is a compile-time constant of each partition, and with
+    # the older warp_specialize the worker partitions (consumer 1 and the loader) share one argument
+    # tuple, so it cannot travel as an argument.
     @gluon.jit
     def _consumer_0(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
                     HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
                     SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                    STAGES: gl.constexpr):
         _consume(0, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF,
-                 BLOCK_N, HEAD_D, STAGES, PINGPONG)
+                 BLOCK_N, HEAD_D, STAGES)
 
     @gluon.jit
     def _consumer_1(a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
                     HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
                     SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                    STAGES: gl.constexpr):
         _consume(1, a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF,
-                 BLOCK_N, HEAD_D, STAGES, PINGPONG)
+                 BLOCK_N, HEAD_D, STAGES)
 
     @gluon.jit
     def _hopper_fwd_kernel(
@@ -305,7 +284,7 @@ if AVAILABLE:
         SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr,
         BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
         SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr, PINGPONG: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -351,39 +330,37 @@ if AVAILABLE:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(q_bar.index(i), count=1)
-            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # both consumers release each buffer
             mbarrier.init(v_empty.index(i), count=2)
         a = (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-             v_empty, turn)
+             v_empty)
         d = (b, h, m0, q_row, q_col, k_row0, k_col, o_row, o_col,
              b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh, stride_ls, n, lo_t, flo_t, fhi_t, n_part,
              sm_scale, sm_scale * 1.4426950408889634, win_left, win_right)
         if NEW_WS:
             gl.warp_specialize([
                 (_consumer_0, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
-                               HALF, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+                               HALF, BLOCK_N, HEAD_D, STAGES)),
                 (_consumer_1, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
-                               HALF, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+                               HALF, BLOCK_N, HEAD_D, STAGES)),
                 (_loader, (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV,
-                           HALF, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+                           HALF, BLOCK_N, HEAD_D, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize(
                 (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N,
-                 HEAD_D, STAGES, PINGPONG), _consumer_0,
+                 HEAD_D, STAGES), _consumer_0,
                 (a, d, part_ptr, full_ptr, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N,
-                 HEAD_D, STAGES, PINGPONG), [_consumer_1, _loader], [4, 1], [CONSUMER_REGS, 24])
+                 HEAD_D, STAGES), [_consumer_1, _loader], [4, 1], [CONSUMER_REGS, 24])
 
 
 class _View2d(NamedTuple):
@@ -419,6 +396,12 @@ def head_placement(t: torch.Tensor, so: int) -> tuple[list[tuple[int, int]], int
     return coef, width, 1 + sum((n - 1) * o for n, (o, _) in zip((B, H), coef))
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> Any:
+    # the shared-memory layout of a (rows, d) tile, built once per shape (it is on every launch's path)
+    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _view2d(t: torch.Tensor, rows: int) -> _View2d | None:
     """A (B, H, S, D) view as one 2-D descriptor [outer * S, width] with (rows, D) tiles: head
     (b, h) starts at row ``(b * rb + h * rh) * S`` and column ``b * cb + h * ch``. None where the
@@ -434,15 +417,16 @@ def _view2d(t: torch.Tensor, rows: int) -> _View2d | None:
     if placed is None:
         return None
     coef, width, count = placed
-    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, D], gdt)
-    desc = TensorDescriptor(t, [count * S, width], [ss, 1], [rows, D], layout)
+    desc = TensorDescriptor(t, [count * S, width], [ss, 1], [rows, D], _smem_layout(rows, D, t.dtype))
     return _View2d(desc, coef[0][0], coef[1][0], coef[0][1], coef[1][1])
 
 
 def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
-                     descale: bool, sparse_q: int | None, sparse_kv: int | None) -> bool:
-    """Whether :func:`hopper_fwd` can run this problem (shape, layout and feature checks; no launch)."""
+                     descale: bool, sparse_q: int | None, sparse_kv: int | None, short_rows: bool = False,
+                     mods: bool = False) -> bool:
+    """Whether :func:`hopper_fwd` can run this problem and should (shape, feature and measured-speed
+    checks; no launch). ``short_rows``: the rows see at most ``attention.SHORT_ROW_KEYS`` keys on
+    average; ``mods``: a score_mod or mask_mod is in use."""
     if not AVAILABLE or varlen or dropout or descale or torch.compiler.is_compiling():
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -457,7 +441,10 @@ def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varle
         return False
     if sparse_q is not None and (sparse_q % BLOCK_M or sparse_kv % cfg.block_n):
         return False
-    return True
+    # d = 64: only long rows without mods or block masks (H100, S=8192, forward ms against the
+    # portable kernel: no mask 19.8 / 21.5, causal 10.4 / 11.1; a window of 1024 3.58 / 3.33, document
+    # block mask 4.25 / 3.77, soft-capping 32.1 / 20.7: the softmax tile, not the products, bounds those)
+    return d > 64 or not (short_rows or mods or sparse_q is not None)
 
 
 def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
@@ -486,7 +473,7 @@ def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         SCORE_FN=score_fn, MASK_FN=mask_fn, HAS_SCORE_MOD=has_score_mod, HAS_MASK_MOD=has_mask_mod,
         BAND=left is not None or right is not None, REVERSE=right is not None, BLOCK_SPARSE=sparse is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, HEAD_D=D,
-        STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=_NEW_WS, PINGPONG=PINGPONG, num_warps=4, maxnreg=168,
+        STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=_NEW_WS, num_warps=4, maxnreg=168,
     )
     return True
 

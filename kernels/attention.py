@@ -1547,22 +1547,20 @@ def attention_fwd_launch(
     grid = (cdiv(prob.seq_q, block_m), prob.hq, prob.batch)
     if grid[0] == 0 or prob.batch == 0 or prob.hq == 0:
         return
-    # The Hopper kernel takes the mods themselves: kernels without them (has_*_mod set) stay portable.
-    # d <= 64: only long rows without mods or block masks (H100, S=8192: none 19.8 / 21.5 ms, causal
-    # 10.4 / 11.1 against the portable kernel; a window of 1024 3.58 / 3.33, document block mask
-    # 4.25 / 3.77, soft-capping 32.1 / 20.7: the softmax tile, not the products, bounds those).
-    small_d_plain = not (short or bs is not None or has_score_mod or has_mask_mod)
-    if (cfg["HOPPER"] and not set(config or ()) - {"HOPPER"} and (prob.d > 64 or small_d_plain)
-            and (kernels.score_mod is not None or not has_score_mod)
-            and (kernels.mask_mod is not None or not has_mask_mod)
-            and hopper_supported(q, k, v, varlen=vl, dropout=dropout_p > 0.0, descale=descale is not None,
-                                 sparse_q=bs.block_q if bs else None, sparse_kv=bs.block_kv if bs else None)
-            and hopper_fwd(q, k, v, out, lse, sm_scale=sm_scale, window=window,
-                           score_fn=kernels.score_mod or _identity_score_mod, mask_fn=kernels.mask_mod or _all_visible,
-                           has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, score_buffers=sm,
-                           mask_buffers=mm, sparse=_sparse_args(bs) if bs else None,
-                           sparse_q=bs.block_q if bs else 1, sparse_kv=bs.block_kv if bs else 1)):
-        return
+    if cfg["HOPPER"] and not set(config or ()) - {"HOPPER"}:
+        # The Hopper kernel takes the mods as arguments: a mod in use whose function ``kernels`` does
+        # not carry keeps this module's kernel (see AttentionKernels).
+        fns = (kernels.score_mod if has_score_mod else _identity_score_mod,
+               kernels.mask_mod if has_mask_mod else _all_visible)
+        if (None not in fns
+                and hopper_supported(q, k, v, varlen=vl, dropout=dropout_p > 0.0, descale=descale is not None,
+                                     sparse_q=bs.block_q if bs else None, sparse_kv=bs.block_kv if bs else None,
+                                     short_rows=short, mods=has_score_mod or has_mask_mod)
+                and hopper_fwd(q, k, v, out, lse, sm_scale=sm_scale, window=window, score_fn=fns[0], mask_fn=fns[1],
+                               has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, score_buffers=sm,
+                               mask_buffers=mm, sparse=_sparse_args(bs) if bs else None,
+                               sparse_q=bs.block_q if bs else 1, sparse_kv=bs.block_kv if bs else 1)):
+            return
     tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), interp)
     _launch(
         kernels.fwd, grid,

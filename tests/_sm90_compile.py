@@ -49,7 +49,7 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False):
     consts = dict(SCORE_FN=score or K._identity_score_mod, MASK_FN=mask or K._all_visible,
                   HAS_SCORE_MOD=score is not None, HAS_MASK_MOD=mask is not None, BAND=band, REVERSE=band,
                   BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=H.BLOCK_M, BLOCK_N=cfg.block_n,
-                  HEAD_D=D, STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=H._NEW_WS, PINGPONG=H.PINGPONG)
+                  HEAD_D=D, STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
     kern = H._hopper_fwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
