@@ -90,6 +90,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._library import cdiv, fast_launch, merge_config, next_pow2
 from ._attention_hopper import head_placement, hopper_fwd, hopper_supported
+from ._attention_hopper_bwd import hopper_bwd, hopper_bwd_supported
 
 __all__ = [
     "MASKED_ROW_LSE",
@@ -99,6 +100,7 @@ __all__ = [
     "AttentionKernels",
     "attention_bwd_launch",
     "attention_fwd_launch",
+    "resolve_dq_mode",
     "specialize",
 ]
 
@@ -1073,6 +1075,7 @@ class AttentionKernels(NamedTuple):
     bwd_dq: Any
     score_mod: Any = None
     mask_mod: Any = None
+    score_grad: Any = None  # score_mod's derivative for the Hopper backward (the dK/dV kernel's)
 
 
 def _jit(raw: Any, mods: dict[str, Any]) -> Any:
@@ -1117,6 +1120,7 @@ def specialize(score_mod: Any = None, score_grad: Any = None, score_grad_dq: Any
         bwd_dq=_jit(_attention_bwd_dq_kernel, mods),
         score_mod=score_mod,
         mask_mod=mask_mod,
+        score_grad=score_grad,
     )
 
 
@@ -1632,22 +1636,32 @@ def attention_bwd_launch(
             a gradient (None for the others); atomically accumulated.
         block_sparsity / block_sparsity_t: the block mask's per-query-block lists (dQ kernel) and
             per-key-block lists (dK/dV kernel).
-        dq_mode: "separate" (deterministic dQ kernel) or "atomic" (dQ accumulated by the dK/dV
-            kernel with fp32 atomics).
+        dq_mode: "separate" (deterministic dQ kernel), "atomic" (dQ accumulated by the dK/dV
+            kernel with fp32 atomics) or "auto" (need not be deterministic: the Hopper backward of
+            ``_attention_hopper_bwd`` where config HOPPER asks for it and it applies, else
+            :func:`resolve_dq_mode`'s choice).
         config: overrides of the *1 (dK/dV kernel) and *2 (dQ kernel) BLOCK_M, BLOCK_N, num_warps,
             num_stages and TMA (1: the dK/dV kernel's Q and dO tiles, the dQ kernel's K and V tiles
-            through tensor descriptors where the layout allows it).
+            through tensor descriptors where the layout allows it), and HOPPER (1: the Hopper
+            backward where it applies and ``dq_mode`` is "auto"; 0, the default, or any override of
+            the other keys: this module's kernels).
         Other arguments: as in :func:`attention_fwd_launch`.
     """
     name = "attention_bwd_launch"
     prob = _check_problem(name, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)
-    if dq_mode not in ("separate", "atomic"):
-        raise ValueError(f"{name}: dq_mode must be 'separate' or 'atomic', got {dq_mode!r}")
+    if dq_mode not in ("separate", "atomic", "auto"):
+        raise ValueError(f"{name}: dq_mode must be 'separate', 'atomic' or 'auto', got {dq_mode!r}")
     kernels = kernels or specialize()
     interp = _is_interpreter(kernels.bwd_dkdv)
-    cfg = merge_config(_bwd_config(prob.d, prob.dv, q.dtype, interp, atomic=dq_mode == "atomic",
-                                   varlen=prob.varlen, mask_mod=has_mask_mod), config,
-                       name="attention_bwd")
+    auto = dq_mode == "auto"
+    masked = window != (None, None) or has_mask_mod or block_sparsity is not None
+    dq_mode = resolve_dq_mode(dq_mode, masked=masked, head_dim=max(prob.d, prob.dv))
+    # HOPPER: 1 runs kernels/_attention_hopper_bwd.py where it applies; off by default, measured slower
+    # than these kernels (one H100, B=8, S=8192, d=128, backward ms: causal 40.0 against 30.6, none
+    # 75.7 / 57.7, ALiBi 42.0 / 33.3, document mask 8.5 / 6.6; docs/kernels/attention.md)
+    cfg = merge_config({**_bwd_config(prob.d, prob.dv, q.dtype, interp, atomic=dq_mode == "atomic",
+                                      varlen=prob.varlen, mask_mod=has_mask_mod), "HOPPER": 0},
+                       config, name="attention_bwd")
     bs, bst = block_sparsity, block_sparsity_t
     if (bs is None) != (bst is None):
         raise ValueError(f"{name}: pass both block_sparsity and block_sparsity_t, or neither")
@@ -1692,6 +1706,12 @@ def attention_bwd_launch(
         HEAD_DIM_V=prob.dv, BLOCK_DV=_pow2(prob.dv), BLOCK_M=bm0, VARLEN=prob.varlen, HAS_DLSE=e3 is not None,
         num_warps=4,
     )
+    # Step 2 (Hopper): dK, dV and dQ in one warp-specialised kernel, where it applies.
+    if auto and cfg["HOPPER"] and not set(config or ()) - {"HOPPER"} and _hopper_bwd(
+            kernels, do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window,
+            has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, sm=sm, mm=mm, gs=gs, bst=bst,
+            dropout=dropout_p > 0.0, varlen=prob.varlen):
+        return
     # Step 2: dK, dV (and dQ with atomics).
     atomic = dq_mode == "atomic"
     dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device) if atomic else None
@@ -1722,6 +1742,42 @@ def attention_bwd_launch(
         BLOCK_M=m2, BLOCK_N=n2, REVERSE=right is not None and not prob.varlen, TMA=tma, **common,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )
+
+
+def resolve_dq_mode(dq_mode: str, *, masked: bool, head_dim: int) -> str:
+    """The portable kernels' dQ scheme for ``dq_mode``: "auto" becomes "atomic" (dQ accumulated by
+    the dK/dV kernel) for a masked attention above head dim 128, else "separate" (measured on an
+    H200, B=8, S=8192: with the tuned tiles the separate kernel is as fast or faster up to d = 128,
+    causal 40.4 against 39.9 ms, ALiBi 44.2 / 48.5, document mask 13.4 / 14.4; atomics 4 % faster at
+    d = 256); "separate" and "atomic" stay."""
+    if dq_mode != "auto":
+        return dq_mode
+    return "atomic" if masked and head_dim > 128 else "separate"
+
+
+def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+                sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool, has_mask_mod: bool,
+                sm: tuple[Any, ...], mm: tuple[Any, ...], gs: tuple[Any, ...], bst: BlockSparsity | None,
+                dropout: bool, varlen: bool) -> bool:
+    # The Hopper backward takes the mods as arguments: a mod in use whose function ``kernels`` does
+    # not carry keeps this module's kernels (see AttentionKernels).
+    fns = (kernels.score_mod if has_score_mod else _identity_score_mod,
+           kernels.score_grad if has_score_mod else _identity_score_grad,
+           kernels.mask_mod if has_mask_mod else _all_visible)
+    if None in fns or not hopper_bwd_supported(q, k, v, varlen=varlen, dropout=dropout,
+                                               sparse_q=bst.block_q if bst else None,
+                                               sparse_kv=bst.block_kv if bst else None):
+        return False
+    dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+    if not hopper_bwd(do, q, k, v, lse, delta, dqa, dk, dv, sm_scale=sm_scale, window=window, score_fn=fns[0],
+                      grad_fn=fns[1], mask_fn=fns[2], has_score_mod=has_score_mod, has_mask_mod=has_mask_mod,
+                      score_buffers=sm, mask_buffers=mm, score_grads=gs,
+                      sparse_t=_sparse_args(bst) if bst else None, sparse_q=bst.block_q if bst else 1,
+                      sparse_kv=bst.block_kv if bst else 1):
+        return False
+    dq.copy_(dqa)
+    return True
 
 
 def flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *, causal: bool = False,

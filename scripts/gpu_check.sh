@@ -6,7 +6,7 @@
 #
 #   SUITES="quantize linear"   benchmark suites to run (python -m fp8ops.bench <suite>), in order
 #   GPU_TESTS_LIMIT_S=N           time limit of each test group (default: what the budget leaves)
-#   TEST_GROUPS="name:paths;..."  groups of GPU tests run side by side (default: seven groups
+#   TEST_GROUPS="name:paths;..."  groups of GPU tests run side by side (default: eight groups
 #                                covering tests/ and property_tests/)
 #   Wheels in .whl/ (e.g. torchao, a peer in the linear suite) are installed to /tmp/site first.
 #
@@ -112,7 +112,7 @@ check "pip install" $?
 step "GPU tests: pytest -m gpu, in concurrent groups"
 # Compilation is CPU-bound and the machine has many cores: the groups run side by side, each with
 # its own log and JUnit file. TEST_GROUPS="name:paths;name:paths" overrides the default groups.
-TEST_GROUPS=${TEST_GROUPS:-"composition:tests/test_composition_gpu.py;ops:tests/test_composition_ops.py property_tests;attention:tests/test_attention_gpu.py tests/test_attention_hopper_gpu.py;linear:tests/test_fp8_linear_gpu.py tests/test_layernorm_linear_gpu.py tests/test_fused_ln_mlp_gpu.py tests/test_gemm_gpu.py;norm:tests/test_norm_gpu.py tests/test_transformer_layer_gpu.py;quantize:tests/test_quantize_gpu.py tests/test_activation_gpu.py tests/test_kernels_launch_gpu.py tests/test_optim_gpu.py;graph:tests/test_graph_step_gpu.py tests/test_nn_compile.py tests/test_distributed_fp8_gather.py tests/test_distributed_tp.py tests/test_distributed_fsdp_fp8.py"}
+TEST_GROUPS=${TEST_GROUPS:-"composition:tests/test_composition_gpu.py;ops:tests/test_composition_ops.py property_tests;attention:tests/test_attention_gpu.py tests/test_attention_hopper_gpu.py;attention_bwd:tests/test_attention_hopper_bwd_gpu.py;linear:tests/test_fp8_linear_gpu.py tests/test_layernorm_linear_gpu.py tests/test_fused_ln_mlp_gpu.py tests/test_gemm_gpu.py;norm:tests/test_norm_gpu.py tests/test_transformer_layer_gpu.py;quantize:tests/test_quantize_gpu.py tests/test_activation_gpu.py tests/test_kernels_launch_gpu.py tests/test_optim_gpu.py;graph:tests/test_graph_step_gpu.py tests/test_nn_compile.py tests/test_distributed_fp8_gather.py tests/test_distributed_tp.py tests/test_distributed_fsdp_fp8.py"}
 TEST_LIMIT=${GPU_TESTS_LIMIT_S:-$(limit 420 60)}
 IFS=';' read -ra groups <<< "$TEST_GROUPS"
 pids=()

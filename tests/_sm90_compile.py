@@ -1,4 +1,4 @@
-"""Compile the Hopper attention forward for sm_90 without a GPU; print each variant's PTX, resource
+"""Compile the Hopper attention forward and backward for sm_90 without a GPU; print each variant's PTX, resource
 usage and shared memory as one JSON line (used by tests/test_attention_hopper.py, in a process of
 its own: the interpreter must be off). Exit code 3: this Triton cannot compile Gluon offline."""
 
@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from fp8ops.kernels import _attention_hopper as H
+from fp8ops.kernels import _attention_hopper_bwd as HB
 from fp8ops.kernels import attention as K
 
 
@@ -33,7 +34,46 @@ VARIANTS = {
     "d256_causal": dict(D=256),
     "d128_alibi": dict(D=128, score=_alibi_like),
     "d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True),
+    "bwd_d64_causal": dict(D=64, backward=True),
+    "bwd_d128_causal": dict(D=128, backward=True),
+    "bwd_d128_alibi": dict(D=128, score=_alibi_like, backward=True),
+    "bwd_d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True, backward=True),
 }
+
+
+def compile_backward(D, *, band=True, score=None, mask=None, sparse=False):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows):
+        return f"tensordesc<bf16[{rows},{D}],{gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)!r}>"
+
+    consts = dict(SCORE_FN=score or K._identity_score_mod, GRAD_FN=K._identity_score_grad,
+                  MASK_FN=mask or K._all_visible, HAS_SCORE_MOD=score is not None, HAS_MASK_MOD=mask is not None,
+                  BAND=band, BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=HB.BWD_BLOCK_M,
+                  BLOCK_N=HB.BWD_BLOCK_N, HEAD_D=D, STAGES=HB.BWD_STAGES, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
+    kern = HB._hopper_bwd_kernel
+    sig, fixed = {}, {}
+    for i, n in enumerate(kern.arg_names):
+        if n in ("q_desc", "do_desc"):
+            sig[n] = desc(HB.BWD_BLOCK_M)
+        elif n in ("k_desc", "v_desc"):
+            sig[n] = desc(HB.BWD_BLOCK_N // 2)
+        elif n == "sm_scale":
+            sig[n] = "fp32"
+        elif n in consts:
+            sig[n], fixed[(i,)] = "constexpr", consts[n]
+        elif n in ("dk_ptr", "dv_ptr"):
+            sig[n] = "*bf16"
+        elif n in ("qn_ptr", "qi_ptr", "fqn_ptr", "fqi_ptr"):
+            sig[n] = "*i32"
+        elif n.endswith("_ptr") or (n[:2] in ("st", "mt") and n[2:].isdigit()) or (n[0] == "g" and n[1:].isdigit()):
+            sig[n] = "*fp32"
+        else:
+            sig[n] = "i32"
+    return triton.compile(GluonASTSource(kern, sig, fixed), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": 168})
 
 
 def compile_variant(D, *, band=True, score=None, mask=None, sparse=False):
@@ -84,7 +124,8 @@ def main(names: list[str]) -> int:
     facts = {}
     for name in names:
         try:
-            kernel = compile_variant(**VARIANTS[name])
+            opts = dict(VARIANTS[name])
+            kernel = compile_backward(**opts) if opts.pop("backward", False) else compile_variant(**opts)
         except TypeError as e:  # a GluonASTSource that takes no explicit target
             print(f"offline Gluon compilation unavailable: {e}")
             return 3

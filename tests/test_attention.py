@@ -796,11 +796,16 @@ def test_deterministic_flag_is_validated_and_masks_choose_the_dq_scheme():
         fp8ops.attention(q, q, q, deterministic="yes")
     out, _ = fp8ops.attention(q, q, q, causal=True, deterministic=True)  # CPU: the reference path
     torch.testing.assert_close(out, fp8ops.attention(q, q, q, causal=True)[0])
-    assert A._dq_mode(False, masked=True, head_dim=256) == "atomic"
-    assert A._dq_mode(True, masked=True, head_dim=256) == "separate"
-    assert A._dq_mode(False, masked=False, head_dim=256) == "separate"
-    assert A._dq_mode(False, masked=True, head_dim=128) == "separate"
-    assert A._dq_mode(False, masked=True, head_dim=64) == "separate"
+    assert A._dq_mode(False) == "auto"
+    assert A._dq_mode(True) == "separate"
+    # what the portable kernels make of "auto" (the Hopper backward aside)
+    from fp8ops.kernels.attention import resolve_dq_mode
+    assert resolve_dq_mode("auto", masked=True, head_dim=256) == "atomic"
+    assert resolve_dq_mode("auto", masked=False, head_dim=256) == "separate"
+    assert resolve_dq_mode("auto", masked=True, head_dim=128) == "separate"
+    assert resolve_dq_mode("auto", masked=True, head_dim=64) == "separate"
+    assert resolve_dq_mode("separate", masked=True, head_dim=256) == "separate"
+    assert resolve_dq_mode("atomic", masked=False, head_dim=64) == "atomic"
 
 
 def test_backend_argument_is_validated():

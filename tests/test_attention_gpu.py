@@ -280,9 +280,8 @@ def test_public_op_dq_scheme_and_deterministic_flag():
         assert torch.equal(x, y)
     for x, y in zip(runs[True][0], runs[False][0]):
         assert (x.float() - y.float()).abs().max() <= 2e-2 * float(x.abs().max())
-    assert A._dq_mode(False, masked=True, head_dim=256) == "atomic"
-    assert A._dq_mode(True, masked=True, head_dim=256) == "separate"
-    assert A._dq_mode(False, masked=False, head_dim=128) == "separate"
+    assert A._dq_mode(False) == "auto"
+    assert A._dq_mode(True) == "separate"
 
 
 def test_compile_fullgraph_backward_equals_eager():

@@ -31,6 +31,7 @@ needs_gluon = pytest.mark.skipif(not H.AVAILABLE, reason="this Triton has no Glu
 # Compiled for sm_90 without a GPU
 
 VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask"]
+BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_document_block_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def compiled():
     turns on when there is no GPU, and which turns every ``@triton.jit`` into an interpreted one)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     helper = os.path.join(os.path.dirname(__file__), "_sm90_compile.py")
-    run = subprocess.run([sys.executable, helper, *VARIANTS], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, helper, *VARIANTS, *BWD_VARIANTS], capture_output=True, text=True, env=env, timeout=600)
     if run.returncode == 3:  # pragma: no cover - a Triton that cannot compile Gluon offline
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-3000:]
@@ -61,6 +62,29 @@ def test_compiles_for_sm90_into_the_warp_specialised_schedule(name, compiled):
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, name
     assert "LOCAL:0" in res, f"{name}: the kernel spills to local memory: {res}"
     assert shared <= 227 * 1024, name
+
+
+@needs_gluon
+@pytest.mark.parametrize("name", BWD_VARIANTS)
+def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compiled):
+    ptx, res, shared = compiled[name]["ptx"], compiled[name]["resources"], compiled[name]["shared"]
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx), name
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx), name
+    d = int(name.split("_d")[1].split("_")[0])
+    # per consumer and query tile: S^T and dP^T (64 x 64, K = d), dV and dK (64 x d, K = 64) and dQ
+    # (64 x 64 column blocks, K = 64): d/16 + d/16 + 4 + 4 + 4 * d/64 instructions of k = 16
+    n = ptx.count("wgmma.mma_async")
+    assert n == 2 * (2 * (d // 16) + 8 + 4 * (d // 64)), f"{name}: {n} wgmma instructions"
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{d}k16") >= 2 * 8, name  # dV and dK
+    # S^T awaited while dP^T runs, dP^T while dV runs
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") >= 4, name
+    # dQ leaves as vector reductions of neighbouring float pairs, nothing else is atomic
+    assert "red.global.add.v2.f32" in ptx and "atom.global" not in ptx, name
+    # Q and dO in through TMA copies on mbarriers; no TMA store
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), name
+    assert shared <= 227 * 1024, name
+    if d == 64:
+        assert "LOCAL:0" in res, f"{name}: the kernel spills to local memory: {res}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -242,6 +242,10 @@ def _attention_bwd_op(
         _kernel_for("bwd_preprocess", st.score_key, st.mask_key, st.needs),
         _kernel_for("bwd_dkdv", st.score_key, st.mask_key, st.needs),
         _kernel_for("bwd_dq", st.score_key, st.mask_key, st.needs),
+        # the mods themselves, for the Hopper backward (None keeps the portable kernels)
+        _kernel_for("score_mod", st.score_key, st.mask_key, st.needs),
+        _kernel_for("mask_mod", st.score_key, st.mask_key, st.needs),
+        _kernel_for("score_grad", st.score_key, st.mask_key, st.needs),
     )
     dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
     dk = torch.zeros_like(k) if varlen else torch.empty_like(k)

@@ -546,7 +546,8 @@ def _bwd_source(fn: Any, low: _Lowered, name: str, needs: tuple[bool, ...]) -> s
                              f"tl.sum(tl.where(_fp8_valid, _fp8_ds * ({t}), 0.0)), sem='relaxed')")
             else:
                 lines.append(
-                    f"    tl.atomic_add(_fp8_g{slot} + ({iname} + tl.zeros(_fp8_ds.shape, tl.int32)), "
+                    # the where broadcasts the index to the tile (layout included, for Gluon callers)
+                    f"    tl.atomic_add(_fp8_g{slot} + tl.where(_fp8_valid, {iname}, 0), "
                     f"_fp8_ds * ({t}), mask=_fp8_valid, sem='relaxed')"
                 )
     ds = tan.d(low.ret, "s")

@@ -371,9 +371,7 @@ def attention(
             left=left, right=right, layout=eff_layout, cu_q=cu_q if varlen else None,
             cu_kv=cu_kv if varlen else None, max_q=max_seqlen_q if varlen else None,
             max_kv=max_seqlen_kv if varlen else None, dropout_p=dropout_p, seed=seed,
-            dq_mode=_dq_mode(deterministic, masked=left is not None or right is not None
-                             or mask_mod is not None or block_mask is not None,
-                             head_dim=max(d, v.shape[-1])),
+            dq_mode=_dq_mode(deterministic),
         )
     else:
         out, lse = _reference_path(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
@@ -425,13 +423,12 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, dropou
         return call()
 
 
-def _dq_mode(deterministic: bool, *, masked: bool, head_dim: int) -> str:
-    """The dQ scheme of the backward: "separate" (a dQ kernel of its own, deterministic), or
-    "atomic" (dQ accumulated by the dK/dV kernel with float32 atomics) for a masked attention
-    above head dim 128 that need not be deterministic. Measured on an H200 (B=8, S=8192): with
-    the tuned tiles the separate kernel is as fast or faster up to d = 128 (causal 40.4 against
-    39.9 ms, ALiBi 44.2 / 48.5, document mask 13.4 / 14.4), atomics 4 % faster at d = 256."""
-    return "atomic" if masked and not deterministic and head_dim > 128 else "separate"
+def _dq_mode(deterministic: bool) -> str:
+    """The dQ scheme of the backward: "separate" (a dQ kernel of its own, bitwise deterministic)
+    when asked to be deterministic, else "auto": the portable kernels with
+    ``kernels.attention.resolve_dq_mode``'s scheme, or the Hopper backward (dQ with float32
+    atomics in the dK/dV kernel) where a launch config asks for it."""
+    return "separate" if deterministic else "auto"
 
 
 def _reference_path(q: Tensor, k: Tensor, v: Tensor, *, score_mod: Any, mask_mod: Any, block_mask: Any,

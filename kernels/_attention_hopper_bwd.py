@@ -1,0 +1,469 @@
+"""Attention backward for Hopper (sm_90) in Gluon: dK, dV and dQ in one warp-specialised kernel.
+
+The same math as the backward of ``kernels/attention.py`` (``delta`` from its preprocess kernel,
+``p = 2^(s L - lse L)``, ``ds = p (dp - delta)``, ``score_mod``'s derivative), with FlashAttention-3's
+five products per tile pair instead of the portable kernels' seven, and dQ accumulated in float32
+with atomics (so not bitwise deterministic: ``deterministic=True`` keeps the portable kernels)::
+
+    program: 128 keys of one kv head (two halves of 64, one per consumer warp group), every query
+             head of its GQA group, every 64-row query tile that sees the keys
+    loader (1 warp)        K, V halves once; per query tile Q_m and dO_m into a ring of STAGES
+                           buffers, each after its "empty" barrier says both consumers are done
+    consumer c (4 warps,   S^T = K_c Q_m^T and dP^T = V_c dO_m^T (async, both in flight);
+      keys c*64..c*64+63)  P^T = 2^(S^T L - lse L) while dP^T runs; dV_c += P^T dO_m (async);
+                           dS^T = P^T (dP^T - delta); dK_c += dS^T Q_m (async); dS^T to shared
+                           memory; dQ_m += dS_c K_c (async, A read transposed); release Q_m/dO_m;
+                           dQ_m * scale added to a float32 buffer with atomics
+
+The transposed products keep every operand in the layout wgmma reads (K-major or MN-major 16-bit
+tiles from shared memory, P^T and dS^T from registers). Each consumer adds the dQ of its own 64 keys,
+so the two never wait for each other. The loader sets its registers down to 24, the consumers up.
+
+It runs when asked for (``attention_bwd_launch(..., dq_mode="auto", config={"HOPPER": 1})``): measured
+1.2-1.3x slower than the portable backward (one H100, B=8, S=8192, d=128 causal 39.9 against 31.4 ms;
+``docs/benchmarks/attention_hopper_h100.md``), bound by the dQ reduction (about 6.5 ms there) and by
+a loop that spills at d = 128 and waits for all its products at the end of every query tile.
+
+What it covers (``hopper_bwd_supported`` / ``hopper_bwd``; the portable kernels run otherwise): an
+sm_90 GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128}, the same descriptor-addressable views
+as the Hopper forward, query lengths that are multiples of 64 and key lengths multiples of 128, a
+band, a ``score_mod`` with its derivative (captured-tensor gradients scatter with atomics, as in the
+portable kernel), a ``mask_mod`` and block-mask lists (blocks of a multiple of 64 query rows and 128
+keys); no packed sequences, dropout, or ``deterministic=True``.
+
+References: Shah et al., "FlashAttention-3" (2024), section 3 and its backward (dQ accumulated with
+atomics from the dK/dV kernel); Dao, "FlashAttention-2" (2023), algorithm 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._attention_hopper import AVAILABLE, _view2d
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from ._attention_hopper import _NEW_WS, _tma_load
+
+    # a barrier of the calling partition's warps (renamed after Triton 3.6)
+    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+__all__ = ["BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_STAGES", "hopper_bwd", "hopper_bwd_supported"]
+
+BWD_BLOCK_M = 64  # query rows per step
+BWD_BLOCK_N = 128  # keys per program: two consumer warpgroups of 64
+BWD_STAGES = 2  # Q / dO ring depth
+_NO_BOUND = 1 << 30  # kernels/attention.NO_BOUND
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _q_tiles(b, h, n0, seq_q, win_left, win_right, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
+                 stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+                 BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
+                 SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        # The query tiles that see keys [n0, n0 + BLOCK_N) for head (b, h): (n, lo_t, flo_t, fhi_t,
+        # n_part, part_ptr, full_ptr); dense tiles run lo_t .. lo_t + n - 1, the ones outside
+        # [flo_t, fhi_t) on the band's edges; block-sparse ones walk the partial list, then the full.
+        zero = seq_q * 0
+        n_part = zero
+        part_ptr = qi_ptr
+        full_ptr = fqi_ptr
+        lo_t = zero
+        flo_t = zero
+        fhi_t = seq_q // BLOCK_M
+        if BLOCK_SPARSE:
+            blk = n0 // SPARSE_KV
+            n_off = b * stride_nb + h * stride_nh + blk * stride_nm
+            i_off = b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih + blk.to(gl.int64) * stride_im
+            n_part = gl.load(qn_ptr + n_off)
+            n = (n_part + gl.load(fqn_ptr + n_off)) * (SPARSE_Q // BLOCK_M)
+            part_ptr = qi_ptr + i_off
+            full_ptr = fqi_ptr + i_off
+        elif BAND:
+            lo = gl.maximum(n0 - win_right, 0)
+            hi = gl.minimum(seq_q, n0 + BLOCK_N + win_left)
+            lo_t = lo // BLOCK_M
+            n = gl.maximum((hi + BLOCK_M - 1) // BLOCK_M - lo_t, 0)
+            flo_t = (gl.maximum(n0 + BLOCK_N - 1 - win_right, 0) + BLOCK_M - 1) // BLOCK_M
+            fhi_t = gl.maximum((n0 + win_left + 1) // BLOCK_M, flo_t)
+        else:
+            n = seq_q // BLOCK_M
+        return n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr
+
+    @gluon.jit
+    def _tile_row(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
+                  BLOCK_M: gl.constexpr):
+        # First query row of tile t (see _q_tiles).
+        if BLOCK_SPARSE:
+            per: gl.constexpr = SPARSE_Q // BLOCK_M
+            n_part_t = n_part * per
+            if t < n_part_t:
+                start = gl.load(part_ptr + t // per) * SPARSE_Q + (t % per) * BLOCK_M
+            else:
+                j = t - n_part_t
+                start = gl.load(full_ptr + j // per) * SPARSE_Q + (j % per) * BLOCK_M
+        else:
+            start = (lo_t + t) * BLOCK_M
+        return start
+
+    @gluon.jit
+    def _red_add_v2(ptrs, vals):
+        # adds pairs of neighbouring floats (a thread's consecutive accumulator elements) with one
+        # vector reduction each: red.global.add.v2.f32 (sm_90), half the requests of scalar atomics
+        gl.inline_asm_elementwise("red.global.add.v2.f32 [$2], {$4, $5}; mov.b32 $0, 0; mov.b32 $1, 0;",
+                                  "=r,=r,l,l,f,f", [ptrs.to(gl.int64, bitcast=True), vals], dtype=gl.int32,
+                                  is_pure=False, pack=2)
+
+    @gluon.jit
+    def _bwd_loader(a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+                    SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                    HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                    BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
+         ds_smem, lse_smem, dl_smem) = a
+        (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
+         lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
+         qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+         sm_scale, win_left, win_right) = d
+        for c in gl.static_range(2):
+            mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [k_row + c * HALF, k_col], kv_bar.index(c), k_smem.index(c))
+            _tma_load(v_desc, [k_row + c * HALF, k_col], kv_bar.index(c), v_smem.index(c))
+        r_off = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))
+        it = 0
+        for g in range(0, group):
+            h = hk * group + g
+            n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _q_tiles(
+                b, h, n0, seq_q, win_left, win_right, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
+                stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+                BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, 2 * HALF)
+            q_row0 = (b * q_rb + h * q_rh) * seq_q
+            g_row0 = (b * g_rb + h * g_rh) * seq_q
+            q_col = b * q_cb + h * q_ch
+            g_col = b * g_cb + h * g_ch
+            l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            for t in range(0, n):
+                m0 = _tile_row(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
+                st = it % STAGES
+                mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a new barrier passes parity 1
+                # lse (base 2) and delta of the tile's rows, stored by the whole warp before the
+                # barrier's arrival (made with the Q copy) publishes them
+                rows_l = (m0 + r_off).to(gl.int64) * stride_ls
+                lse_smem.index(st).store(gl.load(lse_ptr + l_off + rows_l) * 1.4426950408889634)
+                dl_smem.index(st).store(gl.load(delta_ptr + l_off + rows_l))
+                _thread_barrier()
+                mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_row0 + m0, q_col], q_ready.index(st), q_smem.index(st))
+                mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes)
+                _tma_load(do_desc, [g_row0 + m0, g_col], do_ready.index(st), do_smem.index(st))
+                it += 1
+
+    @gluon.jit
+    def _bwd_consume(c: gl.constexpr, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+                     SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                     HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
+         ds_smem, lse_smem, dl_smem) = a
+        (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
+         lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
+         qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+         sm_scale, win_left, win_right) = d
+        dtype: gl.constexpr = q_desc.dtype
+        k_width: gl.constexpr = 32 // dtype.primitive_bitwidth
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_D, 16])
+        DQ_COLS: gl.constexpr = 64
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=k_width)
+        qk_scale = sm_scale * 1.4426950408889634
+        kc_ = k_smem.index(c)
+        vc_ = v_smem.index(c)
+        dsc = ds_smem.index(c)
+        key0 = n0 + c * HALF
+        keys = gl.expand_dims(key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)), 1)
+        qoff = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dq_rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)), 1)
+        dq_cols = gl.expand_dims(gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout)), 0)
+        s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
+        q_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+        dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
+        dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
+        mbarrier.wait(kv_bar.index(c), 0)
+        it = 0
+        for g in range(0, group):
+            h = hk * group + g
+            n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _q_tiles(
+                b, h, n0, seq_q, win_left, win_right, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
+                stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+                BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, 2 * HALF)
+            dq_base = dqa_ptr + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah
+            for t in range(0, n):
+                m0 = _tile_row(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
+                st = it % STAGES
+                ph = (it // STAGES) & 1
+                mbarrier.wait(q_ready.index(st), ph)
+                sT = warpgroup_mma(kc_, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(do_ready.index(st), ph)
+                dpT = warpgroup_mma(vc_, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sT = warpgroup_mma_wait(1, deps=[sT])
+                # P^T: scores in base 2 (score_mod in natural units), invisible entries -inf.
+                if HAS_SCORE_MOD:
+                    s_nat = sT * sm_scale
+                    s2 = SCORE_FN(s_nat, b, h, gl.expand_dims(m0 + qoff, 0), keys, st0, st1, st2, st3)
+                    s2 = s2.to(gl.float32) * 1.4426950408889634
+                else:
+                    s2 = sT * qk_scale
+                if BAND:
+                    edge = True
+                    if not BLOCK_SPARSE:
+                        tt = lo_t + t
+                        edge = (tt < flo_t) | (tt >= fhi_t)
+                    if edge:
+                        diff = gl.expand_dims(m0 + qoff, 0) - keys
+                        s2 = gl.where((diff <= win_left) & (-diff <= win_right), s2, float("-inf"))
+                if HAS_MASK_MOD:
+                    partial = True
+                    if BLOCK_SPARSE:
+                        partial = t < n_part * (SPARSE_Q // BLOCK_M)
+                    if partial:
+                        s2 = gl.where(MASK_FN(b, h, gl.expand_dims(m0 + qoff, 0), keys, mt0, mt1, mt2, mt3), s2,
+                                      float("-inf"))
+                pT = gl.exp2(s2 - gl.expand_dims(lse_smem.index(st).load(col_layout), 0))
+                dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_smem.index(st), dv, is_async=True)
+                dpT = warpgroup_mma_wait(1, deps=[dpT])  # S^T and dP^T done, dV may run
+                dsT = pT * (dpT - gl.expand_dims(dl_smem.index(st).load(col_layout), 0))
+                if HAS_SCORE_MOD:
+                    # visible: what the band and mask_mod left finite (p and ds are 0 elsewhere)
+                    vis = s2 != float("-inf")
+                    dsT = GRAD_FN(dsT, s_nat, b, h, gl.expand_dims(m0 + qoff, 0), keys, vis, st0, st1, st2, st3,
+                                  g0, g1, g2, g3).to(gl.float32)
+                    dsT = gl.where(vis, dsT, 0.0)
+                ds16 = dsT.to(dtype)
+                dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_smem.index(st), dk, is_async=True)
+                dsc.store(ds16)
+                fence_async_shared()
+                # dQ of this half's keys, DQ_COLS columns at a time (registers: dK and dV stay live)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                mbarrier.arrive(empty.index(st), count=1)
+                dq_row = dq_base + (m0 + dq_rows).to(gl.int64) * stride_as
+                for j in gl.static_range(HEAD_D // DQ_COLS):
+                    dq = warpgroup_mma(dsc.permute((1, 0)), kc_.slice(j * DQ_COLS, DQ_COLS, dim=1), q_zero,
+                                       use_acc=False, is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=[dq])
+                    _red_add_v2(dq_row + j * DQ_COLS + dq_cols, dq * sm_scale)
+                it += 1
+        return dk, dv
+
+    @gluon.jit
+    def _store_rows(ptr, stride_s, row0, x, ROWS: gl.constexpr, HEAD_D: gl.constexpr, layout: gl.constexpr):
+        rows = gl.expand_dims(row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), 1)
+        cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout)), 0)
+        gl.store(ptr + rows.to(gl.int64) * stride_s + cols, x.to(ptr.dtype.element_ty))
+
+    @gluon.jit
+    def _bwd_consumer(c: gl.constexpr, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                      st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+                      SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                      HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                      BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        dk, dv = _bwd_consume(c, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+                              SCORE_FN, GRAD_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
+                              SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES)
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_D, 16])
+        (b_, hk_, n0_, group_, seq_q_, k_row_, k_col_, q_rb_, q_rh_, q_cb_, q_ch_, g_rb_, g_rh_, g_cb_, g_ch_,
+         lse_ptr_, delta_ptr_, stride_lb_, stride_lh_, stride_ls_, dqa_ptr_, stride_ab_, stride_ah_, stride_as_,
+         qn_ptr_, qi_ptr_, fqn_ptr_, fqi_ptr_, stride_nb_, stride_nh_, stride_nm_, stride_ib_, stride_ih_,
+         stride_im_, sm_scale, win_left_, win_right_) = d
+        _store_rows(dk_ptr + dk_off, stride_dks, c * HALF, dk * sm_scale, HALF, HEAD_D, acc_layout)
+        _store_rows(dv_ptr + dv_off, stride_dvs, c * HALF, dv, HALF, HEAD_D, acc_layout)
+
+    # One entry point per consumer (the half is a compile-time constant; see _attention_hopper).
+    @gluon.jit
+    def _bwd_consumer_0(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                        st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+                        SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                        HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                        BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                        BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        _bwd_consumer(0, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                      st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
+                      HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
+                      HEAD_D, STAGES)
+
+    @gluon.jit
+    def _bwd_consumer_1(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                        st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+                        SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                        HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                        BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                        BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        _bwd_consumer(1, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                      st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
+                      HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
+                      HEAD_D, STAGES)
+
+    @gluon.jit
+    def _bwd_loader_entry(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                          st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+                          SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                          HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                          BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                          BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        _bwd_loader(a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
+                    HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D,
+                    STAGES)
+
+    @gluon.jit
+    def _hopper_bwd_kernel(
+        q_desc, k_desc, v_desc, do_desc,  # 2-D descriptors as in the Hopper forward ((64, D) tiles)
+        lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32: the forward's LSE, the preprocess kernel's delta
+        dqa_ptr,  # (B, Hq, Sq, D) fp32 zero-initialised dQ accumulator, last dim contiguous
+        dk_ptr, dv_ptr,  # (B, Hkv, Skv, D) outputs, last dim contiguous
+        seq_q, seq_kv, group, sm_scale, win_left, win_right,
+        q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch, g_rb, g_rh, g_cb, g_ch,
+        stride_lb, stride_lh, stride_ls, stride_ab, stride_ah, stride_as,
+        stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+        qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,  # per-key-block lists of query blocks (BLOCK_SPARSE)
+        stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+        st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,  # the mods' tensors, score_mod gradients
+        SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
+        HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+        BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr,
+    ):
+        HALF: gl.constexpr = BLOCK_N // 2
+        dtype: gl.constexpr = q_desc.dtype
+        n0 = gl.program_id(0) * BLOCK_N
+        hk = gl.program_id(1)
+        b = gl.program_id(2)
+        k_row = (b * k_rb + hk * k_rh) * seq_kv + n0
+        k_col = b * k_cb + hk * k_ch
+        k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], ds_layout)
+        row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+        dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(kv_bar.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release each buffer
+        a = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
+             ds_smem, lse_smem, dl_smem)
+        d = (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
+             lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
+             qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+             sm_scale, win_left, win_right)
+        dk_off = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + n0.to(gl.int64) * stride_dks
+        dv_off = b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + n0.to(gl.int64) * stride_dvs
+        if NEW_WS:
+            gl.warp_specialize([
+                (_bwd_consumer_0, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                                   st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
+                                   MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
+                                   BLOCK_M, HALF, HEAD_D, STAGES)),
+                (_bwd_consumer_1, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                                   st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
+                                   MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
+                                   BLOCK_M, HALF, HEAD_D, STAGES)),
+                (_bwd_loader_entry, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                                     st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
+                                     MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
+                                     SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize(
+                (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
+                 mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), _bwd_consumer_0,
+                (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
+                 mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), [_bwd_consumer_1, _bwd_loader_entry], [4, 1],
+                [CONSUMER_REGS, 24])
+
+def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
+                         sparse_q: int | None, sparse_kv: int | None) -> bool:
+    """Whether :func:`hopper_bwd` can run this problem (shape and feature checks; no launch)."""
+    if not AVAILABLE or varlen or dropout or torch.compiler.is_compiling():
+        return False
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.dim() != 4:
+        return False
+    d = q.shape[3]
+    if d not in (64, 128) or v.shape[3] != d:
+        return False
+    if q.shape[2] % BWD_BLOCK_M or k.shape[2] % BWD_BLOCK_N or min(q.shape[2], k.shape[2]) == 0:
+        return False
+    return sparse_q is None or (sparse_q % BWD_BLOCK_M == 0 and sparse_kv % BWD_BLOCK_N == 0)
+
+
+def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+               delta: torch.Tensor, dqa: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, sm_scale: float,
+               window: tuple[int | None, int | None], score_fn: Any, grad_fn: Any, mask_fn: Any,
+               has_score_mod: bool, has_mask_mod: bool, score_buffers: tuple[Any, ...],
+               mask_buffers: tuple[Any, ...], score_grads: tuple[Any, ...], sparse_t: tuple[Any, ...] | None,
+               sparse_q: int, sparse_kv: int) -> bool:
+    """Launch the Hopper backward: dK, dV into ``dk``, ``dv`` and dQ * scale added to the float32
+    ``dqa`` (zeros); ``delta`` from the preprocess kernel. Return whether it ran (every tensor needs
+    a descriptor view or a contiguous last dim). ``sparse_t``: the portable dK/dV kernel's 10
+    block-mask arguments (per key block), or None."""
+    views = (_view2d(q, BWD_BLOCK_M), _view2d(k, BWD_BLOCK_N // 2), _view2d(v, BWD_BLOCK_N // 2),
+             _view2d(do, BWD_BLOCK_M))
+    if any(x is None for x in views) or views[1][1:] != views[2][1:]:
+        return False
+    if dqa.stride(3) != 1 or dk.stride(3) != 1 or dv.stride(3) != 1:
+        return False
+    qv, kv, vv, gv = views
+    B, H, S, D = q.shape
+    Hk, Skv = k.shape[1], k.shape[2]
+    left, right = window
+    # the block-mask lists go to every partition, which take no None: the placeholder is never read
+    sp = sparse_t if sparse_t is not None else (lse, lse, lse, lse, 0, 0, 0, 0, 0, 0)
+    grid = (Skv // BWD_BLOCK_N, Hk, B)
+    slots = (*score_buffers, *mask_buffers, *score_grads)
+    _hopper_bwd_kernel[grid](
+        qv.desc, kv.desc, vv.desc, gv.desc, lse, delta, dqa, dk, dv,
+        S, Skv, H // Hk, float(sm_scale),
+        _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),
+        *qv[1:], *kv[1:], *gv[1:], *lse.stride(), *dqa.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3], *sp,
+        # slots a mod does not use get a placeholder pointer (partitions take no None arguments)
+        *(dqa if t is None else t for t in slots),
+        SCORE_FN=score_fn, GRAD_FN=grad_fn, MASK_FN=mask_fn, HAS_SCORE_MOD=has_score_mod,
+        HAS_MASK_MOD=has_mask_mod, BAND=left is not None or right is not None, BLOCK_SPARSE=sparse_t is not None,
+        SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
+        STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS, num_warps=4, maxnreg=168,
+    )
+    return True
