@@ -12,17 +12,18 @@ with atomics (so not bitwise deterministic: ``deterministic=True`` keeps the por
     consumer c (4 warps,   S^T = K_c Q_m^T and dP^T = V_c dO_m^T (async, both in flight);
       keys c*64..c*64+63)  P^T = 2^(S^T L - lse L) while dP^T runs; dV_c += P^T dO_m (async);
                            dS^T = P^T (dP^T - delta); dK_c += dS^T Q_m (async); dS^T to shared
-                           memory; dQ_m += dS_c K_c (async, A read transposed); release Q_m/dO_m;
-                           dQ_m * scale added to a float32 buffer with atomics
+                           memory; dQ_m += dS K (async, A read transposed); release Q_m/dO_m;
+                           dQ_m * scale added to a float32 buffer with vector reductions
 
 The transposed products keep every operand in the layout wgmma reads (K-major or MN-major 16-bit
-tiles from shared memory, P^T and dS^T from registers). Each consumer adds the dQ of its own 64 keys,
-so the two never wait for each other. The loader sets its registers down to 24, the consumers up.
+tiles from shared memory, P^T and dS^T from registers). At d = 64 each consumer adds the dQ of its
+own 64 keys (every column). The loader sets its registers down to 24, the consumers up.
 
-It runs when asked for (``attention_bwd_launch(..., dq_mode="auto", config={"HOPPER": 1})``): measured
-1.2-1.3x slower than the portable backward (one H100, B=8, S=8192, d=128 causal 39.9 against 31.4 ms;
-``docs/benchmarks/attention_hopper_h100.md``), bound by the dQ reduction (about 6.5 ms there) and by
-a loop that spills at d = 128 and waits for all its products at the end of every query tile.
+At d = 128 the two consumers split dQ by columns instead: each stores its dS^T, they meet on an
+mbarrier, and each multiplies both halves' dS^T by its 64 columns of K, so every tile pair adds
+64 x d floats once (half the traffic). The launcher runs it by default where it measured at least
+as fast as the portable kernels (d = 128 without a score_mod; one H100, B=8, S=8192, backward ms:
+causal 29.6 against 30.4, no mask 48.8 / 57.2; ``docs/benchmarks/attention_hopper_h100.md``).
 
 What it covers (``hopper_bwd_supported`` / ``hopper_bwd``; the portable kernels run otherwise): an
 sm_90 GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128}, the same descriptor-addressable views
@@ -119,12 +120,16 @@ if AVAILABLE:
         return start
 
     @gluon.jit
-    def _red_add_v2(ptrs, vals):
-        # adds pairs of neighbouring floats (a thread's consecutive accumulator elements) with one
-        # vector reduction each: red.global.add.v2.f32 (sm_90), half the requests of scalar atomics
-        gl.inline_asm_elementwise("red.global.add.v2.f32 [$2], {$4, $5}; mov.b32 $0, 0; mov.b32 $1, 0;",
-                                  "=r,=r,l,l,f,f", [ptrs.to(gl.int64, bitcast=True), vals], dtype=gl.int32,
-                                  is_pure=False, pack=2)
+    def _red_add_v2(row_ptrs, cols, vals):
+        # adds pairs of neighbouring floats (a thread's consecutive accumulator elements) to
+        # row_ptrs + cols with one vector reduction each (red.global.add.v2.f32, sm_90): half the
+        # requests of scalar atomics; each address is formed inside, so a pair costs its row's
+        # pointer (shared by the row) and one column index in registers
+        gl.inline_asm_elementwise(
+            "{ .reg .b64 ra; mad.wide.s32 ra, $4, 4, $2; red.global.add.v2.f32 [ra], {$6, $7}; "
+            "mov.b32 $0, 0; mov.b32 $1, 0; }",
+            "=r,=r,l,l,r,r,f,f", [row_ptrs.to(gl.int64, bitcast=True), cols, vals], dtype=gl.int32,
+            is_pure=False, pack=2)
 
     @gluon.jit
     def _bwd_loader(a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
@@ -133,7 +138,7 @@ if AVAILABLE:
                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-         ds_smem, lse_smem, dl_smem) = a
+         ds_smem, lse_smem, dl_smem, ds_bar) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
@@ -178,7 +183,7 @@ if AVAILABLE:
                      BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-         ds_smem, lse_smem, dl_smem) = a
+         ds_smem, lse_smem, dl_smem, ds_bar) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
@@ -189,14 +194,14 @@ if AVAILABLE:
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
-        DQ_COLS: gl.constexpr = 64
+        DQ_COLS: gl.constexpr = 64  # dQ columns per consumer: half of d = 128 (split), all of d = 64
+        DQ_SPLIT: gl.constexpr = HEAD_D == 2 * DQ_COLS
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=k_width)
         qk_scale = sm_scale * 1.4426950408889634
         kc_ = k_smem.index(c)
         vc_ = v_smem.index(c)
-        dsc = ds_smem.index(c)
         key0 = n0 + c * HALF
         keys = gl.expand_dims(key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)), 1)
         qoff = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -259,17 +264,30 @@ if AVAILABLE:
                     dsT = gl.where(vis, dsT, 0.0)
                 ds16 = dsT.to(dtype)
                 dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_smem.index(st), dk, is_async=True)
-                dsc.store(ds16)
+                # dS^T to shared memory (double-buffered by tile parity), read transposed for dQ
+                buf = it % 2
+                ds_smem.index(buf * 2 + c).store(ds16)
                 fence_async_shared()
-                # dQ of this half's keys, DQ_COLS columns at a time (registers: dK and dV stay live)
-                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-                mbarrier.arrive(empty.index(st), count=1)
                 dq_row = dq_base + (m0 + dq_rows).to(gl.int64) * stride_as
-                for j in gl.static_range(HEAD_D // DQ_COLS):
-                    dq = warpgroup_mma(dsc.permute((1, 0)), kc_.slice(j * DQ_COLS, DQ_COLS, dim=1), q_zero,
+                if DQ_SPLIT:
+                    # this consumer's dQ columns over all 128 keys: both halves' dS^T, once both are in
+                    _thread_barrier()
+                    mbarrier.arrive(ds_bar.index(buf), count=1)
+                    mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
+                    dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
+                                       k_smem.index(0).slice(c * DQ_COLS, DQ_COLS, dim=1), q_zero,
                                        use_acc=False, is_async=True)
-                    dq = warpgroup_mma_wait(0, deps=[dq])
-                    _red_add_v2(dq_row + j * DQ_COLS + dq_cols, dq * sm_scale)
+                    dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                                       k_smem.index(1).slice(c * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
+                    dq_col = c * DQ_COLS + dq_cols
+                else:
+                    # d = 64: this half's keys, every column (the two halves' sums meet in the buffer)
+                    dq = warpgroup_mma(ds_smem.index(buf * 2 + c).permute((1, 0)), kc_, q_zero, use_acc=False,
+                                       is_async=True)
+                    dq_col = dq_cols
+                dq, dv, dk = warpgroup_mma_wait(0, deps=[dq, dv, dk])
+                mbarrier.arrive(empty.index(st), count=1)
+                _red_add_v2(dq_row, dq_col, dq * sm_scale)
                 it += 1
         return dk, dv
 
@@ -365,7 +383,8 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], ds_layout)  # [tile parity * 2 + half]
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
         dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
@@ -375,12 +394,13 @@ if AVAILABLE:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(kv_bar.index(i), count=1)
+            mbarrier.init(ds_bar.index(i), count=2)  # both halves' dS^T stored
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release each buffer
         a = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-             ds_smem, lse_smem, dl_smem)
+             ds_smem, lse_smem, dl_smem, ds_bar)
         d = (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
              lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
              qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
@@ -413,8 +433,11 @@ if AVAILABLE:
                 [CONSUMER_REGS, 24])
 
 def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
-                         sparse_q: int | None, sparse_kv: int | None) -> bool:
-    """Whether :func:`hopper_bwd` can run this problem (shape and feature checks; no launch)."""
+                         sparse_q: int | None, sparse_kv: int | None, score_mod: bool = False,
+                         measured: bool = True) -> bool:
+    """Whether :func:`hopper_bwd` can run this problem (shape and feature checks; no launch), and
+    with ``measured`` whether it should (it measured faster or as fast as the portable kernels:
+    d = 128 without a score_mod)."""
     if not AVAILABLE or varlen or dropout or torch.compiler.is_compiling():
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -426,7 +449,12 @@ def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
         return False
     if q.shape[2] % BWD_BLOCK_M or k.shape[2] % BWD_BLOCK_N or min(q.shape[2], k.shape[2]) == 0:
         return False
-    return sparse_q is None or (sparse_q % BWD_BLOCK_M == 0 and sparse_kv % BWD_BLOCK_N == 0)
+    if sparse_q is not None and (sparse_q % BWD_BLOCK_M or sparse_kv % BWD_BLOCK_N):
+        return False
+    # One H100, B=8, S=8192, backward ms against the portable kernels: d = 128 causal 29.6 / 30.4, no
+    # mask 48.8 / 57.2, document 6.70 / 6.64, window 1024 10.05 / 10.02; slower: ALiBi 34.6 / 32.9,
+    # d = 64 causal 41.1 / 34.8 (there each consumer adds its own dQ, twice the reduction)
+    return not measured or (d == 128 and not score_mod)
 
 
 def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,

@@ -1638,13 +1638,14 @@ def attention_bwd_launch(
             per-key-block lists (dK/dV kernel).
         dq_mode: "separate" (deterministic dQ kernel), "atomic" (dQ accumulated by the dK/dV
             kernel with fp32 atomics) or "auto" (need not be deterministic: the Hopper backward of
-            ``_attention_hopper_bwd`` where config HOPPER asks for it and it applies, else
+            ``_attention_hopper_bwd`` where config HOPPER lets it run, else
             :func:`resolve_dq_mode`'s choice).
         config: overrides of the *1 (dK/dV kernel) and *2 (dQ kernel) BLOCK_M, BLOCK_N, num_warps,
             num_stages and TMA (1: the dK/dV kernel's Q and dO tiles, the dQ kernel's K and V tiles
-            through tensor descriptors where the layout allows it), and HOPPER (1: the Hopper
-            backward where it applies and ``dq_mode`` is "auto"; 0, the default, or any override of
-            the other keys: this module's kernels).
+            through tensor descriptors where the layout allows it), and HOPPER (with ``dq_mode``
+            "auto": 1, the default on a GPU, the Hopper backward where it applies and measured
+            faster; 2 wherever it applies; 0, or any override of the other keys: this module's
+            kernels).
         Other arguments: as in :func:`attention_fwd_launch`.
     """
     name = "attention_bwd_launch"
@@ -1656,11 +1657,11 @@ def attention_bwd_launch(
     auto = dq_mode == "auto"
     masked = window != (None, None) or has_mask_mod or block_sparsity is not None
     dq_mode = resolve_dq_mode(dq_mode, masked=masked, head_dim=max(prob.d, prob.dv))
-    # HOPPER: 1 runs kernels/_attention_hopper_bwd.py where it applies; off by default, measured slower
-    # than these kernels (one H100, B=8, S=8192, d=128, backward ms: causal 40.0 against 30.6, none
-    # 75.7 / 57.7, ALiBi 42.0 / 33.3, document mask 8.5 / 6.6; docs/kernels/attention.md)
+    # HOPPER: 1 (default on a GPU) runs kernels/_attention_hopper_bwd.py where it applies and measured
+    # faster (hopper_bwd_supported), 2 wherever it applies; 0, or a config that sets any of the portable
+    # kernels' own keys, keeps those kernels
     cfg = merge_config({**_bwd_config(prob.d, prob.dv, q.dtype, interp, atomic=dq_mode == "atomic",
-                                      varlen=prob.varlen, mask_mod=has_mask_mod), "HOPPER": 0},
+                                      varlen=prob.varlen, mask_mod=has_mask_mod), "HOPPER": int(not interp)},
                        config, name="attention_bwd")
     bs, bst = block_sparsity, block_sparsity_t
     if (bs is None) != (bst is None):
@@ -1708,7 +1709,7 @@ def attention_bwd_launch(
     )
     # Step 2 (Hopper): dK, dV and dQ in one warp-specialised kernel, where it applies.
     if auto and cfg["HOPPER"] and not set(config or ()) - {"HOPPER"} and _hopper_bwd(
-            kernels, do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window,
+            kernels, do, q, k, v, lse, delta, dq, dk, dv, force=cfg["HOPPER"] == 2, sm_scale=sm_scale, window=window,
             has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, sm=sm, mm=mm, gs=gs, bst=bst,
             dropout=dropout_p > 0.0, varlen=prob.varlen):
         return
@@ -1757,7 +1758,7 @@ def resolve_dq_mode(dq_mode: str, *, masked: bool, head_dim: int) -> str:
 
 def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-                sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool, has_mask_mod: bool,
+                force: bool, sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool, has_mask_mod: bool,
                 sm: tuple[Any, ...], mm: tuple[Any, ...], gs: tuple[Any, ...], bst: BlockSparsity | None,
                 dropout: bool, varlen: bool) -> bool:
     # The Hopper backward takes the mods as arguments: a mod in use whose function ``kernels`` does
@@ -1767,7 +1768,8 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
            kernels.mask_mod if has_mask_mod else _all_visible)
     if None in fns or not hopper_bwd_supported(q, k, v, varlen=varlen, dropout=dropout,
                                                sparse_q=bst.block_q if bst else None,
-                                               sparse_kv=bst.block_kv if bst else None):
+                                               sparse_kv=bst.block_kv if bst else None,
+                                               score_mod=has_score_mod, measured=not force):
         return False
     dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
     if not hopper_bwd(do, q, k, v, lse, delta, dqa, dk, dv, sm_scale=sm_scale, window=window, score_fn=fns[0],

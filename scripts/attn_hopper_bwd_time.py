@@ -1,5 +1,5 @@
-"""Time the Hopper attention backward (``kernels/_attention_hopper_bwd.py``, launch config HOPPER=1)
-against the portable backward kernels and cuDNN SDPA on one GPU: B=8, H=4096/d, S=8192, bf16, ms as
+"""Time the Hopper attention backward (``kernels/_attention_hopper_bwd.py``, forced wherever it applies
+with launch config HOPPER=2) against the portable backward kernels and cuDNN SDPA on one GPU: B=8, H=4096/d, S=8192, bf16, ms as
 the median of five CUDA-event timings. Writes ``$OUT/attention_hopper_bwd.json`` (or ./).
 
     python scripts/attn_hopper_bwd_time.py [causal128 none128 causal64 alibi128 document128 window128]
@@ -50,7 +50,7 @@ def main(pick: list[str]) -> dict:
             mm = A.and_masks(A.causal_mask(), A.document_mask(docs))
             kw.update(mask_mod=mm, block_mask=A.create_block_mask(mm, None, None, S, S, block_size=128))
         row = {}
-        for name, extra in (("hopper", dict(dq_mode="auto", bwd_config={"HOPPER": 1})),
+        for name, extra in (("hopper", dict(dq_mode="auto", bwd_config={"HOPPER": 2})),
                             ("portable", dict(dq_mode="separate"))):
             out, _ = A._attention_triton(q, k, v, **kw, **extra)
             row[name] = _median_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))

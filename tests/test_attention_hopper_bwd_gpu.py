@@ -1,9 +1,9 @@
 """GPU tests of the warp-specialised Hopper attention backward (``kernels/_attention_hopper_bwd.py``).
 
-On an sm_90 GPU the Triton backend's backward runs this kernel where it applies when the launch config
-asks for it (``bwd_config={"HOPPER": 1}``; off by default, measured slower) and the call need not be
-deterministic (``dq_mode="auto"``, the public op's default); ``dq_mode="separate"`` runs the portable
-kernels. Each case checks that the Hopper backward really ran (or really did not), and
+On an sm_90 GPU the Triton backend's backward runs this kernel where it applies and measured faster
+(d = 128 without a score_mod) when the call need not be deterministic (``dq_mode="auto"``, the public
+op's default); ``dq_mode="separate"`` runs the portable kernels. These cases force it wherever it
+applies (``bwd_config={"HOPPER": 2}``) to test every path. Each case checks that the Hopper backward really ran (or really did not), and
 that dq, dk, dv (and a learnable score_mod table's gradient) are as close to the FP32 reference as
 the portable kernels' (DESIGN.md §5: error(Hopper) <= 2 x error(portable) + slack). Covers head dims
 64/128, bf16/fp16, causal, windows, no mask, GQA/MQA, cross-attention, the three layouts (a fused
@@ -105,7 +105,7 @@ def _run(base, layout, opts, dq_mode, table):
     seed = torch.tensor([1234], device=DEV) if p else None
     out, lse = A._attention_triton(q, k, v, scale=q4.shape[-1] ** -0.5, layout=layout, cu_q=None, cu_kv=None,
                                    max_q=None, max_kv=None, dropout_p=p, seed=seed, dq_mode=dq_mode,
-                                   bwd_config={"HOPPER": 1}, **kw)
+                                   bwd_config={"HOPPER": 2}, **kw)
     g = torch.Generator(device=DEV).manual_seed(11)
     dout = torch.randn(out.shape, generator=g, device=DEV)
     dlse = torch.randn(lse.shape, generator=g, device=DEV) * 0.1
@@ -151,21 +151,24 @@ def test_hopper_backward_against_the_reference_and_the_portable_kernels(case, mo
         assert_close_rule(a, e, p, k=2.0, atol=slack, name=f"{name} {what}")
 
 
-def test_default_and_deterministic_calls_keep_the_portable_backward(monkeypatch):
-    q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 4, 512, 512, 128))
+def test_routing_of_default_and_deterministic_calls(monkeypatch):
     ran = []
     real = K.hopper_bwd
     monkeypatch.setattr(K, "hopper_bwd", lambda *a, **kw: ran.append(real(*a, **kw)) or ran[-1])
-    out = A.attention(q, k, v, causal=True, deterministic=True, backend="triton")[0]
-    out.float().sum().backward()
-    out = A.attention(q, k, v, causal=True, backend="triton")[0]  # HOPPER off by default
-    out.float().sum().backward()
-    assert not ran
-    # asked for, but deterministic: the portable kernels
+    for d, det, score_mod, expected in ((128, False, None, [True]), (128, True, None, []),
+                                        (128, False, "alibi", []), (64, False, None, [])):
+        q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 4, 512, 512, d))
+        sm = A.alibi(4) if score_mod else None
+        out = A.attention(q, k, v, causal=True, deterministic=det, score_mod=sm, backend="triton")[0]
+        out.float().sum().backward()
+        assert ran == expected, (d, det, score_mod, ran)
+        ran.clear()
+    # forced (HOPPER=2) but deterministic: the portable kernels
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 4, 512, 512, 64))
     left, right = R.normalize_window(None, True)
-    args = dict(score_mod=None, mask_mod=None, block_mask=None, scale=128**-0.5, left=left, right=right,
+    args = dict(score_mod=None, mask_mod=None, block_mask=None, scale=64**-0.5, left=left, right=right,
                 layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None, dropout_p=0.0, seed=None,
-                bwd_config={"HOPPER": 1})
+                bwd_config={"HOPPER": 2})
     out, _ = A._attention_triton(q, k, v, dq_mode="separate", **args)
     out.float().sum().backward()
     assert not ran

@@ -140,10 +140,11 @@ def attention(
         dropout_seed: int or 1-element integer tensor; None draws one from torch's generator. The
             mask is a hash of (seed, b, h, i, j): the same seed gives the same mask everywhere.
         deterministic: on CUDA, compute dQ in its own kernel so that gradients are bitwise
-            reproducible. That is the default up to head dim 128 (the faster scheme there, masked
-            or not); above it a masked attention (causal, window, ``mask_mod`` or ``block_mask``)
-            accumulates dQ with float32 atomics inside the dK/dV kernel unless ``deterministic``
-            is True (docs/benchmarks/attention_s8192.md).
+            reproducible. Otherwise dQ is summed with float32 atomics where that measured faster:
+            on an sm_90 GPU at head dim 128 without a ``score_mod`` (one Hopper backward kernel,
+            docs/kernels/attention.md), and above head dim 128 for a masked attention (causal,
+            window, ``mask_mod`` or ``block_mask``; docs/benchmarks/attention_s8192.md); dQ has its
+            own kernel everywhere else.
         backend: ``"triton"`` (fp8ops's fused kernels), ``"sdpa"`` (PyTorch's
             ``scaled_dot_product_attention``, cuDNN first, then flash) or ``"auto"``: on CUDA, SDPA
             for the cases it covers — dense bf16/fp16 inputs without ``score_mod``, ``mask_mod``,
@@ -425,9 +426,9 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, dropou
 
 def _dq_mode(deterministic: bool) -> str:
     """The dQ scheme of the backward: "separate" (a dQ kernel of its own, bitwise deterministic)
-    when asked to be deterministic, else "auto": the portable kernels with
-    ``kernels.attention.resolve_dq_mode``'s scheme, or the Hopper backward (dQ with float32
-    atomics in the dK/dV kernel) where a launch config asks for it."""
+    when asked to be deterministic, else "auto": the launcher runs the Hopper backward (dQ with
+    float32 atomics in the dK/dV kernel) where it applies and measured faster, else the portable
+    kernels with ``kernels.attention.resolve_dq_mode``'s scheme."""
     return "separate" if deterministic else "auto"
 
 
