@@ -16,14 +16,13 @@ with atomics (so not bitwise deterministic: ``deterministic=True`` keeps the por
                            dQ_m * scale added to a float32 buffer with vector reductions
 
 The transposed products keep every operand in the layout wgmma reads (K-major or MN-major 16-bit
-tiles from shared memory, P^T and dS^T from registers). At d = 64 each consumer adds the dQ of its
-own 64 keys (every column). The loader sets its registers down to 24, the consumers up.
-
-At d = 128 the two consumers split dQ by columns instead: each stores its dS^T, they meet on an
-mbarrier, and each multiplies both halves' dS^T by its 64 columns of K, so every tile pair adds
-64 x d floats once (half the traffic). The launcher runs it by default where it measured at least
-as fast as the portable kernels (d = 128 without a score_mod; one H100, B=8, S=8192, backward ms:
-causal 29.6 against 30.4, no mask 48.8 / 57.2; ``docs/benchmarks/attention_hopper_h100.md``).
+tiles from shared memory, P^T and dS^T from registers). The two consumers split dQ by columns: each
+stores its dS^T, they meet on an mbarrier, and each multiplies both halves' dS^T by its d / 2
+columns of K, so every tile pair adds 64 x d floats once (half the traffic of each consumer adding
+the dQ of its own keys, which measured 35 % slower at d = 128). The loader sets its registers down
+to 24, the consumers up. The launcher runs it by default where it measured at least as fast as the
+portable kernels (``hopper_bwd_supported``; one H100, B=8, S=8192, backward ms: d = 128 causal 29.6
+against 30.4, no mask 48.8 / 57.2, d = 64 causal 32.2 / 33.8; ``docs/benchmarks/attention_hopper_h100.md``).
 
 What it covers (``hopper_bwd_supported`` / ``hopper_bwd``; the portable kernels run otherwise): an
 sm_90 GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128}, the same descriptor-addressable views
@@ -194,8 +193,7 @@ if AVAILABLE:
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
-        DQ_COLS: gl.constexpr = 64  # dQ columns per consumer: half of d = 128 (split), all of d = 64
-        DQ_SPLIT: gl.constexpr = HEAD_D == 2 * DQ_COLS
+        DQ_COLS: gl.constexpr = HEAD_D // 2  # each consumer's dQ columns
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=k_width)
@@ -269,25 +267,18 @@ if AVAILABLE:
                 ds_smem.index(buf * 2 + c).store(ds16)
                 fence_async_shared()
                 dq_row = dq_base + (m0 + dq_rows).to(gl.int64) * stride_as
-                if DQ_SPLIT:
-                    # this consumer's dQ columns over all 128 keys: both halves' dS^T, once both are in
-                    _thread_barrier()
-                    mbarrier.arrive(ds_bar.index(buf), count=1)
-                    mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
-                    dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
-                                       k_smem.index(0).slice(c * DQ_COLS, DQ_COLS, dim=1), q_zero,
-                                       use_acc=False, is_async=True)
-                    dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
-                                       k_smem.index(1).slice(c * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
-                    dq_col = c * DQ_COLS + dq_cols
-                else:
-                    # d = 64: this half's keys, every column (the two halves' sums meet in the buffer)
-                    dq = warpgroup_mma(ds_smem.index(buf * 2 + c).permute((1, 0)), kc_, q_zero, use_acc=False,
-                                       is_async=True)
-                    dq_col = dq_cols
+                # this consumer's dQ columns over all 128 keys: both halves' dS^T, once both are in
+                _thread_barrier()
+                mbarrier.arrive(ds_bar.index(buf), count=1)
+                mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
+                dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
+                                   k_smem.index(0).slice(c * DQ_COLS, DQ_COLS, dim=1), q_zero,
+                                   use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                                   k_smem.index(1).slice(c * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
                 dq, dv, dk = warpgroup_mma_wait(0, deps=[dq, dv, dk])
                 mbarrier.arrive(empty.index(st), count=1)
-                _red_add_v2(dq_row, dq_col, dq * sm_scale)
+                _red_add_v2(dq_row, c * DQ_COLS + dq_cols, dq * sm_scale)
                 it += 1
         return dk, dv
 
@@ -434,10 +425,10 @@ if AVAILABLE:
 
 def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
                          sparse_q: int | None, sparse_kv: int | None, score_mod: bool = False,
-                         measured: bool = True) -> bool:
+                         mask_mod: bool = False, measured: bool = True) -> bool:
     """Whether :func:`hopper_bwd` can run this problem (shape and feature checks; no launch), and
     with ``measured`` whether it should (it measured faster or as fast as the portable kernels:
-    d = 128 without a score_mod)."""
+    no score_mod, and at d = 64 no mask_mod or block mask either)."""
     if not AVAILABLE or varlen or dropout or torch.compiler.is_compiling():
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -452,9 +443,11 @@ def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
     if sparse_q is not None and (sparse_q % BWD_BLOCK_M or sparse_kv % BWD_BLOCK_N):
         return False
     # One H100, B=8, S=8192, backward ms against the portable kernels: d = 128 causal 29.6 / 30.4, no
-    # mask 48.8 / 57.2, document 6.70 / 6.64, window 1024 10.05 / 10.02; slower: ALiBi 34.6 / 32.9,
-    # d = 64 causal 41.1 / 34.8 (there each consumer adds its own dQ, twice the reduction)
-    return not measured or (d == 128 and not score_mod)
+    # mask 48.8 / 57.2, document 6.70 / 6.64, window 1024 10.05 / 10.02, ALiBi slower 34.6 / 32.9;
+    # d = 64 causal 32.2 / 33.8 (mods and block masks not measured there: kept on the portable kernels)
+    if not measured:
+        return True
+    return not score_mod and (d == 128 or not (mask_mod or sparse_q is not None))
 
 
 def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,

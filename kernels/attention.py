@@ -1769,7 +1769,8 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
     if None in fns or not hopper_bwd_supported(q, k, v, varlen=varlen, dropout=dropout,
                                                sparse_q=bst.block_q if bst else None,
                                                sparse_kv=bst.block_kv if bst else None,
-                                               score_mod=has_score_mod, measured=not force):
+                                               score_mod=has_score_mod, mask_mod=has_mask_mod,
+                                               measured=not force):
         return False
     dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
     if not hopper_bwd(do, q, k, v, lse, delta, dqa, dk, dv, sm_scale=sm_scale, window=window, score_fn=fns[0],

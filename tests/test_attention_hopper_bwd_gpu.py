@@ -1,7 +1,7 @@
 """GPU tests of the warp-specialised Hopper attention backward (``kernels/_attention_hopper_bwd.py``).
 
 On an sm_90 GPU the Triton backend's backward runs this kernel where it applies and measured faster
-(d = 128 without a score_mod) when the call need not be deterministic (``dq_mode="auto"``, the public
+(no score_mod; at d = 64 no mask_mod or block mask either) when the call need not be deterministic (``dq_mode="auto"``, the public
 op's default); ``dq_mode="separate"`` runs the portable kernels. These cases force it wherever it
 applies (``bwd_config={"HOPPER": 2}``) to test every path. Each case checks that the Hopper backward really ran (or really did not), and
 that dq, dk, dv (and a learnable score_mod table's gradient) are as close to the FP32 reference as
@@ -156,7 +156,7 @@ def test_routing_of_default_and_deterministic_calls(monkeypatch):
     real = K.hopper_bwd
     monkeypatch.setattr(K, "hopper_bwd", lambda *a, **kw: ran.append(real(*a, **kw)) or ran[-1])
     for d, det, score_mod, expected in ((128, False, None, [True]), (128, True, None, []),
-                                        (128, False, "alibi", []), (64, False, None, [])):
+                                        (128, False, "alibi", []), (64, False, None, [True])):
         q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 4, 512, 512, d))
         sm = A.alibi(4) if score_mod else None
         out = A.attention(q, k, v, causal=True, deterministic=det, score_mod=sm, backend="triton")[0]

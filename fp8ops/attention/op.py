@@ -141,8 +141,8 @@ def attention(
             mask is a hash of (seed, b, h, i, j): the same seed gives the same mask everywhere.
         deterministic: on CUDA, compute dQ in its own kernel so that gradients are bitwise
             reproducible. Otherwise dQ is summed with float32 atomics where that measured faster:
-            on an sm_90 GPU at head dim 128 without a ``score_mod`` (one Hopper backward kernel,
-            docs/kernels/attention.md), and above head dim 128 for a masked attention (causal,
+            on an sm_90 GPU at head dims 64 and 128 without a ``score_mod`` (one Hopper backward
+            kernel, docs/kernels/attention.md), and above head dim 128 for a masked attention (causal,
             window, ``mask_mod`` or ``block_mask``; docs/benchmarks/attention_s8192.md); dQ has its
             own kernel everywhere else.
         backend: ``"triton"`` (fp8ops's fused kernels), ``"sdpa"`` (PyTorch's
