@@ -862,3 +862,20 @@ def test_the_static_configuration_string_is_its_repr_and_parses_back():
     assert text == repr(tuple(st)) and G._static_str(st._replace()) is text  # one string per configuration
     assert G._parse_static(text) == st
     assert G._static_str(st._replace(scale=0.25)) != text
+
+
+def test_seeded_attention_inputs_of_the_testing_helpers():
+    from fp8ops.testing import attention_inputs as inputs
+
+    q, k, v = inputs.qkv(2, 4, 2, 8, 16, 32, layout="bshd", seed=3, device="cpu")
+    assert q.shape == (2, 8, 4, 32) and k.shape == v.shape == (2, 16, 2, 32) and q.dtype == torch.bfloat16
+    again = inputs.qkv(2, 4, 2, 8, 16, 32, layout="bshd", seed=3, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), again))
+    assert not torch.equal(q[..., :16].float(), k[:, :8, :2, :16].float())  # three seeds, three tensors
+    f = inputs.fused_qkv(6, 2, 3, 16, 0, device="cpu")
+    assert f[0].shape == (6, 2, 3, 16) and f[0].data_ptr() + 3 * 16 * 2 == f[1].data_ptr()
+    mm = inputs.docs_mask(10, device="cpu")  # five documents of 2 rows, causal inside each
+    z = torch.zeros(1, 1, 10, 8)
+    out, _ = A.attention(z, z, torch.eye(10).view(1, 1, 10, 10), mask_mod=mm)  # uniform over visible keys
+    assert torch.allclose(out[0, 0, 3], torch.tensor([0, 0, 0.5, 0.5, 0, 0, 0, 0, 0, 0.0]))
+    assert torch.allclose(out[0, 0, 4], torch.eye(10)[4])

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fp8ops.testing import assert_close_rule
+from fp8ops.testing import attention_inputs as inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,26 +35,17 @@ DEV = "cuda"
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
-def _rand(shape, dtype, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(shape, generator=g, device=DEV).to(dtype)
+def _qkv(*args, **kwargs):
+    return inputs.qkv(*args, device=DEV, **kwargs)
 
 
-def _qkv(B, Hq, Hkv, Sq, Skv, D, dtype=BF16, layout="bhsd", seed=0):
-    shape = {"bhsd": lambda h, s: (B, h, s, D), "bshd": lambda h, s: (B, s, h, D),
-             "sbhd": lambda h, s: (s, B, h, D)}[layout]
-    return [_rand(shape(Hq, Sq), dtype, seed), _rand(shape(Hkv, Skv), dtype, seed + 1),
-            _rand(shape(Hkv, Skv), dtype, seed + 2)]
-
-
-def _fused_qkv(S, B, Hh, D, seed):
-    x = _rand((S, B, 3, Hh, D), BF16, seed)  # q, k, v: strided (S, B, H, D) slices of one tensor
-    return [x[:, :, 0], x[:, :, 1], x[:, :, 2]]
+def _fused_qkv(*args):
+    return inputs.fused_qkv(*args, device=DEV)
 
 
 def _docs(S):
-    docs = (torch.arange(S, device=DEV) * 5) // S
-    return A.and_masks(A.causal_mask(), A.document_mask(docs))
+    return inputs.docs_mask(S, device=DEV)
+
 
 
 CASES = [
