@@ -20,7 +20,7 @@ Peers, in the same run for every case: ``F.scaled_dot_product_attention`` restri
 and to the flash backend (``none`` and ``causal`` only: SDPA cannot express the other variants
 without a dense bias), and ``torch.compile(flex_attention)`` with the same mods (causal variants get
 a block mask). Block masks are built once per case, outside the timing. fp8ops is also timed with
-``deterministic=True`` (the separate dQ kernel; not for ``none``, which uses that kernel anyway),
+``deterministic=True`` (the portable kernels with the separate dQ kernel),
 and as ``fp8ops (portable fwd)``: the forward through the portable Triton kernel instead of the
 warp-specialised Hopper kernel that runs by default on sm_90 (launch config ``HOPPER=0``; the same
 backward; ``--no-portable`` skips it), its output checked against the default's.
@@ -187,12 +187,6 @@ def _fp8ops_fn(variant: str, S: int, H: int, docs: torch.Tensor | None, dq_mode:
             bwd_config=bwd_config)[0]
 
     return fused
-
-
-def _public_dq_mode(variant: str, head_dim: int) -> str:
-    """The dQ scheme the public op picks for a variant (every variant but "none" is masked)."""
-    op = importlib.import_module("fp8ops.attention.op")
-    return op._dq_mode(False, masked=variant != "none", head_dim=head_dim)
 
 
 def _sdpa_fn(variant: str, backend: str, gqa: bool) -> Any:
@@ -423,10 +417,9 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
                 docs = _documents(S, seed=S) if variant == "document" else None
                 vis = _visible_fraction(variant, S, docs)
                 makers: dict[str, Any] = {"fp8ops": lambda: _fp8ops_fn(variant, S, H, docs)}
-                if variant != "none":  # unmasked attention uses the separate dQ kernel already
-                    makers["fp8ops (deterministic)"] = lambda: _fp8ops_fn(variant, S, H, docs, dq_mode="separate")
+                makers["fp8ops (deterministic)"] = lambda: _fp8ops_fn(variant, S, H, docs, dq_mode="separate")
                 makers["fp8ops (portable fwd)"] = lambda: _fp8ops_fn(
-                    variant, S, H, docs, dq_mode=_public_dq_mode(variant, D), fwd_config=PORTABLE_FWD_CONFIG)
+                    variant, S, H, docs, dq_mode="auto", fwd_config=PORTABLE_FWD_CONFIG)
                 if variant in SDPA_VARIANTS:
                     makers["SDPA cuDNN"] = lambda: _sdpa_fn(variant, "cudnn", gqa)
                     makers["SDPA flash"] = lambda: _sdpa_fn(variant, "flash", gqa)
