@@ -1758,7 +1758,8 @@ def resolve_dq_mode(dq_mode: str, *, masked: bool, head_dim: int) -> str:
 
 def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-                force: bool, sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool, has_mask_mod: bool,
+                force: bool, sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool,
+                has_mask_mod: bool,
                 sm: tuple[Any, ...], mm: tuple[Any, ...], gs: tuple[Any, ...], bst: BlockSparsity | None,
                 dropout: bool, varlen: bool) -> bool:
     # The Hopper backward takes the mods as arguments: a mod in use whose function ``kernels`` does

@@ -1,6 +1,6 @@
 """Time the Hopper attention backward (``kernels/_attention_hopper_bwd.py``, forced wherever it applies
-with launch config HOPPER=2) against the portable backward kernels and cuDNN SDPA on one GPU: B=8, H=4096/d, S=8192, bf16, ms as
-the median of five CUDA-event timings. Writes ``$OUT/attention_hopper_bwd.json`` (or ./).
+with launch config HOPPER=2) against the portable backward kernels and cuDNN SDPA on one GPU: B=8,
+H=4096/d, S=8192, bf16, ms as the median of five CUDA-event timings. Writes ``$OUT/attention_hopper_bwd.json`` (or ./).
 
     python scripts/attn_hopper_bwd_time.py [causal128 none128 causal64 alibi128 document128 window128]
 """

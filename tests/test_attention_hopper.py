@@ -40,7 +40,8 @@ def compiled():
     turns on when there is no GPU, and which turns every ``@triton.jit`` into an interpreted one)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     helper = os.path.join(os.path.dirname(__file__), "_sm90_compile.py")
-    run = subprocess.run([sys.executable, helper, *VARIANTS, *BWD_VARIANTS], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, helper, *VARIANTS, *BWD_VARIANTS], capture_output=True, text=True, env=env,
+                         timeout=600)
     if run.returncode == 3:  # pragma: no cover - a Triton that cannot compile Gluon offline
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-3000:]

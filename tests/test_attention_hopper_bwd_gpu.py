@@ -1,15 +1,16 @@
 """GPU tests of the warp-specialised Hopper attention backward (``kernels/_attention_hopper_bwd.py``).
 
 On an sm_90 GPU the Triton backend's backward runs this kernel where it applies and measured faster
-(no score_mod; at d = 64 no mask_mod or block mask either) when the call need not be deterministic (``dq_mode="auto"``, the public
-op's default); ``dq_mode="separate"`` runs the portable kernels. These cases force it wherever it
-applies (``bwd_config={"HOPPER": 2}``) to test every path. Each case checks that the Hopper backward really ran (or really did not), and
-that dq, dk, dv (and a learnable score_mod table's gradient) are as close to the FP32 reference as
-the portable kernels' (DESIGN.md §5: error(Hopper) <= 2 x error(portable) + slack). Covers head dims
-64/128, bf16/fp16, causal, windows, no mask, GQA/MQA, cross-attention, the three layouts (a fused
-QKV projection's strided slices included), score_mods with and without captured-tensor gradients,
-a mask_mod on every tile, block masks, rows that see no key, and the problems that stay on the
-portable kernels (odd lengths, head dim 256, dropout).
+(no score_mod; at d = 64 no mask_mod or block mask either) when the call need not be deterministic
+(``dq_mode="auto"``, the public op's default); ``dq_mode="separate"`` runs the portable kernels. These
+cases force it wherever it applies (``bwd_config={"HOPPER": 2}``) to test every path. Each case checks
+that the Hopper backward really ran (or really did not), and that dq, dk, dv (and a learnable
+score_mod table's gradient) are as close to the FP32 reference as the portable kernels' (DESIGN.md §5:
+error(Hopper) <= 2 x error(portable) + slack). Covers head dims 64/128, bf16/fp16, causal, windows, no
+mask, GQA/MQA, cross-attention, the three layouts (a fused QKV projection's strided slices included),
+score_mods with and without captured-tensor gradients, a mask_mod on every tile, block masks, rows
+that see no key, and the problems that stay on the portable kernels (odd lengths, keys not in whole
+tiles, head dim 256, dropout), and the routing of default, deterministic and score_mod calls.
 """
 
 from __future__ import annotations
