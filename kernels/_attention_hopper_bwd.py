@@ -53,7 +53,7 @@ if AVAILABLE:
         warpgroup_mma_wait,
     )
 
-    from ._attention_hopper import _NEW_WS, _tma_load
+    from ._attention_hopper import _NEW_WS, _tile_start, _tma_load
 
     # a barrier of the calling partition's warps (renamed after Triton 3.6)
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -75,7 +75,8 @@ if AVAILABLE:
                  SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         # The query tiles that see keys [n0, n0 + BLOCK_N) for head (b, h): (n, lo_t, flo_t, fhi_t,
         # n_part, part_ptr, full_ptr); dense tiles run lo_t .. lo_t + n - 1, the ones outside
-        # [flo_t, fhi_t) on the band's edges; block-sparse ones walk the partial list, then the full.
+        # [flo_t, fhi_t) on the band's edges; block-sparse ones walk the partial list, then the full
+        # (_tile_start gives tile t's first row).
         zero = seq_q * 0
         n_part = zero
         part_ptr = qi_ptr
@@ -103,22 +104,6 @@ if AVAILABLE:
         return n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr
 
     @gluon.jit
-    def _tile_row(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
-                  BLOCK_M: gl.constexpr):
-        # First query row of tile t (see _q_tiles).
-        if BLOCK_SPARSE:
-            per: gl.constexpr = SPARSE_Q // BLOCK_M
-            n_part_t = n_part * per
-            if t < n_part_t:
-                start = gl.load(part_ptr + t // per) * SPARSE_Q + (t % per) * BLOCK_M
-            else:
-                j = t - n_part_t
-                start = gl.load(full_ptr + j // per) * SPARSE_Q + (j % per) * BLOCK_M
-        else:
-            start = (lo_t + t) * BLOCK_M
-        return start
-
-    @gluon.jit
     def _red_add_v2(row_ptrs, cols, vals):
         # adds pairs of neighbouring floats (a thread's consecutive accumulator elements) to
         # row_ptrs + cols with one vector reduction each (red.global.add.v2.f32, sm_90): half the
@@ -131,7 +116,8 @@ if AVAILABLE:
             is_pure=False, pack=2)
 
     @gluon.jit
-    def _bwd_loader(a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+    def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                     SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
                     HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
@@ -160,7 +146,7 @@ if AVAILABLE:
             g_col = b * g_cb + h * g_ch
             l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
             for t in range(0, n):
-                m0 = _tile_row(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
+                m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                 st = it % STAGES
                 mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a new barrier passes parity 1
                 # lse (base 2) and delta of the tile's rows, stored by the whole warp before the
@@ -220,7 +206,7 @@ if AVAILABLE:
                 BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, 2 * HALF)
             dq_base = dqa_ptr + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah
             for t in range(0, n):
-                m0 = _tile_row(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
+                m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                 st = it % STAGES
                 ph = (it // STAGES) & 1
                 mbarrier.wait(q_ready.index(st), ph)
@@ -307,7 +293,8 @@ if AVAILABLE:
         _store_rows(dk_ptr + dk_off, stride_dks, c * HALF, dk * sm_scale, HALF, HEAD_D, acc_layout)
         _store_rows(dv_ptr + dv_off, stride_dvs, c * HALF, dv, HALF, HEAD_D, acc_layout)
 
-    # One entry point per consumer (the half is a compile-time constant; see _attention_hopper).
+    # One entry point per consumer (the half is a compile-time constant; see _attention_hopper); the
+    # loader takes the same arguments (the older warp_specialize gives the workers one tuple).
     @gluon.jit
     def _bwd_consumer_0(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                         st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
@@ -331,17 +318,6 @@ if AVAILABLE:
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
                       HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
                       HEAD_D, STAGES)
-
-    @gluon.jit
-    def _bwd_loader_entry(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
-                          st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
-                          SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
-                          HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
-                          BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
-                          BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-        _bwd_loader(a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
-                    HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D,
-                    STAGES)
 
     @gluon.jit
     def _hopper_bwd_kernel(
@@ -408,7 +384,7 @@ if AVAILABLE:
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                    MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
                                    BLOCK_M, HALF, HEAD_D, STAGES)),
-                (_bwd_loader_entry, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                (_bwd_loader, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                      st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                      MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
                                      SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES)),
@@ -420,7 +396,7 @@ if AVAILABLE:
                  SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), _bwd_consumer_0,
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
                  mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), [_bwd_consumer_1, _bwd_loader_entry], [4, 1],
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), [_bwd_consumer_1, _bwd_loader], [4, 1],
                 [CONSUMER_REGS, 24])
 
 def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
@@ -451,21 +427,23 @@ def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
 
 
 def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-               delta: torch.Tensor, dqa: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, sm_scale: float,
+               delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, sm_scale: float,
                window: tuple[int | None, int | None], score_fn: Any, grad_fn: Any, mask_fn: Any,
                has_score_mod: bool, has_mask_mod: bool, score_buffers: tuple[Any, ...],
                mask_buffers: tuple[Any, ...], score_grads: tuple[Any, ...], sparse_t: tuple[Any, ...] | None,
                sparse_q: int, sparse_kv: int) -> bool:
-    """Launch the Hopper backward: dK, dV into ``dk``, ``dv`` and dQ * scale added to the float32
-    ``dqa`` (zeros); ``delta`` from the preprocess kernel. Return whether it ran (every tensor needs
-    a descriptor view or a contiguous last dim). ``sparse_t``: the portable dK/dV kernel's 10
-    block-mask arguments (per key block), or None."""
+    """Launch the Hopper backward into ``dq``, ``dk``, ``dv`` (``delta`` from the preprocess kernel);
+    return whether it ran (q, k, v and do need descriptor views, dk and dv a contiguous last dim;
+    nothing is allocated or written otherwise). dQ is summed in a float32 buffer, then cast into
+    ``dq``. ``sparse_t``: the portable dK/dV kernel's 10 block-mask arguments (per key block), or
+    None."""
     views = (_view2d(q, BWD_BLOCK_M), _view2d(k, BWD_BLOCK_N // 2), _view2d(v, BWD_BLOCK_N // 2),
              _view2d(do, BWD_BLOCK_M))
     if any(x is None for x in views) or views[1][1:] != views[2][1:]:
         return False
-    if dqa.stride(3) != 1 or dk.stride(3) != 1 or dv.stride(3) != 1:
+    if dk.stride(3) != 1 or dv.stride(3) != 1:
         return False
+    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # contiguous: the reductions' target
     qv, kv, vv, gv = views
     B, H, S, D = q.shape
     Hk, Skv = k.shape[1], k.shape[2]
@@ -487,4 +465,5 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
         STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS, num_warps=4, maxnreg=168,
     )
+    dq.copy_(dqa)
     return True

@@ -1773,15 +1773,11 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
                                                score_mod=has_score_mod, mask_mod=has_mask_mod,
                                                measured=not force):
         return False
-    dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
-    if not hopper_bwd(do, q, k, v, lse, delta, dqa, dk, dv, sm_scale=sm_scale, window=window, score_fn=fns[0],
+    return hopper_bwd(do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window, score_fn=fns[0],
                       grad_fn=fns[1], mask_fn=fns[2], has_score_mod=has_score_mod, has_mask_mod=has_mask_mod,
                       score_buffers=sm, mask_buffers=mm, score_grads=gs,
                       sparse_t=_sparse_args(bst) if bst else None, sparse_q=bst.block_q if bst else 1,
-                      sparse_kv=bst.block_kv if bst else 1):
-        return False
-    dq.copy_(dqa)
-    return True
+                      sparse_kv=bst.block_kv if bst else 1)
 
 
 def flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *, causal: bool = False,
