@@ -2,8 +2,8 @@
 
 The same math as the backward of ``kernels/attention.py`` (``delta`` from its preprocess kernel,
 ``p = 2^(s L - lse L)``, ``ds = p (dp - delta)``, ``score_mod``'s derivative), with FlashAttention-3's
-five products per tile pair instead of the portable kernels' seven, and dQ accumulated in float32
-with atomics (so not bitwise deterministic: ``deterministic=True`` keeps the portable kernels)::
+five products per tile pair instead of the portable kernels' seven, and dQ summed in float32 by TMA
+reductions (so not bitwise deterministic: ``deterministic=True`` keeps the portable kernels)::
 
     program: 128 keys of one kv head (two halves of 64, one per consumer warp group), every query
              head of its GQA group, every 64-row query tile that sees the keys
@@ -13,16 +13,20 @@ with atomics (so not bitwise deterministic: ``deterministic=True`` keeps the por
       keys c*64..c*64+63)  P^T = 2^(S^T L - lse L) while dP^T runs; dV_c += P^T dO_m (async);
                            dS^T = P^T (dP^T - delta); dK_c += dS^T Q_m (async); dS^T to shared
                            memory; dQ_m += dS K (async, A read transposed); release Q_m/dO_m;
-                           dQ_m * scale added to a float32 buffer with vector reductions
+                           dQ_m * scale to shared memory, added to a float32 buffer by one TMA
+                           reduction (cp.reduce.async.bulk.tensor .add), left in flight
 
 The transposed products keep every operand in the layout wgmma reads (K-major or MN-major 16-bit
 tiles from shared memory, P^T and dS^T from registers). The two consumers split dQ by columns: each
 stores its dS^T, they meet on an mbarrier, and each multiplies both halves' dS^T by its d / 2
 columns of K, so every tile pair adds 64 x d floats once (half the traffic of each consumer adding
-the dQ of its own keys, which measured 35 % slower at d = 128). The loader sets its registers down
-to 24, the consumers up. The launcher runs it by default where it measured at least as fast as the
-portable kernels (``hopper_bwd_supported``; one H100, B=8, S=8192, backward ms: d = 128 causal 29.6
-against 30.4, no mask 48.8 / 57.2, d = 64 causal 32.2 / 33.8; ``docs/benchmarks/attention_hopper_h100.md``).
+the dQ of its own keys, which measured 35 % slower at d = 128). The reduction leaves through the
+copy engine: vector atomics from the consumers' registers measured 35 % slower at d = 128 (the
+warps waited for the atomics to read their registers, and the row addresses spilled), and a
+reducer warp pair reading the tile back from shared memory for them 15 % slower (it could not keep
+up: each read waited out the shared memory's latency). The loader sets its registers down to 24,
+the consumers up. The launcher runs it by default where it measured at least as fast as the
+portable kernels (``hopper_bwd_supported``; ``docs/benchmarks/attention_hopper_h100.md``).
 
 What it covers (``hopper_bwd_supported`` / ``hopper_bwd``; the portable kernels run otherwise): an
 sm_90 GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128}, the same descriptor-addressable views
@@ -31,12 +35,13 @@ band, a ``score_mod`` with its derivative (captured-tensor gradients scatter wit
 portable kernel), a ``mask_mod`` and block-mask lists (blocks of a multiple of 64 query rows and 128
 keys); no packed sequences, dropout, or ``deterministic=True``.
 
-References: Shah et al., "FlashAttention-3" (2024), section 3 and its backward (dQ accumulated with
-atomics from the dK/dV kernel); Dao, "FlashAttention-2" (2023), algorithm 2.
+References: Shah et al., "FlashAttention-3" (2024), section 3 and its backward (dQ accumulated in
+float32 through TMA reductions from the dK/dV kernel); Dao, "FlashAttention-2" (2023), algorithm 2.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -49,14 +54,28 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._attention_hopper import _NEW_WS, _tile_start, _tma_load
 
     # a barrier of the calling partition's warps (renamed after Triton 3.6)
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    try:  # TMA reductions into global memory (Triton after 3.6)
+        from triton.experimental.gluon.language.nvidia.hopper.tma import async_atomic_add as _tma_add
+    except ImportError:  # Triton 3.6: the builder has the operation, the language no wrapper
+        from triton._C.libtriton import ir as _ir
+        from triton.language.core import builtin as _builtin
+
+        @_builtin
+        def _tma_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
 
 __all__ = ["BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_STAGES", "hopper_bwd", "hopper_bwd_supported"]
 
@@ -104,18 +123,6 @@ if AVAILABLE:
         return n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr
 
     @gluon.jit
-    def _red_add_v2(row_ptrs, cols, vals):
-        # adds pairs of neighbouring floats (a thread's consecutive accumulator elements) to
-        # row_ptrs + cols with one vector reduction each (red.global.add.v2.f32, sm_90): half the
-        # requests of scalar atomics; each address is formed inside, so a pair costs its row's
-        # pointer (shared by the row) and one column index in registers
-        gl.inline_asm_elementwise(
-            "{ .reg .b64 ra; mad.wide.s32 ra, $4, 4, $2; red.global.add.v2.f32 [ra], {$6, $7}; "
-            "mov.b32 $0, 0; mov.b32 $1, 0; }",
-            "=r,=r,l,l,r,r,f,f", [row_ptrs.to(gl.int64, bitcast=True), cols, vals], dtype=gl.int32,
-            is_pure=False, pack=2)
-
-    @gluon.jit
     def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                     st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                     SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
@@ -123,9 +130,9 @@ if AVAILABLE:
                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-         ds_smem, lse_smem, dl_smem, ds_bar) = a
+         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
-         lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
+         lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
          sm_scale, win_left, win_right) = d
         for c in gl.static_range(2):
@@ -168,9 +175,9 @@ if AVAILABLE:
                      BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-         ds_smem, lse_smem, dl_smem, ds_bar) = a
+         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
-         lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
+         lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
          sm_scale, win_left, win_right) = d
         dtype: gl.constexpr = q_desc.dtype
@@ -190,8 +197,6 @@ if AVAILABLE:
         keys = gl.expand_dims(key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)), 1)
         qoff = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        dq_rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)), 1)
-        dq_cols = gl.expand_dims(gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout)), 0)
         s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
         q_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
@@ -204,7 +209,6 @@ if AVAILABLE:
                 b, h, n0, seq_q, win_left, win_right, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
                 stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
                 BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, 2 * HALF)
-            dq_base = dqa_ptr + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah
             for t in range(0, n):
                 m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                 st = it % STAGES
@@ -252,7 +256,6 @@ if AVAILABLE:
                 buf = it % 2
                 ds_smem.index(buf * 2 + c).store(ds16)
                 fence_async_shared()
-                dq_row = dq_base + (m0 + dq_rows).to(gl.int64) * stride_as
                 # this consumer's dQ columns over all 128 keys: both halves' dS^T, once both are in
                 _thread_barrier()
                 mbarrier.arrive(ds_bar.index(buf), count=1)
@@ -264,8 +267,14 @@ if AVAILABLE:
                                    k_smem.index(1).slice(c * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
                 dq, dv, dk = warpgroup_mma_wait(0, deps=[dq, dv, dk])
                 mbarrier.arrive(empty.index(st), count=1)
-                _red_add_v2(dq_row, c * DQ_COLS + dq_cols, dq * sm_scale)
+                # this consumer's dQ columns added to the float32 buffer by a TMA reduction from shared
+                # memory, once the last tile's has read the buffer
+                tma.store_wait(0)
+                dq_smem.index(c).store(dq * sm_scale)
+                fence_async_shared()
+                _tma_add(dq_desc, [(b * n_heads + h) * seq_q + m0, c * DQ_COLS], dq_smem.index(c))
                 it += 1
+        tma.store_wait(0)  # the last reduction has read the buffer before the program ends
         return dk, dv
 
     @gluon.jit
@@ -287,7 +296,7 @@ if AVAILABLE:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
         (b_, hk_, n0_, group_, seq_q_, k_row_, k_col_, q_rb_, q_rh_, q_cb_, q_ch_, g_rb_, g_rh_, g_cb_, g_ch_,
-         lse_ptr_, delta_ptr_, stride_lb_, stride_lh_, stride_ls_, dqa_ptr_, stride_ab_, stride_ah_, stride_as_,
+         lse_ptr_, delta_ptr_, stride_lb_, stride_lh_, stride_ls_, n_heads_,
          qn_ptr_, qi_ptr_, fqn_ptr_, fqi_ptr_, stride_nb_, stride_nh_, stride_nm_, stride_ib_, stride_ih_,
          stride_im_, sm_scale, win_left_, win_right_) = d
         _store_rows(dk_ptr + dk_off, stride_dks, c * HALF, dk * sm_scale, HALF, HEAD_D, acc_layout)
@@ -323,11 +332,11 @@ if AVAILABLE:
     def _hopper_bwd_kernel(
         q_desc, k_desc, v_desc, do_desc,  # 2-D descriptors as in the Hopper forward ((64, D) tiles)
         lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32: the forward's LSE, the preprocess kernel's delta
-        dqa_ptr,  # (B, Hq, Sq, D) fp32 zero-initialised dQ accumulator, last dim contiguous
+        dq_desc,  # (B * Hq * Sq, D) fp32 zero-initialised dQ accumulator, (64, D / 2) tiles
         dk_ptr, dv_ptr,  # (B, Hkv, Skv, D) outputs, last dim contiguous
         seq_q, seq_kv, group, sm_scale, win_left, win_right,
         q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch, g_rb, g_rh, g_cb, g_ch,
-        stride_lb, stride_lh, stride_ls, stride_ab, stride_ah, stride_as,
+        stride_lb, stride_lh, stride_ls,
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
         qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,  # per-key-block lists of query blocks (BLOCK_SPARSE)
         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
@@ -342,6 +351,7 @@ if AVAILABLE:
         dtype: gl.constexpr = q_desc.dtype
         n0 = gl.program_id(0) * BLOCK_N
         hk = gl.program_id(1)
+        n_heads = gl.num_programs(1) * group  # query heads (the dQ buffer's rows: (b, h, s))
         b = gl.program_id(2)
         k_row = (b * k_rb + hk * k_rh) * seq_kv + n0
         k_col = b * k_cb + hk * k_ch
@@ -356,6 +366,7 @@ if AVAILABLE:
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
         dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D // 2], dq_desc.layout)  # per consumer
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -367,9 +378,9 @@ if AVAILABLE:
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release each buffer
         a = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-             ds_smem, lse_smem, dl_smem, ds_bar)
+             ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem)
         d = (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
-             lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, dqa_ptr, stride_ab, stride_ah, stride_as,
+             lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
              qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
              sm_scale, win_left, win_right)
         dk_off = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + n0.to(gl.int64) * stride_dks
@@ -398,6 +409,12 @@ if AVAILABLE:
                  mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
                  SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), [_bwd_consumer_1, _bwd_loader], [4, 1],
                 [CONSUMER_REGS, 24])
+
+@functools.lru_cache(maxsize=None)
+def _dq_layout(d: int) -> Any:
+    # the shared-memory layout of a consumer's (64, d / 2) float32 dQ tile, built once per head dim
+    return gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, d // 2], gl.float32)
+
 
 def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
                          sparse_q: int | None, sparse_kv: int | None, score_mod: bool = False,
@@ -446,6 +463,8 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # contiguous: the reductions' target
     qv, kv, vv, gv = views
     B, H, S, D = q.shape
+    dq_desc = TensorDescriptor(dqa.view(B * H * S, D), [B * H * S, D], [D, 1], [BWD_BLOCK_M, D // 2],
+                               _dq_layout(D))
     Hk, Skv = k.shape[1], k.shape[2]
     left, right = window
     # the block-mask lists go to every partition, which take no None: the placeholder is never read
@@ -453,13 +472,13 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid = (Skv // BWD_BLOCK_N, Hk, B)
     slots = (*score_buffers, *mask_buffers, *score_grads)
     _hopper_bwd_kernel[grid](
-        qv.desc, kv.desc, vv.desc, gv.desc, lse, delta, dqa, dk, dv,
+        qv.desc, kv.desc, vv.desc, gv.desc, lse, delta, dq_desc, dk, dv,
         S, Skv, H // Hk, float(sm_scale),
         _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),
-        *qv[1:], *kv[1:], *gv[1:], *lse.stride(), *dqa.stride()[:3],
+        *qv[1:], *kv[1:], *gv[1:], *lse.stride(),
         *dk.stride()[:3], *dv.stride()[:3], *sp,
         # slots a mod does not use get a placeholder pointer (partitions take no None arguments)
-        *(dqa if t is None else t for t in slots),
+        *(lse if t is None else t for t in slots),
         SCORE_FN=score_fn, GRAD_FN=grad_fn, MASK_FN=mask_fn, HAS_SCORE_MOD=has_score_mod,
         HAS_MASK_MOD=has_mask_mod, BAND=left is not None or right is not None, BLOCK_SPARSE=sparse_t is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,

@@ -60,6 +60,8 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False):
             sig[n] = desc(HB.BWD_BLOCK_M)
         elif n in ("k_desc", "v_desc"):
             sig[n] = desc(HB.BWD_BLOCK_N // 2)
+        elif n == "dq_desc":
+            sig[n] = f"tensordesc<fp32[{HB.BWD_BLOCK_M},{D // 2}],{HB._dq_layout(D)!r}>"
         elif n == "sm_scale":
             sig[n] = "fp32"
         elif n in consts:

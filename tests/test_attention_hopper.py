@@ -61,8 +61,14 @@ def test_compiles_for_sm90_into_the_warp_specialised_schedule(name, compiled):
     # K/V in through TMA copies signalled on mbarriers, O out through a TMA store
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), name
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, name
-    assert "LOCAL:0" in res, f"{name}: the kernel spills to local memory: {res}"
+    # no spills in the loops: at most a few values kept across the partitions' start
+    assert _stack_bytes(res) <= 32, f"{name}: the kernel spills to local memory: {res}"
     assert shared <= 227 * 1024, name
+
+
+def _stack_bytes(res: str) -> int:
+    """The spill stack of cuobjdump's resource line (LOCAL counts only static local arrays)."""
+    return int(re.search(r"STACK:(\d+)", res).group(1))
 
 
 @needs_gluon
@@ -80,15 +86,19 @@ def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compi
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{d}k16") >= 2 * 8, name  # dV and dK
     # S^T awaited while dP^T runs, dP^T while dV runs
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") >= 4, name
-    # dQ leaves as vector reductions of neighbouring float pairs (64 x d / 2 per consumer: d / 8 per
-    # thread), nothing else is atomic
-    assert ptx.count("red.global.add.v2.f32") == 2 * (d // 8), name
-    assert "atom.global" not in ptx, name
+    # dQ leaves through shared memory by one TMA reduction per consumer and tile (the copy engine
+    # adds it to the float32 buffer), awaited only before the buffer is written again; nothing is
+    # atomic in the threads
+    assert ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == 2, name
+    assert ptx.count("cp.async.bulk.wait_group.read") == 4, name  # per consumer: in the loop, at the end
+    assert "red.global" not in ptx and "atom.global" not in ptx, name
     # Q and dO in through TMA copies on mbarriers; no TMA store
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), name
     assert shared <= 227 * 1024, name
-    if d == 64:
-        assert "LOCAL:0" in res, f"{name}: the kernel spills to local memory: {res}"
+    # spills: none in the loops at d = 64 (a few values kept across the partitions' start); at d = 128
+    # the consumers spill a few values around the dV product (152 to 256 bytes with Triton 3.6 and
+    # 3.9; 320 when the consumers added dQ with vector atomics)
+    assert _stack_bytes(res) <= (32 if d == 64 else 288), f"{name}: spill stack {res}"
 
 
 # ------------------------------------------------------------------------------------------------
