@@ -1643,9 +1643,8 @@ def attention_bwd_launch(
         config: overrides of the *1 (dK/dV kernel) and *2 (dQ kernel) BLOCK_M, BLOCK_N, num_warps,
             num_stages and TMA (1: the dK/dV kernel's Q and dO tiles, the dQ kernel's K and V tiles
             through tensor descriptors where the layout allows it), and HOPPER (with ``dq_mode``
-            "auto": 1, the default on a GPU, the Hopper backward where it applies and measured
-            faster; 2 wherever it applies; 0, or any override of the other keys: this module's
-            kernels).
+            "auto": nonzero, the default on a GPU, the Hopper backward wherever it applies; 0, or
+            any override of the other keys: this module's kernels).
         Other arguments: as in :func:`attention_fwd_launch`.
     """
     name = "attention_bwd_launch"
@@ -1657,9 +1656,9 @@ def attention_bwd_launch(
     auto = dq_mode == "auto"
     masked = window != (None, None) or has_mask_mod or block_sparsity is not None
     dq_mode = resolve_dq_mode(dq_mode, masked=masked, head_dim=max(prob.d, prob.dv))
-    # HOPPER: 1 (default on a GPU) runs kernels/_attention_hopper_bwd.py where it applies and measured
-    # faster (hopper_bwd_supported), 2 wherever it applies; 0, or a config that sets any of the portable
-    # kernels' own keys, keeps those kernels
+    # HOPPER: nonzero (1, the default on a GPU) runs kernels/_attention_hopper_bwd.py wherever it
+    # applies (hopper_bwd_supported: it measured faster everywhere); 0, or a config that sets any of the
+    # portable kernels' own keys, keeps those kernels
     cfg = merge_config({**_bwd_config(prob.d, prob.dv, q.dtype, interp, atomic=dq_mode == "atomic",
                                       varlen=prob.varlen, mask_mod=has_mask_mod), "HOPPER": int(not interp)},
                        config, name="attention_bwd")
@@ -1709,7 +1708,7 @@ def attention_bwd_launch(
     )
     # Step 2 (Hopper): dK, dV and dQ in one warp-specialised kernel, where it applies.
     if auto and cfg["HOPPER"] and not set(config or ()) - {"HOPPER"} and _hopper_bwd(
-            kernels, do, q, k, v, lse, delta, dq, dk, dv, force=cfg["HOPPER"] == 2, sm_scale=sm_scale, window=window,
+            kernels, do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window,
             has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, sm=sm, mm=mm, gs=gs, bst=bst,
             dropout=dropout_p > 0.0, varlen=prob.varlen):
         return
@@ -1758,7 +1757,7 @@ def resolve_dq_mode(dq_mode: str, *, masked: bool, head_dim: int) -> str:
 
 def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-                force: bool, sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool,
+                sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool,
                 has_mask_mod: bool,
                 sm: tuple[Any, ...], mm: tuple[Any, ...], gs: tuple[Any, ...], bst: BlockSparsity | None,
                 dropout: bool, varlen: bool) -> bool:
@@ -1769,9 +1768,7 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
            kernels.mask_mod if has_mask_mod else _all_visible)
     if None in fns or not hopper_bwd_supported(q, k, v, varlen=varlen, dropout=dropout,
                                                sparse_q=bst.block_q if bst else None,
-                                               sparse_kv=bst.block_kv if bst else None,
-                                               score_mod=has_score_mod, mask_mod=has_mask_mod,
-                                               measured=not force):
+                                               sparse_kv=bst.block_kv if bst else None):
         return False
     return hopper_bwd(do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window, score_fn=fns[0],
                       grad_fn=fns[1], mask_fn=fns[2], has_score_mod=has_score_mod, has_mask_mod=has_mask_mod,

@@ -2,7 +2,8 @@
 with launch config HOPPER=2) against the portable backward kernels and cuDNN SDPA on one GPU: B=8,
 H=4096/d, S=8192, bf16, ms as the median of five CUDA-event timings. Writes ``$OUT/attention_hopper_bwd.json`` (or ./).
 
-    python scripts/attn_hopper_bwd_time.py [causal128 none128 causal64 alibi128 document128 window128]
+    python scripts/attn_hopper_bwd_time.py [causal128 none128 causal64 alibi128 document128 window128 alibi64
+                                            document64 window64]
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 A = importlib.import_module("fp8ops.attention")
 R = importlib.import_module("fp8ops.reference.attention")
-CASES = [(128, "causal"), (128, "none"), (64, "causal"), (128, "alibi"), (128, "document"), (128, "window")]
+CASES = [(128, "causal"), (128, "none"), (64, "causal"), (128, "alibi"), (128, "document"), (128, "window"),
+         (64, "alibi"), (64, "document"), (64, "window")]
 
 
 def _median_ms(fn, n=5):

@@ -140,11 +140,11 @@ def attention(
         dropout_seed: int or 1-element integer tensor; None draws one from torch's generator. The
             mask is a hash of (seed, b, h, i, j): the same seed gives the same mask everywhere.
         deterministic: on CUDA, compute dQ in its own kernel so that gradients are bitwise
-            reproducible. Otherwise dQ is summed with float32 atomics where that measured faster:
-            on an sm_90 GPU at head dims 64 and 128 without a ``score_mod`` (one Hopper backward
-            kernel, docs/kernels/attention.md), and above head dim 128 for a masked attention (causal,
-            window, ``mask_mod`` or ``block_mask``; docs/benchmarks/attention_s8192.md); dQ has its
-            own kernel everywhere else.
+            reproducible. Otherwise dQ is summed in float32 out of order where that measured
+            faster: on an sm_90 GPU at head dims 64 and 128 (one Hopper backward kernel adds it with
+            TMA reductions, docs/kernels/attention.md), and above head dim 128 for a masked
+            attention (float32 atomics; causal, window, ``mask_mod`` or ``block_mask``;
+            docs/benchmarks/attention_s8192.md); dQ has its own kernel everywhere else.
         backend: ``"triton"`` (fp8ops's fused kernels), ``"sdpa"`` (PyTorch's
             ``scaled_dot_product_attention``, cuDNN first, then flash) or ``"auto"``: on CUDA, SDPA
             for the cases it covers — dense bf16/fp16 inputs without ``score_mod``, ``mask_mod``,
@@ -426,8 +426,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, dropou
 
 def _dq_mode(deterministic: bool) -> str:
     """The dQ scheme of the backward: "separate" (a dQ kernel of its own, bitwise deterministic)
-    when asked to be deterministic, else "auto": the launcher runs the Hopper backward (dQ with
-    float32 atomics in the dK/dV kernel) where it applies and measured faster, else the portable
+    when asked to be deterministic, else "auto": the launcher runs the Hopper backward (dQ summed
+    in float32 by TMA reductions from the dK/dV kernel) wherever it applies, else the portable
     kernels with ``kernels.attention.resolve_dq_mode``'s scheme."""
     return "separate" if deterministic else "auto"
 
