@@ -423,8 +423,9 @@ def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
     it can, it measured faster than the portable kernels in every case measured (one H100, B=8,
     S=8192, backward ms, Hopper / portable: d = 128 causal 21.9 / 31.3, no mask 40.2 / 56.7, ALiBi
     25.9 / 32.9, document mask 6.07 / 6.82, window 1024 7.82 / 10.08; d = 64 causal 28.4 / 35.2,
-    ALiBi 30.3 / 48.1, document 6.78 / 8.08, window 9.78 / 11.78), so the launcher runs it wherever
-    it applies."""
+    ALiBi 30.3 / 48.1, document 6.78 / 8.08, window 9.78 / 11.78; at S = 1024, 2048 and 4096 too, but
+    the document mask at S = 1024, at parity: 4.01 / 3.92), so the launcher runs it wherever it
+    applies."""
     if not AVAILABLE or varlen or dropout or torch.compiler.is_compiling():
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:

@@ -1,6 +1,7 @@
 """Time the Hopper attention backward (``kernels/_attention_hopper_bwd.py``, forced wherever it applies
 with launch config HOPPER=2) against the portable backward kernels and cuDNN SDPA on one GPU: B=8,
-H=4096/d, S=8192, bf16, ms as the median of five CUDA-event timings. Writes ``$OUT/attention_hopper_bwd.json`` (or ./).
+H=4096/d, S=8192 (or $SEQ, with B = 65536 / S), bf16, ms as the median of five CUDA-event timings. Writes
+``$OUT/attention_hopper_bwd[_S<seq>].json`` (or ./).
 
     python scripts/attn_hopper_bwd_time.py [causal128 none128 causal64 alibi128 document128 window128 alibi64
                                             document64 window64]
@@ -40,7 +41,8 @@ def _median_ms(fn, n=5):
 def main(pick: list[str]) -> dict:
     res = {}
     for d, variant in [c for c in CASES if not pick or f"{c[1]}{c[0]}" in pick]:
-        H, B, S = 4096 // d, 8, 8192
+        S = int(os.environ.get("SEQ", 8192))
+        H, B = 4096 // d, 65536 // S
         q, k, v = (torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
         do = torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16)
         left, right = R.normalize_window((1024, 0) if variant == "window" else None, variant in ("causal", "alibi"))
@@ -76,6 +78,7 @@ def main(pick: list[str]) -> dict:
 
 if __name__ == "__main__":
     out = main(sys.argv[1:])
-    path = os.path.join(os.environ.get("OUT", "."), "attention_hopper_bwd.json")
+    seq = os.environ.get("SEQ")
+    path = os.path.join(os.environ.get("OUT", "."), f"attention_hopper_bwd{'_S' + seq if seq else ''}.json")
     with open(path, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": out}, f, indent=1)
