@@ -94,6 +94,44 @@ if AVAILABLE:
     _NEW_WS = next(iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args"
 
     @gluon.jit
+    def _tile_range(b, h, own0, seq_other, before, after, n_ptr, i_ptr, fn_ptr, fi_ptr,
+                    stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+                    BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr, OWN_SPARSE: gl.constexpr,
+                    OTHER_SPARSE: gl.constexpr, OWN_BLOCK: gl.constexpr, OTHER_BLOCK: gl.constexpr):
+        # The tiles of the other side that a program's OWN_BLOCK positions [own0, own0 + OWN_BLOCK)
+        # of head (b, h) see, the band reaching `before` positions back and `after` ahead (the
+        # forward: a query tile's key tiles, before / after = the window's left / right; the
+        # backward: a key block's query tiles, right / left): (n, lo_t, flo_t, fhi_t, n_part,
+        # part_ptr, full_ptr). Dense tiles run lo_t .. lo_t + n - 1, the ones outside [flo_t, fhi_t)
+        # on the band's edges (masked); block-sparse ones walk the own block's partial list, then
+        # its full list (_tile_start gives tile t's first position).
+        zero = seq_other * 0
+        n_part = zero
+        part_ptr = i_ptr  # read only with a block mask
+        full_ptr = fi_ptr
+        lo_t = zero
+        flo_t = zero
+        fhi_t = seq_other // OTHER_BLOCK
+        if BLOCK_SPARSE:
+            blk = own0 // OWN_SPARSE
+            n_off = b * stride_nb + h * stride_nh + blk * stride_nm
+            i_off = b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih + blk.to(gl.int64) * stride_im
+            n_part = gl.load(n_ptr + n_off)
+            n = (n_part + gl.load(fn_ptr + n_off)) * (OTHER_SPARSE // OTHER_BLOCK)
+            part_ptr = i_ptr + i_off
+            full_ptr = fi_ptr + i_off
+        elif BAND:
+            lo = gl.maximum(own0 - before, 0)
+            hi = gl.minimum(seq_other, own0 + OWN_BLOCK + after)
+            lo_t = lo // OTHER_BLOCK
+            n = gl.maximum((hi + OTHER_BLOCK - 1) // OTHER_BLOCK - lo_t, 0)
+            flo_t = (gl.maximum(own0 + OWN_BLOCK - 1 - before, 0) + OTHER_BLOCK - 1) // OTHER_BLOCK
+            fhi_t = gl.maximum((own0 + after + 1) // OTHER_BLOCK, flo_t)
+        else:
+            n = seq_other // OTHER_BLOCK
+        return n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr
+
+    @gluon.jit
     def _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr,
                     BLOCK_N: gl.constexpr):
         # First key of tile t: dense tiles run from lo_t; block-sparse ones walk the partial list's
@@ -301,31 +339,10 @@ if AVAILABLE:
         k_col = b * k_cb + hk * k_ch
         o_row = (b * o_rb + h * o_rh) * seq_q + m0
         o_col = b * o_cb + h * o_ch
-        # Key tiles: [lo_t, lo_t + n), tiles outside [flo_t, fhi_t) on the band's edges (masked).
-        zero = seq_kv * 0
-        n_part = zero
-        part_ptr = lse_ptr  # unused without a block mask (partitions take no None arguments)
-        full_ptr = lse_ptr
-        lo_t = zero
-        flo_t = zero
-        fhi_t = seq_kv // BLOCK_N
-        if BLOCK_SPARSE:
-            row = m0 // SPARSE_Q
-            n_off = b * stride_nb + h * stride_nh + row * stride_nm
-            i_off = b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih + row.to(gl.int64) * stride_im
-            n_part = gl.load(kvn_ptr + n_off)
-            n = (n_part + gl.load(fkvn_ptr + n_off)) * (SPARSE_KV // BLOCK_N)
-            part_ptr = kvi_ptr + i_off
-            full_ptr = fkvi_ptr + i_off
-        elif BAND:
-            lo = gl.maximum(m0 - win_left, 0)
-            hi = gl.minimum(seq_kv, m0 + BLOCK_M + win_right)
-            lo_t = lo // BLOCK_N
-            n = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N - lo_t, 0)
-            flo_t = (gl.maximum(m0 + BLOCK_M - 1 - win_left, 0) + BLOCK_N - 1) // BLOCK_N
-            fhi_t = gl.maximum((m0 + win_right + 1) // BLOCK_N, flo_t)
-        else:
-            n = seq_kv // BLOCK_N
+        n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _tile_range(
+            b, h, m0, seq_kv, win_left, win_right, kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,
+            stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+            BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, BLOCK_N)
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
@@ -461,7 +478,8 @@ def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
     qv, kv, vv, ov = views
     B, H, S, D = q.shape
     left, right = window
-    sp = sparse if sparse is not None else (None, None, None, None, 0, 0, 0, 0, 0, 0)
+    # the block-mask lists reach the partitions, which take no None: the placeholder is never read
+    sp = sparse if sparse is not None else (lse, lse, lse, lse, 0, 0, 0, 0, 0, 0)
     grid = (S // BLOCK_M, H, B)
     _hopper_fwd_kernel[grid](
         qv.desc, kv.desc, vv.desc, ov.desc, lse,

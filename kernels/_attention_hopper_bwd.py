@@ -62,7 +62,7 @@ if AVAILABLE:
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._attention_hopper import _NEW_WS, _tile_start, _tma_load
+    from ._attention_hopper import _NEW_WS, _tile_range, _tile_start, _tma_load
 
     # a barrier of the calling partition's warps (renamed after Triton 3.6)
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -89,41 +89,6 @@ _NO_BOUND = 1 << 30  # kernels/attention.NO_BOUND
 if AVAILABLE:
 
     @gluon.jit
-    def _q_tiles(b, h, n0, seq_q, win_left, win_right, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
-                 stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-                 BAND: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
-                 SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        # The query tiles that see keys [n0, n0 + BLOCK_N) for head (b, h): (n, lo_t, flo_t, fhi_t,
-        # n_part, part_ptr, full_ptr); dense tiles run lo_t .. lo_t + n - 1, the ones outside
-        # [flo_t, fhi_t) on the band's edges; block-sparse ones walk the partial list, then the full
-        # (_tile_start gives tile t's first row).
-        zero = seq_q * 0
-        n_part = zero
-        part_ptr = qi_ptr
-        full_ptr = fqi_ptr
-        lo_t = zero
-        flo_t = zero
-        fhi_t = seq_q // BLOCK_M
-        if BLOCK_SPARSE:
-            blk = n0 // SPARSE_KV
-            n_off = b * stride_nb + h * stride_nh + blk * stride_nm
-            i_off = b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih + blk.to(gl.int64) * stride_im
-            n_part = gl.load(qn_ptr + n_off)
-            n = (n_part + gl.load(fqn_ptr + n_off)) * (SPARSE_Q // BLOCK_M)
-            part_ptr = qi_ptr + i_off
-            full_ptr = fqi_ptr + i_off
-        elif BAND:
-            lo = gl.maximum(n0 - win_right, 0)
-            hi = gl.minimum(seq_q, n0 + BLOCK_N + win_left)
-            lo_t = lo // BLOCK_M
-            n = gl.maximum((hi + BLOCK_M - 1) // BLOCK_M - lo_t, 0)
-            flo_t = (gl.maximum(n0 + BLOCK_N - 1 - win_right, 0) + BLOCK_M - 1) // BLOCK_M
-            fhi_t = gl.maximum((n0 + win_left + 1) // BLOCK_M, flo_t)
-        else:
-            n = seq_q // BLOCK_M
-        return n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr
-
-    @gluon.jit
     def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                     st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                     SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
@@ -144,10 +109,10 @@ if AVAILABLE:
         it = 0
         for g in range(0, group):
             h = hk * group + g
-            n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _q_tiles(
-                b, h, n0, seq_q, win_left, win_right, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
+            n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _tile_range(
+                b, h, n0, seq_q, win_right, win_left, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
                 stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-                BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, 2 * HALF)
+                BAND, BLOCK_SPARSE, SPARSE_KV, SPARSE_Q, 2 * HALF, BLOCK_M)
             q_row0 = (b * q_rb + h * q_rh) * seq_q
             g_row0 = (b * g_rb + h * g_rh) * seq_q
             q_col = b * q_cb + h * q_ch
@@ -206,10 +171,10 @@ if AVAILABLE:
         it = 0
         for g in range(0, group):
             h = hk * group + g
-            n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _q_tiles(
-                b, h, n0, seq_q, win_left, win_right, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
+            n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _tile_range(
+                b, h, n0, seq_q, win_right, win_left, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
                 stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-                BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, 2 * HALF)
+                BAND, BLOCK_SPARSE, SPARSE_KV, SPARSE_Q, 2 * HALF, BLOCK_M)
             for t in range(0, n):
                 m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                 st = it % STAGES

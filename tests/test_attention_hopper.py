@@ -52,9 +52,7 @@ def compiled():
 @pytest.mark.parametrize("name", VARIANTS)
 def test_compiles_for_sm90_into_the_warp_specialised_schedule(name, compiled):
     ptx, res, shared = compiled[name]["ptx"], compiled[name]["resources"], compiled[name]["shared"]
-    # the loader gives registers back (24), a consumer takes them (240)
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx), name
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx), name
+    _assert_register_budgets(ptx, name)
     # scores of tile t awaited while the P V product of tile t-1 stays in flight
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, name
     assert ptx.count("wgmma.mma_async") >= 8, name
@@ -66,6 +64,12 @@ def test_compiles_for_sm90_into_the_warp_specialised_schedule(name, compiled):
     assert shared <= 227 * 1024, name
 
 
+def _assert_register_budgets(ptx: str, name: str) -> None:
+    # the loader gives registers back (24), a consumer takes them (240)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx), name
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx), name
+
+
 def _stack_bytes(res: str) -> int:
     """The spill stack of cuobjdump's resource line (LOCAL counts only static local arrays)."""
     return int(re.search(r"STACK:(\d+)", res).group(1))
@@ -75,8 +79,7 @@ def _stack_bytes(res: str) -> int:
 @pytest.mark.parametrize("name", BWD_VARIANTS)
 def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compiled):
     ptx, res, shared = compiled[name]["ptx"], compiled[name]["resources"], compiled[name]["shared"]
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx), name
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx), name
+    _assert_register_budgets(ptx, name)
     d = int(name.split("_d")[1].split("_")[0])
     # per consumer and query tile: S^T and dP^T (64 x 64, K = d), dV and dK (64 x d, K = 64) and its
     # d / 2 columns of dQ over both halves' keys (K = 2 x 64): d/16 + d/16 + 4 + 4 + 8 of k = 16

@@ -48,7 +48,6 @@ def _docs(S):
     return inputs.docs_mask(S, device=DEV)
 
 
-
 CASES = [
     # name, make q/k/v, layout, options, whether the Hopper backward applies
     ("d128_causal_gqa", lambda: _qkv(1, 8, 2, 1024, 1024, 128), "bhsd", dict(causal=True), True),

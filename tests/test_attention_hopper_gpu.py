@@ -47,7 +47,6 @@ def _docs(S):
     return inputs.docs_mask(S, device=DEV)
 
 
-
 CASES = [
     # name, make q/k/v, layout, options, whether the Hopper kernel applies
     ("d64_causal_gqa", lambda: _qkv(1, 4, 2, 4096, 4096, 64), "bhsd", dict(causal=True), True),
