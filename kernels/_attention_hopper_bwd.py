@@ -33,7 +33,8 @@ What it covers (``hopper_bwd_supported`` / ``hopper_bwd``; the portable kernels 
 sm_90 GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128}, the same descriptor-addressable views
 as the Hopper forward, query lengths that are multiples of 64 and key lengths multiples of 128, a
 band, a ``score_mod`` with its derivative (captured-tensor gradients scatter with atomics, as in the
-portable kernel), a ``mask_mod`` and block-mask lists (blocks of a multiple of 64 query rows and 128
+portable kernel; the derivative of an additive mod with no table that learns, 1, is not called), a
+``mask_mod`` and block-mask lists (blocks of a multiple of 64 query rows and 128
 keys); no packed sequences, dropout, or ``deterministic=True``.
 
 References: Shah et al., "FlashAttention-3" (2024), section 3 and its backward (dQ accumulated in
@@ -83,6 +84,11 @@ __all__ = ["BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_STAGES", "hopper_bwd", "hopper_bwd
 BWD_BLOCK_M = 64  # query rows per step
 BWD_BLOCK_N = 128  # keys per program: two consumer warpgroups of 64
 BWD_STAGES = 2  # Q / dO ring depth
+
+# How the backward calls a score_mod (constexpr SCORE_MODE): none; on the natural-units score with its
+# derivative; the same with the derivative skipped (an additive mod, derivative 1, with no captured
+# tensor that needs a gradient: the code generator's derivative is then the identity).
+SCORE_MODE_NONE, SCORE_MODE_NATURAL, SCORE_MODE_NO_GRAD = 0, 1, 2
 _NO_BOUND = 1 << 30  # kernels/attention.NO_BOUND
 
 
@@ -92,7 +98,7 @@ if AVAILABLE:
     def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                     st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                     SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
-                    HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                    SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
@@ -137,7 +143,7 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_consume(c: gl.constexpr, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                      SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
-                     HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                     SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                      BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
@@ -185,7 +191,7 @@ if AVAILABLE:
                 dpT = warpgroup_mma(vc_, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sT = warpgroup_mma_wait(1, deps=[sT])
                 # P^T: scores in base 2 (score_mod in natural units), invisible entries -inf.
-                if HAS_SCORE_MOD:
+                if SCORE_MODE:
                     s_nat = sT * sm_scale
                     s2 = SCORE_FN(s_nat, b, h, gl.expand_dims(m0 + qoff, 0), keys, st0, st1, st2, st3)
                     s2 = s2.to(gl.float32) * 1.4426950408889634
@@ -210,7 +216,9 @@ if AVAILABLE:
                 dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_smem.index(st), dv, is_async=True)
                 dpT = warpgroup_mma_wait(1, deps=[dpT])  # S^T and dP^T done, dV may run
                 dsT = pT * (dpT - gl.expand_dims(dl_smem.index(st).load(col_layout), 0))
-                if HAS_SCORE_MOD:
+                # SCORE_MODE_NO_GRAD, an additive mod with no table gradient: its derivative is 1, and
+                # ds is already 0 wherever p is.
+                if SCORE_MODE == 1:  # SCORE_MODE_NATURAL
                     # visible: what the band and mask_mod left finite (p and ds are 0 elsewhere)
                     vis = s2 != float("-inf")
                     dsT = GRAD_FN(dsT, s_nat, b, h, gl.expand_dims(m0 + qoff, 0), keys, vis, st0, st1, st2, st3,
@@ -253,11 +261,11 @@ if AVAILABLE:
     def _bwd_consumer(c: gl.constexpr, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                       SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
-                      HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                      SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                       BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                       BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         dk, dv = _bwd_consume(c, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
-                              SCORE_FN, GRAD_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
+                              SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
                               SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
@@ -274,24 +282,24 @@ if AVAILABLE:
     def _bwd_consumer_0(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                         st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                         SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
-                        HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                        SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                         BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         _bwd_consumer(0, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
-                      HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
+                      SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
                       HEAD_D, STAGES)
 
     @gluon.jit
     def _bwd_consumer_1(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                         st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                         SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
-                        HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                        SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                         BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         _bwd_consumer(1, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
-                      HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
+                      SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
                       HEAD_D, STAGES)
 
     @gluon.jit
@@ -308,7 +316,7 @@ if AVAILABLE:
         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
         st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,  # the mods' tensors, score_mod gradients
         SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
-        HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+        SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr,
@@ -355,24 +363,24 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_bwd_consumer_0, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
-                                   MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
+                                   MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
                                    BLOCK_M, HALF, HEAD_D, STAGES)),
                 (_bwd_consumer_1, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
-                                   MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
+                                   MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
                                    BLOCK_M, HALF, HEAD_D, STAGES)),
                 (_bwd_loader, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                      st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
-                                     MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
+                                     MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
                                      SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize(
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
-                 mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
+                 mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
                  SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), _bwd_consumer_0,
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
-                 mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, HAS_SCORE_MOD, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
+                 mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
                  SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), [_bwd_consumer_1, _bwd_loader], [4, 1],
                 [CONSUMER_REGS, 24])
 
@@ -387,10 +395,10 @@ def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
     """Whether :func:`hopper_bwd` can run this problem (shape and feature checks; no launch). Where
     it can, it measured faster than the portable kernels in every case measured (one H100, B=8,
     S=8192, backward ms, Hopper / portable: d = 128 causal 21.9 / 31.3, no mask 40.2 / 56.7, ALiBi
-    25.9 / 32.9, document mask 6.07 / 6.82, window 1024 7.82 / 10.08; d = 64 causal 28.4 / 35.2,
-    ALiBi 30.3 / 48.1, document 6.78 / 8.08, window 9.78 / 11.78; at S = 1024, 2048 and 4096 too, but
-    the document mask at S = 1024, at parity: 4.01 / 3.92), so the launcher runs it wherever it
-    applies."""
+    25.9 / 32.9 (22.6 since its derivative is skipped), document mask 6.07 / 6.82, window 1024 7.82 /
+    10.08; d = 64 causal 28.4 / 35.2, ALiBi 30.3 / 48.1, document 6.78 / 8.08, window 9.78 / 11.78; at
+    S = 1024, 2048 and 4096 too, but the document mask at S = 1024, at parity: 4.01 / 3.92), so the
+    launcher runs it wherever it applies."""
     if not AVAILABLE or varlen or dropout or torch.compiler.is_compiling():
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -408,14 +416,15 @@ def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
 def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, sm_scale: float,
                window: tuple[int | None, int | None], score_fn: Any, grad_fn: Any, mask_fn: Any,
-               has_score_mod: bool, has_mask_mod: bool, score_buffers: tuple[Any, ...],
+               score_mode: int, has_mask_mod: bool, score_buffers: tuple[Any, ...],
                mask_buffers: tuple[Any, ...], score_grads: tuple[Any, ...], sparse_t: tuple[Any, ...] | None,
                sparse_q: int, sparse_kv: int) -> bool:
     """Launch the Hopper backward into ``dq``, ``dk``, ``dv`` (``delta`` from the preprocess kernel);
     return whether it ran (q, k, v and do need descriptor views, dk and dv a contiguous last dim;
     nothing is allocated or written otherwise). dQ is summed in a float32 buffer, then cast into
     ``dq``. ``sparse_t``: the portable dK/dV kernel's 10 block-mask arguments (per key block), or
-    None."""
+    None. ``score_mode``: one of SCORE_MODE_* (NO_GRAD: an additive bias such as ALiBi, derivative 1
+    and no captured-tensor gradient, so ``grad_fn`` is not called)."""
     views = (_view2d(q, BWD_BLOCK_M), _view2d(k, BWD_BLOCK_N // 2), _view2d(v, BWD_BLOCK_N // 2),
              _view2d(do, BWD_BLOCK_M))
     if any(x is None for x in views) or views[1][1:] != views[2][1:]:
@@ -441,7 +450,7 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         *dk.stride()[:3], *dv.stride()[:3], *sp,
         # slots a mod does not use get a placeholder pointer (partitions take no None arguments)
         *(lse if t is None else t for t in slots),
-        SCORE_FN=score_fn, GRAD_FN=grad_fn, MASK_FN=mask_fn, HAS_SCORE_MOD=has_score_mod,
+        SCORE_FN=score_fn, GRAD_FN=grad_fn, MASK_FN=mask_fn, SCORE_MODE=score_mode,
         HAS_MASK_MOD=has_mask_mod, BAND=left is not None or right is not None, BLOCK_SPARSE=sparse_t is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
         STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS, num_warps=4, maxnreg=168,

@@ -90,7 +90,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._library import cdiv, fast_launch, merge_config, next_pow2
 from ._attention_hopper import head_placement, hopper_fwd, hopper_supported
-from ._attention_hopper_bwd import hopper_bwd, hopper_bwd_supported
+from ._attention_hopper_bwd import (
+    SCORE_MODE_NATURAL,
+    SCORE_MODE_NO_GRAD,
+    SCORE_MODE_NONE,
+    hopper_bwd,
+    hopper_bwd_supported,
+)
 
 __all__ = [
     "MASKED_ROW_LSE",
@@ -100,6 +106,7 @@ __all__ = [
     "AttentionKernels",
     "attention_bwd_launch",
     "attention_fwd_launch",
+    "hopper_bwd_score_mode",
     "resolve_dq_mode",
     "specialize",
 ]
@@ -1755,6 +1762,15 @@ def resolve_dq_mode(dq_mode: str, *, masked: bool, head_dim: int) -> str:
     return "atomic" if masked and head_dim > 128 else "separate"
 
 
+def hopper_bwd_score_mode(kernels: AttentionKernels, has_score_mod: bool) -> int:
+    """How the Hopper backward calls the score_mod (``_attention_hopper_bwd.SCORE_MODE_*``): it skips
+    the derivative of an additive mod with no captured-tensor gradient (the code generator then
+    gives the identity as its derivative, ``codegen.score_grad_identity``), else calls it."""
+    if not has_score_mod:
+        return SCORE_MODE_NONE
+    return SCORE_MODE_NO_GRAD if kernels.score_grad is _identity_score_grad else SCORE_MODE_NATURAL
+
+
 def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
                 sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool,
@@ -1770,8 +1786,9 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
                                                sparse_q=bst.block_q if bst else None,
                                                sparse_kv=bst.block_kv if bst else None):
         return False
-    return hopper_bwd(do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window, score_fn=fns[0],
-                      grad_fn=fns[1], mask_fn=fns[2], has_score_mod=has_score_mod, has_mask_mod=has_mask_mod,
+    return hopper_bwd(do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window,
+                      score_fn=fns[0], grad_fn=fns[1], mask_fn=fns[2],
+                      score_mode=hopper_bwd_score_mode(kernels, has_score_mod), has_mask_mod=has_mask_mod,
                       score_buffers=sm, mask_buffers=mm, score_grads=gs,
                       sparse_t=_sparse_args(bst) if bst else None, sparse_q=bst.block_q if bst else 1,
                       sparse_kv=bst.block_kv if bst else 1)

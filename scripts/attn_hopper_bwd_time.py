@@ -24,7 +24,8 @@ CASES = [(128, "causal"), (128, "none"), (64, "causal"), (128, "alibi"), (128, "
          (64, "alibi"), (64, "document"), (64, "window")]
 
 
-def _median_ms(fn, n=5):
+def event_times_ms(fn, n=5):
+    """``n`` CUDA-event timings of ``fn`` after one warm-up call, sorted (ms)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -35,7 +36,12 @@ def _median_ms(fn, n=5):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return sorted(times)
+
+
+def _median_ms(fn, n=5):
+    times = event_times_ms(fn, n)
+    return times[len(times) // 2]
 
 
 def main(pick: list[str]) -> dict:

@@ -37,11 +37,12 @@ VARIANTS = {
     "bwd_d64_causal": dict(D=64, backward=True),
     "bwd_d128_causal": dict(D=128, backward=True),
     "bwd_d128_alibi": dict(D=128, score=_alibi_like, backward=True),
+    "bwd_d128_alibi_no_grad": dict(D=128, score=_alibi_like, score_mode=2, backward=True),
     "bwd_d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True, backward=True),
 }
 
 
-def compile_backward(D, *, band=True, score=None, mask=None, sparse=False):
+def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -50,7 +51,8 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False):
         return f"tensordesc<bf16[{rows},{D}],{gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)!r}>"
 
     consts = dict(SCORE_FN=score or K._identity_score_mod, GRAD_FN=K._identity_score_grad,
-                  MASK_FN=mask or K._all_visible, HAS_SCORE_MOD=score is not None, HAS_MASK_MOD=mask is not None,
+                  MASK_FN=mask or K._all_visible, SCORE_MODE=0 if score is None else score_mode,
+                  HAS_MASK_MOD=mask is not None,
                   BAND=band, BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=HB.BWD_BLOCK_M,
                   BLOCK_N=HB.BWD_BLOCK_N, HEAD_D=D, STAGES=HB.BWD_STAGES, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
     kern = HB._hopper_bwd_kernel

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 H = importlib.import_module("fp8ops.kernels._attention_hopper")
+HB = importlib.import_module("fp8ops.kernels._attention_hopper_bwd")
 K = importlib.import_module("fp8ops.kernels.attention")
 A = importlib.import_module("fp8ops.attention")
 
@@ -31,7 +32,8 @@ needs_gluon = pytest.mark.skipif(not H.AVAILABLE, reason="this Triton has no Glu
 # Compiled for sm_90 without a GPU
 
 VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask"]
-BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_document_block_mask"]
+BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_alibi_no_grad",
+                "bwd_d128_document_block_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +210,61 @@ def test_score_mods_with_per_score_transcendental_math_stay_portable(launched_ke
                             right=None, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
                             dropout_p=0.0, seed=None)
         assert (seen[-1].score_mod is not None) == passed
+
+
+# ------------------------------------------------------------------------------------------------
+# How the Hopper backward calls a score_mod
+
+
+def _named_bias(score, b, h, q_idx, kv_idx):
+    shifted = score - 0.25 * (q_idx - kv_idx) * h
+    return shifted + 1.0
+
+
+def _scaled_in_steps(score, b, h, q_idx, kv_idx):
+    doubled = score * 2.0
+    return doubled - score + 0.5 * kv_idx  # derivative 2 - 1 = 1, but not recognised: stays called
+
+
+def test_the_derivative_of_an_additive_mod_is_the_identity_unless_a_table_learns():
+    from fp8ops.attention.codegen import score_grad_identity
+    from fp8ops.testing import attention_inputs as inputs
+
+    def identity(mod, needs=None):
+        needs = tuple(t.requires_grad for t in mod.buffers) if needs is None else needs
+        return score_grad_identity(mod.spec.fn, mod.spec.lowered, needs)
+
+    for mod in (A.alibi(8), A.alibi(torch.rand(8)), A.relative_position_bias(torch.randn(8, 31)),
+                A.score_mod(_named_bias), A.score_mod(inputs.additive_named)):
+        assert identity(mod), mod.name
+    assert not identity(A.alibi(torch.rand(8, requires_grad=True)))
+    assert not identity(A.relative_position_bias(torch.randn(8, 31)), needs=(True,))
+    for mod in (A.softcap(5.0), A.score_mod(inputs.scaled_score), A.score_mod(_scaled_in_steps)):
+        assert not identity(mod), mod.name
+    # the derivative the kernels get: the kernels' identity, or the generated one
+    assert A.alibi(8).spec.grad_jit(()) is K._identity_score_grad
+    assert A.alibi(torch.rand(8)).spec.grad_jit((True,)) is not K._identity_score_grad
+
+
+def test_backward_score_mode_per_mod():
+    from fp8ops.attention.autograd import _kernels
+    from fp8ops.testing import attention_inputs as inputs
+
+    cases = [(A.alibi(4), HB.SCORE_MODE_NO_GRAD), (A.alibi(torch.rand(4)), HB.SCORE_MODE_NO_GRAD),
+             (A.alibi(torch.rand(4, requires_grad=True)), HB.SCORE_MODE_NATURAL),  # the slopes learn
+             (A.score_mod(inputs.additive_named), HB.SCORE_MODE_NO_GRAD),
+             (A.score_mod(inputs.scaled_score), HB.SCORE_MODE_NATURAL)]
+    for mod, mode in cases:
+        ks = _kernels(mod.key, None, tuple(t.requires_grad for t in mod.buffers))
+        assert K.hopper_bwd_score_mode(ks, True) == mode, mod.name
+        assert K.hopper_bwd_score_mode(ks, False) == HB.SCORE_MODE_NONE
+
+
+@needs_gluon
+def test_skipping_the_derivative_drops_its_mask(compiled):
+    """SCORE_MODE_NO_GRAD compiles the same ALiBi without the derivative call and the visibility
+    select around it (per consumer thread, a backward tile holds 32 scores)."""
+    def selects(name):
+        return len(re.findall(r"\bselp\.f32", compiled[name]["ptx"]))
+
+    assert selects("bwd_d128_alibi_no_grad") <= selects("bwd_d128_alibi") - 32

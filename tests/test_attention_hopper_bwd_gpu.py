@@ -64,6 +64,14 @@ CASES = [
      dict(causal=True, score_mod="relative"), True),
     ("d128_alibi_window_mask", lambda: _qkv(1, 8, 2, 768, 768, 128), "bhsd",
      dict(score_mod="alibi", mask_mod="window"), True),
+    # how the kernel calls a mod: a scaled score (derivative 0.5 called), an additive mod in named
+    # steps and a frozen bias table (a load per score): derivative 1, skipped
+    ("d128_scaled_score_causal", lambda: _qkv(1, 4, 4, 640, 640, 128), "bhsd",
+     dict(causal=True, score_mod="scaled"), True),
+    ("d128_additive_named_causal", lambda: _qkv(1, 4, 2, 640, 640, 128), "bhsd",
+     dict(causal=True, score_mod="named"), True),
+    ("d64_relative_bias_frozen_window", lambda: _qkv(1, 4, 4, 512, 512, 64), "bhsd",
+     dict(window=(100, 37), score_mod="frozen"), True),
     ("d128_document_block_mask", lambda: _qkv(1, 4, 4, 1024, 1024, 128), "bhsd", dict(block_mask="docs"), True),
     ("d64_document_block_mask_gqa", lambda: _qkv(1, 8, 2, 1024, 1024, 64), "bhsd", dict(block_mask="docs"), True),
     ("rows_that_see_nothing", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(mask_mod="empty_rows"), True),
@@ -86,6 +94,10 @@ def _run(base, layout, opts, dq_mode, table):
         kw["score_mod"] = A.alibi(q4.shape[1])
     if opts.get("score_mod") == "relative":
         kw["score_mod"] = A.relative_position_bias(tab)
+    if opts.get("score_mod") in ("scaled", "named"):
+        kw["score_mod"] = A.score_mod(inputs.scaled_score if opts["score_mod"] == "scaled" else inputs.additive_named)
+    if opts.get("score_mod") == "frozen":
+        kw["score_mod"] = A.relative_position_bias(table.clone())
     if opts.get("mask_mod") == "window":
         kw["mask_mod"] = A.sliding_window_mask(200)
     if opts.get("mask_mod") == "empty_rows":

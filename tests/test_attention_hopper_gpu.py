@@ -61,6 +61,8 @@ CASES = [
      dict(causal=True, score_mod="alibi"), True),
     ("d128_alibi_window_mask", lambda: _qkv(1, 8, 2, 768, 768, 128), "bhsd",
      dict(score_mod="alibi", mask_mod="window"), True),
+    ("d128_scaled_score_causal", lambda: _qkv(1, 4, 4, 640, 640, 128), "bhsd",
+     dict(causal=True, score_mod="scaled"), True),
     ("d64_mods_portable", lambda: _qkv(1, 8, 2, 768, 768, 64), "bhsd", dict(score_mod="alibi", mask_mod="window"),
      False),
     ("d128_softcap_portable", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(causal=True, score_mod="softcap"),
@@ -84,6 +86,8 @@ def _run(base, layout, opts, fwd_config):
         kw["score_mod"] = A.alibi(q4.shape[1])
     if opts.get("score_mod") == "softcap":
         kw["score_mod"] = A.softcap(5.0)
+    if opts.get("score_mod") == "scaled":
+        kw["score_mod"] = A.score_mod(inputs.scaled_score)
     if opts.get("mask_mod") == "window":
         kw["mask_mod"] = A.sliding_window_mask(200)
     if opts.get("mask_mod") == "empty_rows":

@@ -519,6 +519,21 @@ def tile_math(low: _Lowered) -> bool:
     return False
 
 
+def score_grad_identity(fn: Any, low: _Lowered, needs: tuple[bool, ...]) -> bool:
+    """Whether a score mod's derivative in the score is the constant 1 and no captured tensor it
+    loads needs a gradient: an additive bias such as ALiBi, whose backward is the plain one (the
+    kernels then skip the derivative call and the mask it takes)."""
+    if any(slot < len(needs) and needs[slot] for _, slot, _, _ in low.loads):
+        return False
+    tan = _Tangents(fn, low.params[0])
+    for n, e in low.stmts:
+        t = tan.d(e, "s")
+        if t is not None:
+            # a literal stays a literal, so "score + bias" through named steps is still recognised
+            tan.names[(n, "s")] = t if t == "1.0" else f"_fp8_ds_{n}"
+    return tan.d(low.ret, "s") == "1.0"
+
+
 def _bwd_source(fn: Any, low: _Lowered, name: str, needs: tuple[bool, ...]) -> str:
     """Source of ``name(_fp8_ds, <params>, _fp8_valid, t0..t3, g0..g3) -> ds * dmod/dscore`` that also
     scatters ``ds * dmod/dload`` into the gradient buffers of the captured tensors in ``needs``."""

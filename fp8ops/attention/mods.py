@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..kernels import attention as _K
 from .codegen import (
     _BUF_PARAMS,
     _MAX_BUFFERS,
@@ -28,6 +29,7 @@ from .codegen import (
     _Lowered,
     _mod_error,
     _triton_scope,
+    score_grad_identity,
 )
 
 _SCORE_ARITY = 5
@@ -98,6 +100,8 @@ class _ModSpec:
             return self.triton_grad
         assert self.lowered is not None
         needs = tuple(bool(x) for x in needs)
+        if score_grad_identity(self.fn, self.lowered, needs):
+            return _K._identity_score_grad  # the kernels skip it (kernels/_attention_hopper_bwd.py)
         if needs not in self._grad:
             name = f"{self.name}_bwd" + "".join("1" if x else "0" for x in needs)
             self._grad[needs] = _jit_source(_bwd_source(self.fn, self.lowered, name, needs), name, _triton_scope())

@@ -1,5 +1,6 @@
 """Seeded attention inputs for tests: q/k/v in each layout, a fused QKV projection's strided
-slices, and a causal document mask (used by the Hopper attention GPU tests, forward and backward)."""
+slices, a causal document mask, and two score mods that the Hopper backward calls in different ways (used
+by the Hopper attention GPU tests, forward and backward)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from ..attention import and_masks, causal_mask, document_mask
 
-__all__ = ["docs_mask", "fused_qkv", "qkv", "rand"]
+__all__ = ["additive_named", "docs_mask", "fused_qkv", "qkv", "rand", "scaled_score"]
 
 
 def rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str) -> torch.Tensor:
@@ -37,3 +38,15 @@ def docs_mask(S: int, *, device: str, docs: int = 5) -> Any:
     """Causal attention within ``docs`` equal documents of a length-``S`` sequence (a mask_mod)."""
     ids = (torch.arange(S, device=device) * docs) // S
     return and_masks(causal_mask(), document_mask(ids))
+
+
+def scaled_score(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    """A score mod that is not additive (its derivative in the score, 0.5, is called by the kernels)."""
+    return score * 0.5 + 0.03125 * (kv_idx - q_idx)
+
+
+def additive_named(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    """An additive score mod written in named steps: its derivative is 1, which the Hopper backward
+    skips (``codegen.score_grad_identity`` follows the named steps)."""
+    shifted = score + 0.125 * h
+    return shifted - 0.03125 * (q_idx - kv_idx)
