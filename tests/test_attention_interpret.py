@@ -665,3 +665,32 @@ def test_compile_fullgraph_runs_the_fused_path(backend):
     got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=backend)(q, k, v), [q, k, v, table])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_additive_mod_whose_derivative_is_skipped_under_compile_and_func():
+    """ALiBi's derivative is the identity the kernels may skip: eager, torch.compile(fullgraph) and
+    torch.func.grad / vmap of grad of the fused path agree, and eager agrees with the reference."""
+    q, k, v = (t.detach() for t in _dense(1, 4, 2, 24, 24, 16))
+    sm = A.alibi(4)
+    assert sm.spec.grad_jit(()) is K._identity_score_grad
+
+    def fused(q):
+        out, _ = A._attention_triton(q, k, v, score_mod=sm, mask_mod=None, block_mask=None, scale=0.25, left=None,
+                                     right=0, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
+                                     dropout_p=0.0, seed=None, fwd_config=FWD16, bwd_config=BWD16)
+        return out.square().sum()
+
+    qq = q.clone().requires_grad_()
+    fused(qq).backward()
+    qr = q.clone().requires_grad_()
+    (ro, _), _ = R.attention(qr, k, v, causal=True, scale=0.25, score_mod=sm, return_lse=True)
+    ro.square().sum().backward()
+    torch.testing.assert_close(qq.grad, qr.grad, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(torch.func.grad(fused)(q), qq.grad, rtol=0, atol=0)
+    qs = torch.stack([q, q * 0.5])
+    vg = torch.func.vmap(torch.func.grad(fused))(qs)
+    torch.testing.assert_close(vg[0], qq.grad, rtol=0, atol=0)
+    torch._dynamo.reset()
+    q2 = q.clone().requires_grad_()
+    torch.compile(fused, fullgraph=True, backend="aot_eager")(q2).backward()
+    torch.testing.assert_close(q2.grad, qq.grad, rtol=1e-5, atol=1e-5)

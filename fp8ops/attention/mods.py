@@ -100,11 +100,15 @@ class _ModSpec:
             return self.triton_grad
         assert self.lowered is not None
         needs = tuple(bool(x) for x in needs)
-        if score_grad_identity(self.fn, self.lowered, needs):
-            return _K._identity_score_grad  # the kernels skip it (kernels/_attention_hopper_bwd.py)
         if needs not in self._grad:
-            name = f"{self.name}_bwd" + "".join("1" if x else "0" for x in needs)
-            self._grad[needs] = _jit_source(_bwd_source(self.fn, self.lowered, name, needs), name, _triton_scope())
+            if score_grad_identity(self.fn, self.lowered, needs):
+                # derivative 1 and nothing to scatter: the kernels' identity, which the Hopper
+                # backward skips (kernels/attention.hopper_bwd_score_mode)
+                self._grad[needs] = _K._identity_score_grad
+            else:
+                name = f"{self.name}_bwd" + "".join("1" if x else "0" for x in needs)
+                self._grad[needs] = _jit_source(_bwd_source(self.fn, self.lowered, name, needs), name,
+                                                _triton_scope())
         return self._grad[needs]
 
     def sources(self, needs: tuple[bool, ...] = ()) -> tuple[str, str | None]:
