@@ -63,10 +63,7 @@ if AVAILABLE:
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._attention_hopper import _NEW_WS, _tile_range, _tile_start, _tma_load
-
-    # a barrier of the calling partition's warps (renamed after Triton 3.6)
-    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from ._attention_hopper import _NEW_WS, _thread_barrier, _tile_range, _tile_start, _tma_load
     try:  # TMA reductions into global memory (Triton after 3.6)
         from triton.experimental.gluon.language.nvidia.hopper.tma import async_atomic_add as _tma_add
     except ImportError:  # Triton 3.6: the builder has the operation, the language no wrapper

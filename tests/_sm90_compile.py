@@ -93,7 +93,7 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False):
     consts = dict(SCORE_FN=score or K._identity_score_mod, MASK_FN=mask or K._all_visible,
                   HAS_SCORE_MOD=score is not None, HAS_MASK_MOD=mask is not None, BAND=band, REVERSE=band,
                   BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=H.BLOCK_M, BLOCK_N=cfg.block_n,
-                  HEAD_D=D, STAGES=cfg.stages, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
+                  HEAD_D=D, STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
     kern = H._hopper_fwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
@@ -106,7 +106,7 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False):
         elif n in consts:
             sig[n], fixed[(i,)] = "constexpr", consts[n]
         elif n.endswith("_ptr") or (n[:2] in ("st", "mt") and n[2:].isdigit()):
-            sig[n] = "*i32" if n[:2] in ("kv", "fk") else "*fp32"
+            sig[n] = "*i32" if n[:2] in ("kv", "fk", "sc") else "*fp32"
         else:
             sig[n] = "i32"
     return triton.compile(GluonASTSource(kern, sig, fixed), target=GPUTarget("cuda", 90, 32),

@@ -61,8 +61,11 @@ def test_compiles_for_sm90_into_the_warp_specialised_schedule(name, compiled):
     # K/V in through TMA copies signalled on mbarriers, O out through a TMA store
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), name
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, name
-    # no spills in the loops: at most a few values kept across the partitions' start
-    assert _stack_bytes(res) <= 32, f"{name}: the kernel spills to local memory: {res}"
+    # a persistent grid: the loader claims each further work item from one counter (the only atomic)
+    assert re.findall(r"atom\.[\w.]+", ptx) == ["atom.global.gpu.acq_rel.add.u32"], name
+    # no spills in the tile loops: at most a few values kept across the item loop (the item's
+    # block-mask list pointers: up to 40 bytes with Triton 3.6, 56 with 3.9)
+    assert _stack_bytes(res) <= 64, f"{name}: the kernel spills to local memory: {res}"
     assert shared <= 227 * 1024, name
 
 

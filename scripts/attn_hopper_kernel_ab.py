@@ -1,0 +1,100 @@
+"""The Hopper attention kernels against an earlier copy of themselves on one GPU: same inputs, the
+outputs compared (forward: bitwise; backward: dK and dV bitwise, dQ within the order of its float32
+sums), timed in alternating rounds (minimum of ten CUDA-event timings per round, two rounds). B = 8,
+H = 4096 / d, S = 8192 (or SEQ), bf16; the document mask is the benchmark's (``fp8ops.bench.attention``).
+
+    python scripts/attn_hopper_kernel_ab.py fwd OLD/_attention_hopper.py [causal128 document128 ...]
+    python scripts/attn_hopper_kernel_ab.py bwd OLD/_attention_hopper_bwd.py [causal128 ...]
+
+OLD: the earlier file (e.g. ``git show REV:kernels/_attention_hopper.py > old/_attention_hopper.py``),
+loaded as a sibling module of ``fp8ops.kernels`` and swapped in for the current launcher. Writes
+``$OUT/hopper_<pass>_ab.json`` (or ./).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_hopper_bwd_time import event_times_ms  # noqa: E402  (the sibling script's timing)
+
+from fp8ops.bench.attention import _documents  # noqa: E402
+
+A = importlib.import_module("fp8ops.attention")
+R = importlib.import_module("fp8ops.reference.attention")
+K = importlib.import_module("fp8ops.kernels.attention")
+CASES = ["causal128", "alibi128", "window128", "document128", "none128", "causal64", "causal256"]
+
+
+def _inputs(case: str, grad: bool) -> tuple[list[torch.Tensor], dict]:
+    variant = case.rstrip("0123456789")
+    d = int(case[len(variant):])
+    S = int(os.environ.get("SEQ", 8192))
+    H, B = (4096 // d if d <= 128 else 32), 65536 // S
+    torch.manual_seed(0)
+    qkv = [torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16).requires_grad_(grad) for _ in range(3)]
+    left, right = R.normalize_window((1024, 0) if variant == "window" else None, variant in ("causal", "alibi"))
+    kw = dict(score_mod=A.alibi(H) if variant == "alibi" else None, mask_mod=None, block_mask=None, left=left,
+              right=right, scale=d**-0.5, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
+              dropout_p=0.0, seed=None)
+    if grad:
+        kw.update(dq_mode="auto", bwd_config={"HOPPER": 2})
+    if variant == "document":
+        mm = A.and_masks(A.causal_mask(), A.document_mask(_documents(S, seed=S).cuda()))
+        kw.update(mask_mod=mm, block_mask=A.create_block_mask(mm, None, None, S, S, device="cuda"))
+    return qkv, kw
+
+
+def main(which: str, old_path: str, cases: list[str]) -> dict:
+    name = "hopper_fwd" if which == "fwd" else "hopper_bwd"
+    mod = f"fp8ops.kernels._{name}_earlier"
+    spec = importlib.util.spec_from_file_location(mod, old_path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    arms = {"new": getattr(K, name), "old": getattr(old, name)}
+    res = {}
+    for case in cases:
+        (q, k, v), kw = _inputs(case, which == "bwd")
+        if which == "bwd":
+            out, _ = A._attention_triton(q, k, v, **kw)
+            do = torch.randn_like(out)
+
+            def run():
+                return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        else:
+            def run():
+                with torch.no_grad():
+                    return A._attention_triton(q, k, v, **kw)
+        got, row = {}, {"new": [], "old": []}
+        for _ in range(2):
+            for arm, fn in arms.items():
+                setattr(K, name, fn)
+                got[arm] = [t.clone() for t in run()]
+                row[arm].append(min(event_times_ms(run, 10)))
+        setattr(K, name, arms["new"])
+        n, o = got["new"], got["old"]
+        if which == "fwd":
+            row.update(bitwise_equal=all(torch.equal(a, b) for a, b in zip(n, o)))
+        else:
+            row.update(dk_dv_bitwise_equal=torch.equal(n[1], o[1]) and torch.equal(n[2], o[2]),
+                       dq_max_abs_diff=(n[0].float() - o[0].float()).abs().max().item(),
+                       dq_max_abs=o[0].float().abs().max().item())
+        res[case] = row
+        print(case, json.dumps(row), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    which, old_path, *picked = sys.argv[1:]
+    result = main(which, old_path, picked or CASES)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": importlib.import_module("triton").__version__}
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, f"hopper_{which}_ab.json"), "w") as f:
+        json.dump({"environment": meta, "cases": result}, f, indent=1)
