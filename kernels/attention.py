@@ -1083,6 +1083,7 @@ class AttentionKernels(NamedTuple):
     score_mod: Any = None
     mask_mod: Any = None
     score_grad: Any = None  # score_mod's derivative for the Hopper backward (the dK/dV kernel's)
+    score_rel: bool = False  # score_mod is a relative bias slope * (kv - q) + c (codegen.relative_bias)
 
 
 def _jit(raw: Any, mods: dict[str, Any]) -> Any:
@@ -1570,7 +1571,8 @@ def attention_fwd_launch(
                 and hopper_fwd(q, k, v, out, lse, sm_scale=sm_scale, window=window, score_fn=fns[0], mask_fn=fns[1],
                                has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, score_buffers=sm,
                                mask_buffers=mm, sparse=_sparse_args(bs) if bs else None,
-                               sparse_q=bs.block_q if bs else 1, sparse_kv=bs.block_kv if bs else 1)):
+                               sparse_q=bs.block_q if bs else 1, sparse_kv=bs.block_kv if bs else 1,
+                               score_rel=kernels.score_rel)):
             return
     tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), interp)
     _launch(

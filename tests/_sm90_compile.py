@@ -34,6 +34,7 @@ VARIANTS = {
     "d256_causal": dict(D=256),
     "d128_alibi": dict(D=128, score=_alibi_like),
     "d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True),
+    "d128_alibi_relative": dict(D=128, score=_alibi_like, rel=True),
     "bwd_d64_causal": dict(D=64, backward=True),
     "bwd_d128_causal": dict(D=128, backward=True),
     "bwd_d128_alibi": dict(D=128, score=_alibi_like, backward=True),
@@ -80,7 +81,7 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
                           options={"num_warps": 4, "maxnreg": 168})
 
 
-def compile_variant(D, *, band=True, score=None, mask=None, sparse=False):
+def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -91,7 +92,8 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False):
         return f"tensordesc<bf16[{rows},{D}],{gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)!r}>"
 
     consts = dict(SCORE_FN=score or K._identity_score_mod, MASK_FN=mask or K._all_visible,
-                  HAS_SCORE_MOD=score is not None, HAS_MASK_MOD=mask is not None, BAND=band, REVERSE=band,
+                  HAS_SCORE_MOD=score is not None, SCORE_REL=rel, HAS_MASK_MOD=mask is not None, BAND=band,
+                  REVERSE=band,
                   BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=H.BLOCK_M, BLOCK_N=cfg.block_n,
                   HEAD_D=D, STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
     kern = H._hopper_fwd_kernel

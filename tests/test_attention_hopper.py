@@ -24,6 +24,7 @@ H = importlib.import_module("fp8ops.kernels._attention_hopper")
 HB = importlib.import_module("fp8ops.kernels._attention_hopper_bwd")
 K = importlib.import_module("fp8ops.kernels.attention")
 A = importlib.import_module("fp8ops.attention")
+modmath = importlib.import_module("fp8ops").modmath
 
 needs_gluon = pytest.mark.skipif(not H.AVAILABLE, reason="this Triton has no Gluon warp specialisation")
 
@@ -31,7 +32,7 @@ needs_gluon = pytest.mark.skipif(not H.AVAILABLE, reason="this Triton has no Glu
 # ------------------------------------------------------------------------------------------------
 # Compiled for sm_90 without a GPU
 
-VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask"]
+VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask", "d128_alibi_relative"]
 BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_alibi_no_grad",
                 "bwd_d128_document_block_mask"]
 
@@ -271,3 +272,66 @@ def test_skipping_the_derivative_drops_its_mask(compiled):
         return len(re.findall(r"\bselp\.f32", compiled[name]["ptx"]))
 
     assert selects("bwd_d128_alibi_no_grad") <= selects("bwd_d128_alibi") - 32
+
+
+# ------------------------------------------------------------------------------------------------
+# Relative biases in the Hopper forward
+
+
+def _offset_bias(score, b, h, q_idx, kv_idx):
+    return score + (kv_idx - q_idx) * (h + 1) * 0.125 - 2.0
+
+
+def _divided_bias(score, b, h, q_idx, kv_idx):
+    return score - (q_idx - kv_idx) * (h + 1) / 8
+
+
+def _absolute_bias(score, b, h, q_idx, kv_idx):
+    return score + 0.5 * kv_idx
+
+
+def _summed_positions(score, b, h, q_idx, kv_idx):
+    return score + 0.5 * kv_idx + 0.5 * q_idx
+
+
+def _squared_distance(score, b, h, q_idx, kv_idx):
+    return score + (kv_idx - q_idx) * (kv_idx - q_idx)
+
+
+def _halved_distance(score, b, h, q_idx, kv_idx):
+    return score + (kv_idx - q_idx) // 2
+
+
+def _stepped_bias(score, b, h, q_idx, kv_idx):
+    return score + 0.25 * (kv_idx - q_idx) + modmath.where(kv_idx > q_idx + 4, 1.0, 0.0)
+
+
+def test_relative_biases_are_recognised_and_nothing_else(launched_kernels):
+    """``codegen.relative_bias``: ``score + slope * (kv - q) + c`` with slope and c per (b, h), which
+    the Hopper forward adds per key column (the row part into the LSE); any other dependence on a
+    position, or a score that is not added once, keeps the mod's own call per score."""
+    from fp8ops.attention.autograd import _kernels
+    from fp8ops.attention.codegen import relative_bias
+    from fp8ops.testing import attention_inputs as inputs
+
+    def rel(mod):
+        return relative_bias(mod.spec.lowered)
+
+    for mod in (A.alibi(8), A.alibi(12), A.alibi(torch.rand(8)), A.alibi(torch.rand(8, requires_grad=True)),
+                A.score_mod(_named_bias), A.score_mod(inputs.additive_named), A.score_mod(_offset_bias),
+                A.score_mod(_divided_bias)):
+        assert rel(mod), mod.name
+    for mod in (A.softcap(5.0), A.relative_position_bias(torch.randn(8, 31)), A.score_mod(inputs.scaled_score),
+                A.score_mod(_scaled_in_steps), A.score_mod(_absolute_bias), A.score_mod(_summed_positions),
+                A.score_mod(_squared_distance), A.score_mod(_halved_distance), A.score_mod(_stepped_bias)):
+        assert not rel(mod), mod.name
+    # the kernels the forward op hands the launcher say so
+    for mod, expected in ((A.alibi(4), True), (A.score_mod(_offset_bias), True), (A.softcap(5.0), False),
+                          (A.score_mod(inputs.scaled_score), False)):
+        assert _kernels(mod.key, None, tuple(t.requires_grad for t in mod.buffers)).score_rel == expected, mod.name
+        # ... and the forward op passes it on to the launcher
+        q = torch.randn(1, 2, 32, 16)
+        A._attention_triton(q, q, q, score_mod=mod, mask_mod=None, block_mask=None, scale=0.25, left=None,
+                            right=None, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
+                            dropout_p=0.0, seed=None)
+        assert launched_kernels[-1].score_rel == expected, mod.name

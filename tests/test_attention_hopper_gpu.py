@@ -63,6 +63,11 @@ CASES = [
      dict(score_mod="alibi", mask_mod="window"), True),
     ("d128_scaled_score_causal", lambda: _qkv(1, 4, 4, 640, 640, 128), "bhsd",
      dict(causal=True, score_mod="scaled"), True),
+    # relative biases slope * (kv - q) + c: added per key column, the row part folded into the LSE
+    ("d128_additive_named_causal", lambda: _qkv(2, 4, 2, 640, 640, 128), "bhsd",
+     dict(causal=True, score_mod="additive_named"), True),
+    ("d128_additive_named_document", lambda: _qkv(1, 4, 4, 1024, 1024, 128), "bhsd",
+     dict(score_mod="additive_named", block_mask="docs"), True),
     ("d64_mods_portable", lambda: _qkv(1, 8, 2, 768, 768, 64), "bhsd", dict(score_mod="alibi", mask_mod="window"),
      False),
     ("d128_softcap_portable", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(causal=True, score_mod="softcap"),
@@ -88,6 +93,8 @@ def _run(base, layout, opts, fwd_config):
         kw["score_mod"] = A.softcap(5.0)
     if opts.get("score_mod") == "scaled":
         kw["score_mod"] = A.score_mod(inputs.scaled_score)
+    if opts.get("score_mod") == "additive_named":
+        kw["score_mod"] = A.score_mod(inputs.additive_named)
     if opts.get("mask_mod") == "window":
         kw["mask_mod"] = A.sliding_window_mask(200)
     if opts.get("mask_mod") == "empty_rows":

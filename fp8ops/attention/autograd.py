@@ -60,6 +60,9 @@ def _kernels(score_key: str | None, mask_key: str | None, needs: tuple[bool, ...
     if sm.lowered is not None and tile_math(sm.lowered):
         # transcendental math per score: the portable forward is the faster one (codegen.tile_math)
         ks = ks._replace(score_mod=None)
+    elif sm.relative_bias:
+        # slope * (kv - q) + c: the Hopper forward adds it per key column (codegen.relative_bias)
+        ks = ks._replace(score_rel=True)
     return ks
 
 
@@ -115,7 +118,7 @@ def _attention_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu
     ``repr`` of the call's :class:`_Static`; ``buffers`` are the unique captured tensors."""
     st = _parse_static(static)
     ks = _kernels(st.score_key, st.mask_key, st.needs)
-    kern = _K.AttentionKernels(ks.fwd, None, None, None, ks.score_mod, ks.mask_mod)
+    kern = _K.AttentionKernels(ks.fwd, None, None, None, ks.score_mod, ks.mask_mod, score_rel=ks.score_rel)
     out, lse = _attention_fwd_outputs(q, v, st.layout)
     flat = [_flat(t) for t in buffers]
     bs = None

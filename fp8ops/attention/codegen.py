@@ -534,6 +534,70 @@ def score_grad_identity(fn: Any, low: _Lowered, needs: tuple[bool, ...]) -> bool
     return tan.d(low.ret, "s") == "1.0"
 
 
+def relative_bias(low: _Lowered) -> bool:
+    """Whether a score mod is ``score + slope * (kv_idx - q_idx) + c`` with ``slope`` and ``c``
+    depending only on b and h (ALiBi and its variants), followed through named steps: the Hopper
+    forward then adds ``slope * (kv - q)`` per key column and folds the rest into the row's LSE
+    instead of calling the mod per score. Anything else that depends on a position (a comparison, a
+    table indexed by it, a product of positions) makes the answer False."""
+    score, b, h, q, kv = low.params
+    deps = _dependencies(low)
+    exprs = dict(low.stmts)
+    uniform_params = {b, h}
+
+    def uniform(node: ast.AST) -> bool:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and (n.id in (score, q, kv) or not deps.get(n.id, set()) <= uniform_params):
+                return False
+        return True
+
+    def add(x: dict, y: dict, sign: float) -> dict:
+        out = {k: dict(v) for k, v in x.items()}
+        for var, terms in y.items():
+            acc = out.setdefault(var, {})
+            for f, c in terms.items():
+                acc[f] = acc.get(f, 0.0) + sign * c
+        return out
+
+    def lin(node: ast.expr) -> dict | None:
+        # {variable: {uniform factors: number}}: the coefficients of score, kv and q (uniform terms dropped)
+        if uniform(node):
+            return {}
+        if isinstance(node, ast.Name):
+            if node.id in (score, kv, q):
+                return {node.id: {(): 1.0}}
+            return lin(exprs[node.id]) if node.id in exprs else None
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            x = lin(node.operand)
+            return None if x is None else add({}, x, -1.0 if isinstance(node.op, ast.USub) else 1.0)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            x, y = lin(node.left), lin(node.right)
+            if x is None or y is None:
+                return None
+            return add(x, y, 1.0 if isinstance(node.op, ast.Add) else -1.0)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and uniform(node.right):
+            node = ast.BinOp(ast.BinOp(ast.Constant(1.0), ast.Div(), node.right), ast.Mult(), node.left)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            for u, o in ((node.left, node.right), (node.right, node.left)):
+                if uniform(u):
+                    x = lin(o)
+                    if x is None:
+                        return None
+                    if isinstance(u, ast.Constant) and isinstance(u.value, (int, float)):
+                        return {v: {f: c * u.value for f, c in t.items()} for v, t in x.items()}
+                    fac = ast.unparse(u)
+                    return {v: {tuple(sorted((*f, fac))): c for f, c in t.items()} for v, t in x.items()}
+        return None
+
+    form = lin(low.ret)
+    if form is None:
+        return False
+    nz = {v: {f: c for f, c in t.items() if c != 0.0} for v, t in form.items()}
+    k_terms, q_terms = nz.get(kv, {}), nz.get(q, {})
+    return (nz.get(score) == {(): 1.0} and bool(k_terms) and q_terms == {f: -c for f, c in k_terms.items()}
+            and set(nz) <= {score, kv, q})
+
+
 def _bwd_source(fn: Any, low: _Lowered, name: str, needs: tuple[bool, ...]) -> str:
     """Source of ``name(_fp8_ds, <params>, _fp8_valid, t0..t3, g0..g3) -> ds * dmod/dscore`` that also
     scatters ``ds * dmod/dload`` into the gradient buffers of the captured tensors in ``needs``."""

@@ -29,6 +29,7 @@ from .codegen import (
     _Lowered,
     _mod_error,
     _triton_scope,
+    relative_bias,
     score_grad_identity,
 )
 
@@ -56,6 +57,7 @@ class _ModSpec:
         self.label = label
         self._fwd: Any = None
         self._grad: dict[tuple[bool, ...], Any] = {}
+        self._rel: bool | None = None
         if lowered is not None:
             digest = hashlib.sha256(_fwd_source(lowered, "f").encode()).hexdigest()[:16]
             self.key = f"{kind}:{digest}"
@@ -64,6 +66,14 @@ class _ModSpec:
         else:
             self.key = f"{kind}:explicit:{id(triton_fn)}:{id(triton_grad)}"
         self.name = "_fp8ops_" + hashlib.sha256(self.key.encode()).hexdigest()[:16]
+
+    @property
+    def relative_bias(self) -> bool:
+        """A score mod ``score + slope * (kv_idx - q_idx) + c`` with slope and c per (b, h)
+        (``codegen.relative_bias``; decided once per spec)."""
+        if self._rel is None:
+            self._rel = self.kind == "score" and self.lowered is not None and relative_bias(self.lowered)
+        return self._rel
 
     @property
     def differentiable(self) -> bool:
