@@ -221,8 +221,9 @@ if AVAILABLE:
                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
         (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
          k_empty, v_empty, slot_smem) = a
-        n_items = d[4]
-        sched_ptr = d[5]
+        (seq_q, seq_kv, group, n_heads, n_items, sched_ptr, q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch,
+         o_rb, o_rh, o_cb, o_ch, stride_lb, stride_lh, stride_ls, kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,
+         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right) = d
         lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
         w = gl.program_id(0)
         first = gl.num_programs(0)  # items handed out by the counter start after the programs' own
@@ -318,15 +319,13 @@ if AVAILABLE:
     def _consume(half: gl.constexpr, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr,
                  MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr, SCORE_REL: gl.constexpr,
                  HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
-                 SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                 Q_BUFS: gl.constexpr):
+                 SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
         (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
          k_empty, v_empty, slot_smem) = a
-        n_items = d[4]
-        stride_ls = d[20]
-        sm_scale = d[31]
-        win_left = d[32]
-        win_right = d[33]
+        (seq_q, seq_kv, group, n_heads, n_items, sched_ptr, q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch,
+         o_rb, o_rh, o_cb, o_ch, stride_lb, stride_lh, stride_ls, kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,
+         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right) = d
         qk_scale = sm_scale * 1.4426950408889634
         dtype: gl.constexpr = q_desc.dtype
         k_width: gl.constexpr = 32 // dtype.primitive_bitwidth
@@ -457,8 +456,8 @@ if AVAILABLE:
         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
         st0, st1, st2, st3, mt0, mt1, mt2, mt3,  # the mods' captured tensors
         SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr, SCORE_REL: gl.constexpr,
-        HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
-        SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+        HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
+        SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
         STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_M // 2
