@@ -84,12 +84,23 @@ BWD_STAGES = 2  # Q / dO ring depth
 
 # How the backward calls a score_mod (constexpr SCORE_MODE): none; on the natural-units score with its
 # derivative; the same with the derivative skipped (an additive mod, derivative 1, with no captured
-# tensor that needs a gradient: the code generator's derivative is then the identity).
-SCORE_MODE_NONE, SCORE_MODE_NATURAL, SCORE_MODE_NO_GRAD = 0, 1, 2
+# tensor that needs a gradient: the code generator's derivative is then the identity); not at all for
+# such a mod that is a relative bias slope * (kv - q) + c (codegen.relative_bias): the key part
+# slope * (kv - n0) is added per key row, the query part slope * (q - n0) - c goes into the tile's
+# LSE row with the loader (the mod is called twice per head, for c and the slope).
+SCORE_MODE_NONE, SCORE_MODE_NATURAL, SCORE_MODE_NO_GRAD, SCORE_MODE_RELATIVE = 0, 1, 2, 3
 _NO_BOUND = 1 << 30  # kernels/attention.NO_BOUND
 
 
 if AVAILABLE:
+
+    @gluon.jit
+    def _relative_bias2(SCORE_FN: gl.constexpr, sm_scale, b, h, st0, st1, st2, st3):
+        # slope * log2(e) and c * log2(e) of a relative bias: the mod at (q, kv) = (0, 0) and (0, 1)
+        pos0 = b * 0
+        c = SCORE_FN(sm_scale * 0.0, b, h, pos0, pos0, st0, st1, st2, st3).to(gl.float32)
+        slope = SCORE_FN(sm_scale * 0.0, b, h, pos0, pos0 + 1, st0, st1, st2, st3).to(gl.float32) - c
+        return slope * 1.4426950408889634, c * 1.4426950408889634
 
     @gluon.jit
     def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
@@ -121,6 +132,10 @@ if AVAILABLE:
             q_col = b * q_cb + h * q_ch
             g_col = b * g_cb + h * g_ch
             l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            rel2 = 0.0
+            c2 = 0.0
+            if SCORE_MODE == 3:  # SCORE_MODE_RELATIVE
+                rel2, c2 = _relative_bias2(SCORE_FN, sm_scale, b, h, st0, st1, st2, st3)
             for t in range(0, n):
                 m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                 st = it % STAGES
@@ -128,7 +143,10 @@ if AVAILABLE:
                 # lse (base 2) and delta of the tile's rows, stored by the whole warp before the
                 # barrier's arrival (made with the Q copy) publishes them
                 rows_l = (m0 + r_off).to(gl.int64) * stride_ls
-                lse_smem.index(st).store(gl.load(lse_ptr + l_off + rows_l) * 1.4426950408889634)
+                lse2 = gl.load(lse_ptr + l_off + rows_l) * 1.4426950408889634
+                if SCORE_MODE == 3:  # the bias's query part, slope * (q - n0) - c (exact integer offsets)
+                    lse2 += ((m0 - n0) + r_off).to(gl.float32) * rel2 - c2
+                lse_smem.index(st).store(lse2)
                 dl_smem.index(st).store(gl.load(delta_ptr + l_off + rows_l))
                 _thread_barrier()
                 mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes)
@@ -178,6 +196,11 @@ if AVAILABLE:
                 b, h, n0, seq_q, win_right, win_left, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
                 stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
                 BAND, BLOCK_SPARSE, SPARSE_KV, SPARSE_Q, 2 * HALF, BLOCK_M)
+            key2 = 0.0
+            if SCORE_MODE == 3:  # the bias's key part, slope * (kv - n0), per key row
+                rel2, c2 = _relative_bias2(SCORE_FN, sm_scale, b, h, st0, st1, st2, st3)
+                key2 = gl.expand_dims((c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))
+                                      .to(gl.float32) * rel2, 1)
             for t in range(0, n):
                 m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                 st = it % STAGES
@@ -188,7 +211,9 @@ if AVAILABLE:
                 dpT = warpgroup_mma(vc_, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sT = warpgroup_mma_wait(1, deps=[sT])
                 # P^T: scores in base 2 (score_mod in natural units), invisible entries -inf.
-                if SCORE_MODE:
+                if SCORE_MODE == 3:
+                    s2 = sT * qk_scale + key2
+                elif SCORE_MODE:
                     s_nat = sT * sm_scale
                     s2 = SCORE_FN(s_nat, b, h, gl.expand_dims(m0 + qoff, 0), keys, st0, st1, st2, st3)
                     s2 = s2.to(gl.float32) * 1.4426950408889634
@@ -420,8 +445,10 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return whether it ran (q, k, v and do need descriptor views, dk and dv a contiguous last dim;
     nothing is allocated or written otherwise). dQ is summed in a float32 buffer, then cast into
     ``dq``. ``sparse_t``: the portable dK/dV kernel's 10 block-mask arguments (per key block), or
-    None. ``score_mode``: one of SCORE_MODE_* (NO_GRAD: an additive bias such as ALiBi, derivative 1
-    and no captured-tensor gradient, so ``grad_fn`` is not called)."""
+    None. ``score_mode``: one of SCORE_MODE_* (NO_GRAD: an additive bias, derivative 1 and no
+    captured-tensor gradient, so ``grad_fn`` is not called; RELATIVE: such a bias that is
+    ``slope * (kv - q) + c`` per batch and head, ALiBi, added per key row and query column without
+    calling ``score_fn`` per score)."""
     views = (_view2d(q, BWD_BLOCK_M), _view2d(k, BWD_BLOCK_N // 2), _view2d(v, BWD_BLOCK_N // 2),
              _view2d(do, BWD_BLOCK_M))
     if any(x is None for x in views) or views[1][1:] != views[2][1:]:

@@ -94,6 +94,7 @@ from ._attention_hopper_bwd import (
     SCORE_MODE_NATURAL,
     SCORE_MODE_NO_GRAD,
     SCORE_MODE_NONE,
+    SCORE_MODE_RELATIVE,
     hopper_bwd,
     hopper_bwd_supported,
 )
@@ -1767,10 +1768,13 @@ def resolve_dq_mode(dq_mode: str, *, masked: bool, head_dim: int) -> str:
 def hopper_bwd_score_mode(kernels: AttentionKernels, has_score_mod: bool) -> int:
     """How the Hopper backward calls the score_mod (``_attention_hopper_bwd.SCORE_MODE_*``): it skips
     the derivative of an additive mod with no captured-tensor gradient (the code generator then
-    gives the identity as its derivative, ``codegen.score_grad_identity``), else calls it."""
+    gives the identity as its derivative, ``codegen.score_grad_identity``), and of such a mod that
+    is a relative bias (``kernels.score_rel``) the calls per score as well, else calls both."""
     if not has_score_mod:
         return SCORE_MODE_NONE
-    return SCORE_MODE_NO_GRAD if kernels.score_grad is _identity_score_grad else SCORE_MODE_NATURAL
+    if kernels.score_grad is not _identity_score_grad:
+        return SCORE_MODE_NATURAL
+    return SCORE_MODE_RELATIVE if kernels.score_rel else SCORE_MODE_NO_GRAD
 
 
 def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

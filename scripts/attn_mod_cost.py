@@ -1,9 +1,10 @@
 """What a score_mod costs the Hopper attention kernels: forward and backward ms of causal attention
-with no mod and with ALiBi called two ways: as generated from its Python body (an additive mod with
-no learnable table: the backward skips its derivative, 1) and through a hand-written Triton twin whose
-derivative the backward calls (the earlier way; one H100/H200, B=8, H=32, S=8192, d=128, bf16; minimum
-and median of ten CUDA-event timings, every case timed in two rounds). Writes
-``$OUT/attention_mod_cost.json`` (or ./).
+with no mod and with ALiBi called three ways: as generated from its Python body (a relative bias:
+the kernels add it per key and fold the query part into the LSE, and skip its derivative, 1); the
+same with the backward calling the mod per score (its derivative still skipped); and through a
+hand-written Triton twin whose derivative the backward calls (the earliest way; one H100/H200, B=8,
+H=32, S=8192, d=128, bf16; minimum and median of ten CUDA-event timings, every case timed in two
+rounds). Writes ``$OUT/attention_mod_cost.json`` (or ./).
 
     python scripts/attn_mod_cost.py
 """
@@ -55,14 +56,23 @@ def main() -> dict:
     do = torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16)
     left, right = R.normalize_window(None, True)
     py = fp8ops.alibi(H).fn
+    K = importlib.import_module("fp8ops.kernels.attention")
+    real_mode = K.hopper_bwd_score_mode
+
+    def per_score(kernels, has_score_mod):  # the relative path off: the mod called per score
+        mode = real_mode(kernels, has_score_mod)
+        return K.SCORE_MODE_NO_GRAD if mode == K.SCORE_MODE_RELATIVE else mode
+
     mods = {
-        "causal": None,
-        "alibi (generated, derivative skipped)": fp8ops.alibi(H),
-        "alibi, derivative called": A.ScoreMod(py, triton=alibi_int, triton_grad=grad_times_one),
+        "causal": (None, real_mode),
+        "alibi (generated, relative bias, derivative skipped)": (fp8ops.alibi(H), real_mode),
+        "alibi, called per score in the backward": (fp8ops.alibi(H), per_score),
+        "alibi, derivative called": (A.ScoreMod(py, triton=alibi_int, triton_grad=grad_times_one), real_mode),
     }
     res = {}
     ref = None
-    for name, sm in [*mods.items(), *mods.items()]:
+    for name, (sm, mode_fn) in [*mods.items(), *mods.items()]:
+        K.hopper_bwd_score_mode = mode_fn
         kw = dict(score_mod=sm, mask_mod=None, block_mask=None, left=left, right=right, scale=d**-0.5,
                   layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None, dropout_p=0.0, seed=None,
                   dq_mode="auto")
@@ -77,6 +87,7 @@ def main() -> dict:
         row = {"fwd": _times_ms(lambda: A._attention_triton(q, k, v, **kw)),
                "bwd": _times_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)),
                "max_diff_vs_generated": err}
+        K.hopper_bwd_score_mode = real_mode
         res.setdefault(name, []).append(row)
         print(name, "fwd min/median %.3f/%.3f bwd %.3f/%.3f" % (row["fwd"]["min"], row["fwd"]["median"],
                                                                   row["bwd"]["min"], row["bwd"]["median"]),

@@ -39,6 +39,7 @@ VARIANTS = {
     "bwd_d128_causal": dict(D=128, backward=True),
     "bwd_d128_alibi": dict(D=128, score=_alibi_like, backward=True),
     "bwd_d128_alibi_no_grad": dict(D=128, score=_alibi_like, score_mode=2, backward=True),
+    "bwd_d128_alibi_relative": dict(D=128, score=_alibi_like, score_mode=3, backward=True),
     "bwd_d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True, backward=True),
 }
 

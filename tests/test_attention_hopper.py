@@ -34,7 +34,7 @@ needs_gluon = pytest.mark.skipif(not H.AVAILABLE, reason="this Triton has no Glu
 
 VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask", "d128_alibi_relative"]
 BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_alibi_no_grad",
-                "bwd_d128_document_block_mask"]
+                "bwd_d128_alibi_relative", "bwd_d128_document_block_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -254,9 +254,11 @@ def test_backward_score_mode_per_mod():
     from fp8ops.attention.autograd import _kernels
     from fp8ops.testing import attention_inputs as inputs
 
-    cases = [(A.alibi(4), HB.SCORE_MODE_NO_GRAD), (A.alibi(torch.rand(4)), HB.SCORE_MODE_NO_GRAD),
+    cases = [(A.alibi(4), HB.SCORE_MODE_RELATIVE), (A.alibi(torch.rand(4)), HB.SCORE_MODE_RELATIVE),
              (A.alibi(torch.rand(4, requires_grad=True)), HB.SCORE_MODE_NATURAL),  # the slopes learn
-             (A.score_mod(inputs.additive_named), HB.SCORE_MODE_NO_GRAD),
+             (A.score_mod(inputs.additive_named), HB.SCORE_MODE_RELATIVE),
+             (A.score_mod(_absolute_bias), HB.SCORE_MODE_NO_GRAD),  # additive, not a relative bias
+             (A.relative_position_bias(torch.randn(4, 9)), HB.SCORE_MODE_NO_GRAD),  # a table per distance
              (A.score_mod(inputs.scaled_score), HB.SCORE_MODE_NATURAL)]
     for mod, mode in cases:
         ks = _kernels(mod.key, None, tuple(t.requires_grad for t in mod.buffers))
@@ -272,6 +274,18 @@ def test_skipping_the_derivative_drops_its_mask(compiled):
         return len(re.findall(r"\bselp\.f32", compiled[name]["ptx"]))
 
     assert selects("bwd_d128_alibi_no_grad") <= selects("bwd_d128_alibi") - 32
+
+
+@needs_gluon
+def test_relative_bias_in_the_backward_converts_no_position_per_score(compiled):
+    """SCORE_MODE_RELATIVE adds ALiBi per key row and folds its query part into the LSE row: no
+    position converted to float per score (a consumer thread holds 32 scores of a tile), against
+    one per score when the mod is called."""
+    def conversions(name):
+        return compiled[name]["ptx"].count("cvt.rn.f32.s32")
+
+    assert conversions("bwd_d128_alibi_no_grad") >= 2 * 32
+    assert conversions("bwd_d128_alibi_relative") <= 4
 
 
 # ------------------------------------------------------------------------------------------------

@@ -64,6 +64,14 @@ CASES = [
      dict(causal=True, score_mod="relative"), True),
     ("d128_alibi_window_mask", lambda: _qkv(1, 8, 2, 768, 768, 128), "bhsd",
      dict(score_mod="alibi", mask_mod="window"), True),
+    # ALiBi's query part folded into the LSE row relative to the key tile: queries before and far
+    # after the keys (no mask, cross-attention both ways), block masks, rows that see nothing
+    ("d128_alibi_none_cross", lambda: _qkv(1, 4, 2, 512, 1024, 128), "bhsd", dict(score_mod="alibi"), True),
+    ("d64_alibi_long_q", lambda: _qkv(2, 4, 4, 1536, 512, 64), "bhsd", dict(score_mod="alibi"), True),
+    ("d64_alibi_document_block_mask_gqa", lambda: _qkv(1, 8, 2, 1024, 1024, 64), "bhsd",
+     dict(score_mod="alibi", block_mask="docs"), True),
+    ("alibi_rows_that_see_nothing", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd",
+     dict(score_mod="alibi", mask_mod="empty_rows"), True),
     # how the kernel calls a mod: a scaled score (derivative 0.5 called), an additive mod in named
     # steps and a frozen bias table (a load per score): derivative 1, skipped
     ("d128_scaled_score_causal", lambda: _qkv(1, 4, 4, 640, 640, 128), "bhsd",
@@ -80,6 +88,11 @@ CASES = [
     ("d256_portable", lambda: _qkv(1, 4, 4, 512, 512, 256), "bhsd", dict(causal=True), False),
     ("dropout_portable", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(causal=True, dropout=0.1), False),
 ]
+
+
+HB = importlib.import_module("fp8ops.kernels._attention_hopper_bwd")
+_SCORE_MODES = {None: HB.SCORE_MODE_NONE, "alibi": HB.SCORE_MODE_RELATIVE, "named": HB.SCORE_MODE_RELATIVE,
+                "relative": HB.SCORE_MODE_NATURAL, "scaled": HB.SCORE_MODE_NATURAL, "frozen": HB.SCORE_MODE_NO_GRAD}
 
 
 def _run(base, layout, opts, dq_mode, table):
@@ -126,13 +139,19 @@ def test_hopper_backward_against_the_reference_and_the_portable_kernels(case, mo
     ran = []
     real = K.hopper_bwd
 
+    modes = []
+
     def spy(*args, **kwargs):
+        modes.append(kwargs["score_mode"])
         ran.append(real(*args, **kwargs))
         return ran[-1]
 
     monkeypatch.setattr(K, "hopper_bwd", spy)
     mine, kw = _run(base, layout, opts, "auto", table)
     assert any(ran) == applies, f"{name}: the Hopper backward ran {ran}, expected {applies}"
+    if applies:  # how the kernel called the mod
+        expected = _SCORE_MODES[opts.get("score_mod")]
+        assert modes == [expected], f"{name}: score modes {modes}, expected {expected}"
     ran.clear()
     portable, _ = _run(base, layout, opts, "separate", table)
     assert not ran

@@ -249,6 +249,7 @@ def _attention_bwd_op(
         _kernel_for("score_mod", st.score_key, st.mask_key, st.needs),
         _kernel_for("mask_mod", st.score_key, st.mask_key, st.needs),
         _kernel_for("score_grad", st.score_key, st.mask_key, st.needs),
+        _kernel_for("score_rel", st.score_key, st.mask_key, st.needs),
     )
     dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
     dk = torch.zeros_like(k) if varlen else torch.empty_like(k)
