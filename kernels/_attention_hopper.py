@@ -159,6 +159,15 @@ if AVAILABLE:
         return n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr
 
     @gluon.jit
+    def _relative_bias(SCORE_FN: gl.constexpr, sm_scale, b, h, st0, st1, st2, st3):
+        # A relative bias's slope and constant (codegen.relative_bias: score + slope * (kv - q) + c,
+        # slope and c per (b, h)): the mod at (q, kv) = (0, 0) and (0, 1)
+        pos0 = b * 0
+        c = SCORE_FN(sm_scale * 0.0, b, h, pos0, pos0, st0, st1, st2, st3).to(gl.float32)
+        slope = SCORE_FN(sm_scale * 0.0, b, h, pos0, pos0 + 1, st0, st1, st2, st3).to(gl.float32) - c
+        return slope, c
+
+    @gluon.jit
     def _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE: gl.constexpr, SPARSE_KV: gl.constexpr,
                     BLOCK_N: gl.constexpr):
         # First key of tile t: dense tiles run from lo_t; block-sparse ones walk the partial list's
@@ -351,10 +360,8 @@ if AVAILABLE:
             rel2 = 0.0
             rel_c = 0.0
             rel_slope = 0.0
-            if SCORE_REL:  # the bias's constant and slope: the mod at (q, kv) = (0, 0) and (0, 1)
-                pos0 = b * 0
-                rel_c = SCORE_FN(sm_scale * 0.0, b, h, pos0, pos0, st0, st1, st2, st3).to(gl.float32)
-                rel_slope = SCORE_FN(sm_scale * 0.0, b, h, pos0, pos0 + 1, st0, st1, st2, st3).to(gl.float32) - rel_c
+            if SCORE_REL:
+                rel_slope, rel_c = _relative_bias(SCORE_FN, sm_scale, b, h, st0, st1, st2, st3)
                 rel2 = rel_slope * 1.4426950408889634
             acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
             m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)

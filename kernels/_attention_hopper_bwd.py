@@ -63,7 +63,8 @@ if AVAILABLE:
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._attention_hopper import _NEW_WS, _thread_barrier, _tile_range, _tile_start, _tma_load
+    from ._attention_hopper import (_NEW_WS, _relative_bias, _thread_barrier, _tile_range, _tile_start,
+                                    _tma_load)
     try:  # TMA reductions into global memory (Triton after 3.6)
         from triton.experimental.gluon.language.nvidia.hopper.tma import async_atomic_add as _tma_add
     except ImportError:  # Triton 3.6: the builder has the operation, the language no wrapper
@@ -96,10 +97,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _relative_bias2(SCORE_FN: gl.constexpr, sm_scale, b, h, st0, st1, st2, st3):
-        # slope * log2(e) and c * log2(e) of a relative bias: the mod at (q, kv) = (0, 0) and (0, 1)
-        pos0 = b * 0
-        c = SCORE_FN(sm_scale * 0.0, b, h, pos0, pos0, st0, st1, st2, st3).to(gl.float32)
-        slope = SCORE_FN(sm_scale * 0.0, b, h, pos0, pos0 + 1, st0, st1, st2, st3).to(gl.float32) - c
+        # a relative bias's slope and constant in base-2 units
+        slope, c = _relative_bias(SCORE_FN, sm_scale, b, h, st0, st1, st2, st3)
         return slope * 1.4426950408889634, c * 1.4426950408889634
 
     @gluon.jit
