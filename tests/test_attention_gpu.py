@@ -302,6 +302,38 @@ def test_compile_fullgraph_backward_equals_eager():
         assert (a.float() - b.float()).abs().max() <= 1e-2 * float(b.abs().max()) + 1e-6
 
 
+def test_alibi_compiled_backward_equals_eager_on_the_relative_path(monkeypatch):
+    """ALiBi through torch.compile(fullgraph=True): the compiled graph's backward reaches the same
+    kernel path as eager (on an sm_90 GPU the Hopper backward with the bias added per key row) and
+    gives the same gradients."""
+    K = importlib.import_module("fp8ops.kernels.attention")
+    HB = importlib.import_module("fp8ops.kernels._attention_hopper_bwd")
+    modes = []
+    real = K.hopper_bwd
+
+    def spy(*args, **kwargs):
+        modes.append(kwargs["score_mode"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "hopper_bwd", spy)
+    q, k, v = _qkv(2, 8, 2, 512, 512, 128, BF16)
+    sm = A.alibi(8)
+
+    def loss(q, k, v):
+        out, _ = A.attention(q, k, v, causal=True, score_mod=sm, backend="triton")
+        return out.float().square().mean()
+
+    eager = torch.autograd.grad(loss(q, k, v), [q, k, v])
+    eager_modes = list(modes)
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), [q, k, v])
+    assert modes[len(eager_modes):] == eager_modes
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert eager_modes == [HB.SCORE_MODE_RELATIVE]
+    for a, b in zip(got, eager):
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * float(b.abs().max()) + 1e-6
+
+
 def test_compile_of_func_grad_is_never_silently_wrong():
     q, k, v = (t.detach() for t in _qkv(1, 4, 4, 256, 256, 64, BF16))
 
