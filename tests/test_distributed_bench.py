@@ -57,6 +57,17 @@ def test_options_that_leave_nothing_or_no_batch_raise():
             P.run(parser.parse_args(["--overlap", "c2", bad]))
 
 
+def test_overlap_none_or_no_spec_times_no_overlap_variant():
+    parser = argparse.ArgumentParser()
+    P.add_arguments(parser)
+    assert P.overlap_specs(parser.parse_args([])) == list(P.OVERLAP_DEFAULT)
+    assert P.overlap_specs(parser.parse_args(["--overlap", "none"])) == []
+    assert P.overlap_specs(parser.parse_args(["--overlap"])) == []
+    assert P.overlap_specs(parser.parse_args(["--overlap", "none", "--row-chunks", "2"])) == ["c2+nf"]
+    with pytest.raises(ValueError, match=r"--overlap none .*takes no other SPEC, got 'none c2'"):
+        P.overlap_specs(parser.parse_args(["--overlap", "none", "c2"]))
+
+
 def test_ratios_use_the_default_variant_and_report_overlaps():
     """The targets' ratios come from the default TP variants; each overlap variant is reported
     against the default graph step."""

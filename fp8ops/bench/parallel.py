@@ -41,7 +41,8 @@ chunk's reduce-scatter in flight while the next chunk is computed (``row_chunks`
 has high priority; ``nf``, the FP8 GEMMs and their collectives not fused (NCCL collectives next
 to the GEMMs, instead of the default: torch's pipelined symmetric-memory ops,
 ``pipelined_gemms``). Each is reported as ``overlap_<SPEC>_over_default``; the target ratios use the
-default (one GEMM, every SM, the default group).
+default (one GEMM, every SM, the default group). ``--overlap none`` (or ``--overlap`` with no SPEC)
+times none of them.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the TP=2+SP graph step with these overlaps: '+'-joined c<N> (row-parallel "
                              "forward GEMMs in N chunks), s<N> (N SMs left to collectives in flight), hp "
                              "(high-priority NCCL stream), nf (GEMMs and collectives not fused through symmetric "
-                             f"memory); default: {' '.join(OVERLAP_DEFAULT)}; none: skip")
+                             f"memory); default: {' '.join(OVERLAP_DEFAULT)}; 'none' (or no SPEC): no overlap variant")
     parser.add_argument("--row-chunks", type=int, nargs="*", default=[], metavar="N",
                         help="the same as --overlap c<N>+nf for each N (the row-parallel forward GEMMs in N chunks, "
                              "NCCL collectives), added to the --overlap variants")
@@ -380,6 +381,21 @@ def _variants(opts: dict[str, Any], rank: int, world: int, group: Any, groups: d
     return out
 
 
+def overlap_specs(args: argparse.Namespace) -> list[str]:
+    """The overlap SPECs to time: ``--overlap`` ("none", or no SPEC, for none) and ``--row-chunks``;
+    a malformed SPEC raises before any process starts."""
+    given = list(getattr(args, "overlap", []))
+    if "none" in given:
+        if len(given) > 1:
+            raise ValueError(f"fp8ops.bench parallel: --overlap none times no overlap variant and takes no other "
+                             f"SPEC, got {' '.join(given)!r}")
+        given = []
+    specs = [*given, *(f"c{n}+nf" for n in getattr(args, "row_chunks", []))]
+    for spec in specs:
+        _overlap_of(f"overlap {spec}")
+    return specs
+
+
 def _overlap_of(name: str) -> tuple[int, int, bool, bool]:
     """(row-parallel forward chunks, SMs left to collectives in flight, high-priority group, fused
     GEMMs and collectives) of a variant: (1, 0, False, True) unless its name ends with "overlap
@@ -524,9 +540,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if fsdp_batch is not None and fsdp_batch < 1:
         raise ValueError(f"fp8ops.bench parallel: --fsdp-batch must be a positive number of sequences per GPU, "
                          f"got {fsdp_batch}")
-    overlap = [*getattr(args, "overlap", []), *(f"c{n}+nf" for n in getattr(args, "row_chunks", []))]
-    for spec in overlap:
-        _overlap_of(f"overlap {spec}")  # raises on a malformed SPEC before any process starts
+    overlap = overlap_specs(args)
     if getattr(args, "no_seed", False) and args.no_fsdp:
         raise ValueError("fp8ops.bench parallel: --no-seed and --no-fsdp together leave nothing to run")
     n = torch.cuda.device_count()
