@@ -181,6 +181,23 @@ def test_document_block_mask_equals_sdpa_with_a_dense_mask():
     assert (a.float() - b.float()).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("docs", ["split", "batched"])
+def test_document_masks_split_and_per_batch_equal_sdpa(docs):
+    # split: a document in two runs of positions; batched: (B, S) ids, two documents layouts
+    S = 1024
+    q, k, v = _qkv(2, 8, 2, S, S, 128, BF16)
+    pos = torch.arange(S, device=DEV)
+    if docs == "split":
+        ids = torch.where((pos >= 300) & (pos < 700), 1, 0) + torch.where(pos >= 900, 2, 0)
+    else:
+        ids = torch.stack([pos // 200, pos // 300])
+    mm = A.and_masks(A.causal_mask(), A.document_mask(ids))
+    B = 2 if docs == "batched" else None
+    bm = A.create_block_mask(mm, B, None, S, S, device=DEV)
+    dense = torch.stack([mm(b, 0, pos[:, None], pos[None, :]) for b in range(2)])[:, None]
+    _compare(q, k, v, block_mask=bm, sdpa=_sdpa(attn_mask=dense))
+
+
 def test_block_mask_per_batch_and_head():
     S = 1024
 

@@ -694,3 +694,35 @@ def test_additive_mod_whose_derivative_is_skipped_under_compile_and_func():
     q2 = q.clone().requires_grad_()
     torch.compile(fused, fullgraph=True, backend="aot_eager")(q2).backward()
     torch.testing.assert_close(q2.grad, qq.grad, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Document masks: packed runs of ids, a document in two runs, ids per batch, ids written in place
+
+
+@pytest.mark.parametrize("docs", ["runs", "split", "batched"])
+def test_document_masks_against_the_reference(docs):
+    # runs: documents one after another; split: document 0 in two runs (a test of runs of equal ids
+    # would hide the first run's keys from the second's queries); batched: (B, S) ids
+    S = 37
+    if docs == "runs":
+        ids = torch.arange(S) // 12
+    elif docs == "split":
+        ids = torch.tensor([0] * 10 + [1] * 10 + [0] * 10 + [2] * 7)
+    else:
+        ids = torch.stack([torch.arange(S) // 12, torch.arange(S) // 7])
+    mm = A.and_masks(A.causal_mask(), A.document_mask(ids))
+    bm = A.create_block_mask(mm, 2 if docs == "batched" else None, None, S, S, block_size=16)
+    _check(*_dense(2, 2, 2, S, S, 16), block_mask=bm)
+    _check(*_dense(2, 2, 2, S, S, 16, seed=3), mask_mod=A.document_mask(ids))  # no block mask: every tile
+
+
+def test_document_mask_reads_ids_written_in_place():
+    # the kernels read the ids at each call: a mask built once follows ids written in place
+    ids = torch.arange(37) // 12
+    mm = A.and_masks(A.causal_mask(), A.document_mask(ids))
+    q, k, v = _dense(1, 2, 2, 37, 37, 16)
+    _check(q, k, v, mask_mod=mm)
+    for new in (torch.arange(37) // 5, torch.tensor([1] * 20 + [0] * 17)):
+        ids.copy_(new)
+        _check(q, k, v, mask_mod=mm)
