@@ -702,8 +702,8 @@ def test_additive_mod_whose_derivative_is_skipped_under_compile_and_func():
 
 @pytest.mark.parametrize("docs", ["runs", "split", "batched"])
 def test_document_masks_against_the_reference(docs):
-    # runs: documents one after another; split: document 0 in two runs (a test of runs of equal ids
-    # would hide the first run's keys from the second's queries); batched: (B, S) ids
+    # runs: documents one after another; split: document 0 in two separate runs of positions, whose
+    # queries see each other's keys (a mask must compare ids, not neighbourhoods); batched: (B, S) ids
     S = 37
     if docs == "runs":
         ids = torch.arange(S) // 12
