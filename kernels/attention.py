@@ -107,6 +107,7 @@ __all__ = [
     "AttentionKernels",
     "attention_bwd_launch",
     "attention_fwd_launch",
+    "document_bounds",
     "hopper_bwd_score_mode",
     "resolve_dq_mode",
     "specialize",
@@ -195,6 +196,68 @@ def _mm_clamp(x, lo, hi):
 @triton.jit
 def _mm_load(table, index):
     return tl.load(table + index)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit(debug=True)  # its device_assert stays in the compiled kernel
+def _document_bounds_kernel(ids_ptr, out_ptr, S, BLOCK: tl.constexpr):
+    # One row of non-decreasing document ids: for each position p, the run of equal ids that holds
+    # it, [start, end), stored as out[2 r S + p] = start and out[2 r S + S + p] = end (a row of
+    # starts, then a row of ends). Ids that decrease (a document in two runs, which a run would not
+    # describe) stop the program with an error instead.
+    r = tl.program_id(0)
+    base = r.to(tl.int64) * S
+    offs = tl.arange(0, BLOCK)
+    n = tl.cdiv(S, BLOCK)
+    carry = r * 0
+    n_down = r * 0
+    for c in range(0, n):
+        p = c * BLOCK + offs
+        ok = p < S
+        cur = tl.load(ids_ptr + base + p, mask=ok, other=0)
+        prev = tl.load(ids_ptr + base + p - 1, mask=ok & (p > 0), other=0)
+        first = (p == 0) | (cur != prev)
+        run = tl.maximum(tl.associative_scan(tl.where(first & ok, p, 0), 0, _max_combine), carry)
+        tl.store(out_ptr + 2 * base + p, run, mask=ok)
+        carry = tl.max(run, 0)
+        n_down += tl.sum((ok & (p > 0) & (cur < prev)).to(tl.int32), 0)
+    tl.device_assert(n_down == 0, "fp8ops.document_mask: the document ids were changed in place so that "
+                     "they decrease; build the mask again from the new ids")
+    carry = r * 0 + S
+    for c2 in range(0, n):
+        p = (n - 1 - c2) * BLOCK + offs
+        ok = p < S
+        cur = tl.load(ids_ptr + base + p, mask=ok, other=0)
+        nxt = tl.load(ids_ptr + base + p + 1, mask=ok & (p + 1 < S), other=0)
+        last = (p == S - 1) | (cur != nxt)
+        run = tl.minimum(tl.associative_scan(tl.where(last & ok, p + 1, S), 0, _min_combine, reverse=True), carry)
+        tl.store(out_ptr + 2 * base + S + p, run, mask=ok)
+        carry = tl.min(run, 0)
+
+
+def document_bounds(ids: torch.Tensor, seq: int) -> torch.Tensor:
+    """The runs of equal document ids (flat and non-decreasing along each row of ``seq``
+    positions): an int32 tensor of ``2 * rows * seq`` entries, the run ``[start, end)`` of position
+    p of row r with start at ``2 r seq + p`` and end at ``2 r seq + seq + p``. One kernel launch, no
+    host synchronisation; on the GPU, ids that decrease somewhere stop the kernel with a device-side
+    assertion (CPU tensors, for the interpreter: ``ValueError``)."""
+    rows = ids.numel() // seq
+    if not ids.is_cuda and rows and bool((ids.view(rows, seq).diff(dim=1) < 0).any()):
+        raise ValueError("fp8ops.document_mask: the document ids were changed in place so that they decrease; "
+                         "build the mask again from the new ids")
+    out = torch.empty(2 * rows * seq, dtype=torch.int32, device=ids.device)
+    if rows:
+        _document_bounds_kernel[(rows,)](ids, out, seq, BLOCK=1024, num_warps=4)
+    return out
 
 
 MODMATH_TRITON: dict[str, Any] = {

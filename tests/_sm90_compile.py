@@ -28,6 +28,17 @@ def _document_like(b, h, q_idx, kv_idx, t0, t1, t2, t3):
     return (tl.load(t0 + q_idx) == tl.load(t0 + kv_idx)) & (q_idx >= kv_idx)
 
 
+def _document_runs():
+    # the library's document mask with causal (its twin reads one bound of a run per tile row)
+    import torch
+
+    from fp8ops.attention import and_masks, causal_mask, document_mask
+
+    return and_masks(causal_mask(), document_mask(torch.zeros(8192, dtype=torch.int64))).spec.fwd_jit()
+
+
+_RUNS_TYPES = {"mt0": "*i64", "mt1": "*i32", "mt2": "*i32"}  # the ids, the runs' starts and ends
+
 VARIANTS = {
     "d64_causal": dict(D=64),
     "d128_none": dict(D=128, band=False),
@@ -41,10 +52,12 @@ VARIANTS = {
     "bwd_d128_alibi_no_grad": dict(D=128, score=_alibi_like, score_mode=2, backward=True),
     "bwd_d128_alibi_relative": dict(D=128, score=_alibi_like, score_mode=3, backward=True),
     "bwd_d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True, backward=True),
+    "d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, types=_RUNS_TYPES),
+    "bwd_d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, backward=True, types=_RUNS_TYPES),
 }
 
 
-def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1):
+def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1, types=None):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -60,7 +73,9 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
     kern = HB._hopper_bwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
-        if n in ("q_desc", "do_desc"):
+        if types and n in types:
+            sig[n] = types[n]
+        elif n in ("q_desc", "do_desc"):
             sig[n] = desc(HB.BWD_BLOCK_M)
         elif n in ("k_desc", "v_desc"):
             sig[n] = desc(HB.BWD_BLOCK_N // 2)
@@ -82,7 +97,7 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
                           options={"num_warps": 4, "maxnreg": 168})
 
 
-def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=False):
+def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=False, types=None):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -100,7 +115,9 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=Fa
     kern = H._hopper_fwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
-        if n in ("q_desc", "o_desc"):
+        if types and n in types:
+            sig[n] = types[n]
+        elif n in ("q_desc", "o_desc"):
             sig[n] = desc(H.BLOCK_M // 2)
         elif n in ("k_desc", "v_desc"):
             sig[n] = desc(cfg.block_n)
@@ -132,6 +149,8 @@ def main(names: list[str]) -> int:
     for name in names:
         try:
             opts = dict(VARIANTS[name])
+            if opts.get("mask") == "runs":
+                opts["mask"] = _document_runs()
             kernel = compile_backward(**opts) if opts.pop("backward", False) else compile_variant(**opts)
         except TypeError as e:  # a GluonASTSource that takes no explicit target
             print(f"offline Gluon compilation unavailable: {e}")

@@ -225,7 +225,7 @@ def test_integer_mask_raises_before_the_kernels(kernel_path):
 
 def test_captured_tensor_too_small_in_the_reference_math():
     q, k, v = _dense(Sq=8, Skv=8)
-    with pytest.raises(ValueError, match=r"attention: mask_mod document_mask.<locals>.document reads a captured "
+    with pytest.raises(ValueError, match=r"attention: mask_mod document_mask reads a captured "
                                          r"tensor of shape \(5,\) \(5 elements\) at flat indices \[0, 7\].*"
                                          r"\(B, H, Sq, Skv\) = \(2, 3, 8, 8\).*rebuild it"):
         attention(q, k, v, mask_mod=A.document_mask(torch.zeros(5, dtype=torch.int64)))
@@ -249,7 +249,7 @@ def test_captured_tensor_too_small_with_packed_sequences():
 
 
 def test_captured_tensor_too_small_in_create_block_mask():
-    with pytest.raises(ValueError, match=r"create_block_mask: mask_mod document_mask.<locals>.document reads a "
+    with pytest.raises(ValueError, match=r"create_block_mask: mask_mod document_mask reads a "
                                          r"captured tensor of shape \(5,\) .*\[0, 15\].*\(B, H, Sq, Skv\) = "
                                          r"\(1, 1, 16, 16\)"):
         A.create_block_mask(A.document_mask(torch.zeros(5, dtype=torch.int64)), None, None, 16, 16, block_size=16)
@@ -307,6 +307,18 @@ def test_static_index_check_accepts_mods_that_fit():
     with pytest.raises(ValueError, match=r"_guarded_off_by_one reads .* up to \[0, 8\]"):  # one past the table
         A._check_mod_statically(A.MaskMod(_guarded_off_by_one), "mask_mod", "attention", "(B, H, Sq, Skv)",
                                 (1, 1, 1, 20))
+
+
+def test_static_index_check_of_the_document_masks_twins():
+    # non-decreasing ids: explicit kernel twins that read the runs by the same rows as the ids, checked
+    # as the comparison of ids would be (a batch beyond the (B, S) ids, a sequence beyond S)
+    ids = torch.zeros(2, 8, dtype=torch.int64)
+    for mod in (A.document_mask(ids), A.and_masks(A.causal_mask(), A.document_mask(ids))):
+        assert mod.spec.children or mod.spec.prepare is not None
+        A._check_mod_statically(mod, "mask_mod", "attention", "(B, H, Sq, Skv)", (2, 4, 8, 8))
+        for dims in ((3, 4, 8, 8), (2, 4, 9, 9)):
+            with pytest.raises(ValueError, match=r"reads a captured tensor of shape \(2, 8\) \(16 elements\)"):
+                A._check_mod_statically(mod, "mask_mod", "attention", "(B, H, Sq, Skv)", dims)
 
 
 def test_modmath_load_refuses_indices_outside_the_table():

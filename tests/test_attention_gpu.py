@@ -15,6 +15,8 @@ the default backward, torch.compile(fullgraph=True) + backward, and torch.func t
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,6 +198,32 @@ def test_document_masks_split_and_per_batch_equal_sdpa(docs):
     bm = A.create_block_mask(mm, B, None, S, S, device=DEV)
     dense = torch.stack([mm(b, 0, pos[:, None], pos[None, :]) for b in range(2)])[:, None]
     _compare(q, k, v, block_mask=bm, sdpa=_sdpa(attn_mask=dense))
+
+
+_DECREASING_IDS = """
+import torch, fp8ops
+ids = torch.arange(1024, device="cuda") // 256
+mm = fp8ops.and_masks(fp8ops.causal_mask(), fp8ops.document_mask(ids))
+bm = fp8ops.create_block_mask(mm, None, None, 1024, 1024, device="cuda")
+q = torch.randn(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
+fp8ops.attention(q, q, q, block_mask=bm)
+torch.cuda.synchronize()
+print("first call ran")
+ids.copy_(torch.arange(1024, device="cuda").flip(0) // 256)
+fp8ops.attention(q, q, q, block_mask=bm)
+torch.cuda.synchronize()
+print("second call ran")
+"""
+
+
+def test_document_ids_written_to_decrease_stop_the_call():
+    # a mask built from non-decreasing ids reads runs of them; ids then written so that they decrease
+    # stop the kernel that derives the runs with a device-side assertion (its own process: the
+    # assertion leaves the CUDA context unusable), never a silently wrong result
+    run = subprocess.run([sys.executable, "-c", _DECREASING_IDS], capture_output=True, text=True, timeout=300)
+    assert "first call ran" in run.stdout
+    assert run.returncode != 0 and "second call ran" not in run.stdout
+    assert "document_mask" in run.stderr + run.stdout, run.stderr[-2000:]
 
 
 def test_block_mask_per_batch_and_head():

@@ -32,9 +32,10 @@ needs_gluon = pytest.mark.skipif(not H.AVAILABLE, reason="this Triton has no Glu
 # ------------------------------------------------------------------------------------------------
 # Compiled for sm_90 without a GPU
 
-VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask", "d128_alibi_relative"]
+VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask", "d128_alibi_relative",
+            "d128_document_runs"]
 BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_alibi_no_grad",
-                "bwd_d128_alibi_relative", "bwd_d128_document_block_mask"]
+                "bwd_d128_alibi_relative", "bwd_d128_document_block_mask", "bwd_d128_document_runs"]
 
 
 @pytest.fixture(scope="module")

@@ -697,13 +697,49 @@ def test_additive_mod_whose_derivative_is_skipped_under_compile_and_func():
 
 
 # ------------------------------------------------------------------------------------------------
-# Document masks: packed runs of ids, a document in two runs, ids per batch, ids written in place
+# Document masks: packed runs of ids, a document in two runs, ids per batch, ids written in place.
+# For ids that never decrease the kernels read each position's run of equal ids ([start, end),
+# derived from the ids at every call); other ids are compared score by score.
+
+
+def test_document_bounds_by_hand():
+    def runs(ids, seq):
+        out = K.document_bounds(ids.reshape(-1), seq).view(-1, 2, seq)  # a row of starts, a row of ends
+        return out[:, 0].tolist(), out[:, 1].tolist()
+
+    assert runs(torch.tensor([0, 0, 1, 1, 1, 2]), 6) == ([[0, 0, 2, 2, 2, 5]], [[2, 2, 5, 5, 5, 6]])
+    starts, ends = runs(torch.tensor([[0, 0, 1, 1], [3, 3, 3, 3], [0, 1, 1, 4]]), 4)
+    assert starts == [[0, 0, 2, 2], [0, 0, 0, 0], [0, 1, 1, 3]]
+    assert ends == [[2, 2, 4, 4], [4, 4, 4, 4], [1, 3, 3, 4]]
+    long = torch.repeat_interleave(torch.arange(3), torch.tensor([700, 1500, 300]))  # runs across 1024-blocks
+    (starts,), (ends,) = runs(long, 2500)
+    assert (starts[699], ends[699]) == (0, 700) and (starts[700], ends[700]) == (700, 2200)
+    assert (starts[2199], ends[2199]) == (700, 2200) and (starts[2200], ends[2499]) == (2200, 2500)
+    with pytest.raises(ValueError, match="document_mask: the document ids were changed in place"):
+        K.document_bounds(torch.tensor([0, 1, 1, 0]), 4)
+
+
+def test_document_mask_twins_chosen_from_the_ids():
+    runs = A.document_mask(torch.tensor([0, 0, 1, 1, 2]))
+    assert runs.spec.prepare is not None and len(runs.buffers) == 3 and runs.spec.and_causal is not None
+    split = A.document_mask(torch.tensor([0, 1, 1, 0, 2]))  # document 0 in two runs: ids compared
+    assert split.spec.prepare is None and len(split.buffers) == 1 and split.spec.and_causal is None
+    assert A.document_mask(torch.tensor([[0, 0, 1], [0, 1, 1]])).spec.prepare is not None
+    assert A.document_mask(torch.tensor([[0, 0, 1], [1, 0, 1]])).spec.prepare is None
+    # with the causal mask, in either order and beside other masks, one mod of the causal twin
+    for mods in ((A.causal_mask(), runs), (runs, A.causal_mask()), (A.causal_mask(), A.sliding_window_mask(3), runs)):
+        children = [c for c, _ in A.and_masks(*mods).spec.children]
+        assert len(children) == len(mods) - 1 and runs.spec.and_causal in children
+    assert [c for c, _ in A.and_masks(A.causal_mask(), split).spec.children] == [A.causal_mask().spec, split.spec]
+    assert runs.spec.and_causal not in [c for c, _ in A.or_masks(A.causal_mask(), runs).spec.children]
 
 
 @pytest.mark.parametrize("docs", ["runs", "split", "batched"])
 def test_document_masks_against_the_reference(docs):
-    # runs: documents one after another; split: document 0 in two separate runs of positions, whose
-    # queries see each other's keys (a mask must compare ids, not neighbourhoods); batched: (B, S) ids
+    # runs: documents one after another (the runs read by query rows in the forward and dQ kernels,
+    # by key rows in the dK/dV kernels; one bound with the causal mask, two without); split: document 0
+    # in two separate runs of positions, whose queries see each other's keys (so the kernels compare
+    # ids: a run would hide the first run's keys from the second's queries); batched: (B, S) ids
     S = 37
     if docs == "runs":
         ids = torch.arange(S) // 12
@@ -715,14 +751,24 @@ def test_document_masks_against_the_reference(docs):
     bm = A.create_block_mask(mm, 2 if docs == "batched" else None, None, S, S, block_size=16)
     _check(*_dense(2, 2, 2, S, S, 16), block_mask=bm)
     _check(*_dense(2, 2, 2, S, S, 16, seed=3), mask_mod=A.document_mask(ids))  # no block mask: every tile
+    _check(*_dense(2, 2, 2, S, S, 16, seed=4), mask_mod=mm)
 
 
 def test_document_mask_reads_ids_written_in_place():
-    # the kernels read the ids at each call: a mask built once follows ids written in place
+    # the runs are derived from the ids at each call: a mask built once follows ids written in place;
+    # ids written so that they decrease raise (the runs would not describe them)
     ids = torch.arange(37) // 12
-    mm = A.and_masks(A.causal_mask(), A.document_mask(ids))
-    q, k, v = _dense(1, 2, 2, 37, 37, 16)
-    _check(q, k, v, mask_mod=mm)
-    for new in (torch.arange(37) // 5, torch.tensor([1] * 20 + [0] * 17)):
-        ids.copy_(new)
+    for mm in (A.and_masks(A.causal_mask(), A.document_mask(ids)), A.document_mask(ids)):
+        ids.copy_(torch.arange(37) // 12)
+        q, k, v = _dense(1, 2, 2, 37, 37, 16)
         _check(q, k, v, mask_mod=mm)
+        ids.copy_(torch.arange(37) // 5)
+        _check(q, k, v, mask_mod=mm)
+        ids.copy_(torch.tensor([1] * 20 + [0] * 17))
+        with pytest.raises(ValueError, match="changed in place so that they decrease"):
+            _check(q, k, v, mask_mod=mm)
+    split = torch.tensor([0] * 10 + [1] * 10 + [0] * 17)  # built from decreasing ids: compared, any ids
+    mm = A.and_masks(A.causal_mask(), A.document_mask(split))
+    _check(q, k, v, mask_mod=mm)
+    split.copy_(torch.tensor([2] * 20 + [1] * 17))
+    _check(q, k, v, mask_mod=mm)

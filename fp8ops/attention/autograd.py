@@ -73,6 +73,12 @@ def _kernel_for(which: str, score_key: str | None, mask_key: str | None, needs: 
     return getattr(_kernels(score_key, mask_key, needs), which)
 
 
+def _mask_buffers(st: _Static, flat: list[Any]) -> tuple[Any, ...]:
+    # the mask_mod's tensors as its kernel twin reads them (a spec may derive tables from them)
+    bufs = tuple(flat[i] for i in st.mask_slots)
+    return bufs if st.mask_key is None else _SPECS[st.mask_key].prepare_buffers(bufs)
+
+
 def _flat(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
 
@@ -129,7 +135,7 @@ def _attention_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu
         q, k, v, out, lse, sm_scale=st.scale, kernels=kern,
         cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=st.max_q, max_seqlen_kv=st.max_kv,
         window=(st.left, st.right), has_score_mod=st.score_key is not None, has_mask_mod=st.mask_key is not None,
-        score_buffers=tuple(flat[i] for i in st.score_slots), mask_buffers=tuple(flat[i] for i in st.mask_slots),
+        score_buffers=tuple(flat[i] for i in st.score_slots), mask_buffers=_mask_buffers(st, flat),
         block_sparsity=bs, dropout_p=st.dropout_p, dropout_seed=seed,
         config=dict(st.fwd_config) if st.fwd_config else None,
     )
@@ -262,7 +268,7 @@ def _attention_bwd_op(
         dout, q, k, v, out, lse, dlse, dq, dk, dv, sm_scale=st.scale, kernels=kern,
         cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=st.max_q, max_seqlen_kv=st.max_kv,
         window=(st.left, st.right), has_score_mod=st.score_key is not None, has_mask_mod=st.mask_key is not None,
-        score_buffers=tuple(flat[i] for i in st.score_slots), mask_buffers=tuple(flat[i] for i in st.mask_slots),
+        score_buffers=tuple(flat[i] for i in st.score_slots), mask_buffers=_mask_buffers(st, flat),
         score_buffer_grads=tuple(grads[i] if st.needs[j] else None for j, i in enumerate(st.score_slots)),
         block_sparsity=bs, block_sparsity_t=bst, dropout_p=st.dropout_p, dropout_seed=seed,
         dq_mode=st.dq_mode, config=dict(st.bwd_config) if st.bwd_config else None,

@@ -226,7 +226,9 @@ def _mod_facts(key: str, dims: tuple[int, int, int, int], buf_kinds: tuple[str, 
         bad = next((k for k in kinds if k not in ("bool", "?")), None)
         return bad or ("bool" if all(k == "bool" for k in kinds) else "?"), tuple(loads)
     if spec.lowered is None:
-        return "?", ()  # explicit Triton twins: nothing to read
+        if spec.facts_key is not None:  # an explicit twin that reads its buffers as this spec does
+            return _mod_facts(spec.facts_key, dims, buf_kinds)
+        return "?", ()  # other explicit Triton twins: nothing to read
     low = spec.lowered
     idx = [_Iv("int", 0.0, float(n - 1)) for n in dims]
     names = list(low.params)

@@ -8,10 +8,15 @@ Triton twin (and derivative) is generated like a user's mod.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
+import torch
 from torch import Tensor
 
+from ..kernels import attention as _K
+from .codegen import _jit_source, _triton_scope
 from .mod_math import modmath
 from .mods import MaskMod, ScoreMod
 
@@ -91,6 +96,15 @@ def document_mask(document_ids: Tensor) -> MaskMod:
     Combine with :func:`causal_mask` (``and_masks``) for causal packed training, and build a
     :class:`BlockMask` from it so that blocks between documents are skipped.
 
+    With ids that never decrease along a sequence (documents packed one after another, the usual
+    case) the fused kernels test each score against the run of equal ids that holds its query or
+    key, derived from the ids at every call: loads per tile row instead of per score, one bound
+    per row when combined with :func:`causal_mask` by ``and_masks`` (two without); other ids are
+    compared score by score. The mask reads the ids at each call, so they may be
+    written in place between calls; ids that were non-decreasing when the mask was built and are
+    then written so that they decrease raise an error in the call (on the GPU a device-side
+    assertion): build the mask again from such ids.
+
     Args:
         document_ids: (S,) or (B, S) integer tensor: the document of each position (the same
             ids for queries and keys, so Sq == Skv == S).
@@ -104,18 +118,78 @@ def document_mask(document_ids: Tensor) -> MaskMod:
     if not isinstance(document_ids, Tensor) or document_ids.is_floating_point() or document_ids.dim() not in (1, 2):
         raise ValueError("document_mask: document_ids must be an (S,) or (B, S) integer tensor")
     ids = document_ids
-    if ids.dim() == 1:
+    seq = int(ids.shape[-1])
+    batched = ids.dim() == 2
 
-        def document(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            return modmath.load(ids, q_idx) == modmath.load(ids, kv_idx)
-
-        return MaskMod(document)
-    seq = int(ids.shape[1])
+    def document(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return modmath.load(ids, q_idx) == modmath.load(ids, kv_idx)
 
     def document_batched(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return modmath.load(ids, b * seq + q_idx) == modmath.load(ids, b * seq + kv_idx)
 
-    return MaskMod(document_batched)
+    fn = document_batched if batched else document
+
+    if ids.shape[-1] < 2 or bool((ids.diff(dim=-1) < 0).any()):
+        return MaskMod(fn, name="document_mask")  # the kernels compare the ids of each query and key
+    # Non-decreasing ids (packed documents): the kernels read [start, end) of each position's run
+    # of equal ids, derived from the ids at every call (one small kernel, no host synchronisation),
+    # so a tile needs loads per row instead of one per score. Ids later changed in place so that
+    # they decrease stop that kernel with an error.
+    twin, causal_twin, prepare = _document_twins(seq, batched)
+    # two slots for the starts and the ends of the runs, derived at each call
+    bounds = torch.empty(0, dtype=torch.int32, device=ids.device)
+    mod = MaskMod(fn, triton=twin, buffers=(ids, bounds, bounds), name="document_mask")
+    mod.spec.prepare = prepare
+    # the index checks before a call read the ids as the comparison does (the runs: the same rows)
+    mod.spec.facts_key = MaskMod(fn).key
+
+    def causal_document(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (q_idx >= kv_idx) & fn(b, h, q_idx, kv_idx)
+
+    # and_masks(causal_mask(), this) reads one bound per row instead of two (see mods._fuse_and)
+    fused = MaskMod(causal_document, triton=causal_twin, buffers=(ids, bounds, bounds), name="causal & document_mask")
+    fused.spec.prepare = prepare
+    fused.spec.facts_key = mod.spec.facts_key
+    mod.spec.and_causal = fused.spec
+    return mod
+
+
+@functools.lru_cache(maxsize=64)
+def _document_twins(seq: int, batched: bool) -> tuple[Any, Any, Any]:
+    """The Triton twins of a document mask of non-decreasing ids over sequences of ``seq``
+    positions, alone and with the causal mask, and the ``prepare`` that derives their table of runs
+    from the ids (:func:`~fp8ops.kernels.attention.document_bounds`: a row of starts, then a row of
+    ends). Where the query index runs along a tile's rows (forward and dQ kernels) the runs are read
+    by query position and the keys compared with them; where the key index does (dK/dV kernels), by
+    key position. With the causal mask one bound suffices: ``kv >= start[q]`` by query rows,
+    ``q < end[kv]`` by key rows."""
+    row = f"2 * {seq} * b + " if batched else ""
+    name = f"_fp8ops_document_{seq}_{int(batched)}"
+    src = f"""def {name}(b, h, q_idx, kv_idx, _fp8_t0, _fp8_t1, _fp8_t2, _fp8_t3):
+    if q_idx.shape[0] == 1:
+        at = {row}kv_idx
+        vis = (q_idx >= tl.load(_fp8_t1 + at)) & (q_idx < tl.load(_fp8_t2 + at))
+    else:
+        at = {row}q_idx
+        vis = (kv_idx >= tl.load(_fp8_t1 + at)) & (kv_idx < tl.load(_fp8_t2 + at))
+    return vis
+"""
+    cname = f"_fp8ops_causal_document_{seq}_{int(batched)}"
+    csrc = f"""def {cname}(b, h, q_idx, kv_idx, _fp8_t0, _fp8_t1, _fp8_t2, _fp8_t3):
+    if q_idx.shape[0] == 1:
+        vis = (q_idx >= kv_idx) & (q_idx < tl.load(_fp8_t2 + ({row}kv_idx)))
+    else:
+        vis = (q_idx >= kv_idx) & (kv_idx >= tl.load(_fp8_t1 + ({row}q_idx)))
+    return vis
+"""
+    twin = _jit_source(src, name, _triton_scope())
+    causal_twin = _jit_source(csrc, cname, _triton_scope())
+
+    def prepare(bufs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        bounds = _K.document_bounds(bufs[0], seq)
+        return bufs[0], bounds, bounds[seq:]  # the starts of row r at 2 r seq, its ends at 2 r seq + seq
+
+    return twin, causal_twin, prepare
 
 
 def alibi(num_heads: int | Tensor) -> ScoreMod:

@@ -9,6 +9,7 @@ captured tensor. Ready-made mods are in :mod:`.mod_library`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import types
 from collections.abc import Callable, Sequence
@@ -58,6 +59,15 @@ class _ModSpec:
         self._fwd: Any = None
         self._grad: dict[tuple[bool, ...], Any] = {}
         self._rel: bool | None = None
+        # prepare(buffers) -> buffers: run by the library ops before each launch on the captured
+        # tensors (flat), e.g. to derive a table from them (document_mask); None: used as captured
+        self.prepare: Callable[[tuple[Tensor, ...]], tuple[Tensor, ...]] | None = None
+        # the spec of (causal mask & this mask), with the same buffers, where it has a leaner twin
+        # than the two evaluated apart (document_mask); and_masks uses it (_fuse_and)
+        self.and_causal: _ModSpec | None = None
+        # the key of a generated spec that reads this one's first buffers at the same indices, for
+        # the static index checks of an explicit twin (intervals._mod_facts)
+        self.facts_key: str | None = None
         if lowered is not None:
             digest = hashlib.sha256(_fwd_source(lowered, "f").encode()).hexdigest()[:16]
             self.key = f"{kind}:{digest}"
@@ -66,6 +76,18 @@ class _ModSpec:
         else:
             self.key = f"{kind}:explicit:{id(triton_fn)}:{id(triton_grad)}"
         self.name = "_fp8ops_" + hashlib.sha256(self.key.encode()).hexdigest()[:16]
+
+    def prepare_buffers(self, bufs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """The tensors the kernels read for ``bufs`` (this mod's captured tensors, flat): each
+        ``prepare`` of this spec or of its children applied to its own slice."""
+        if self.prepare is not None:
+            return tuple(self.prepare(tuple(bufs)))
+        if not self.children:
+            return tuple(bufs)
+        out = list(bufs)
+        for child, off in self.children:
+            out[off:off + child.n_buffers] = child.prepare_buffers(tuple(out[off:off + child.n_buffers]))
+        return tuple(out)
 
     @property
     def relative_bias(self) -> bool:
@@ -309,6 +331,8 @@ def _combine(op: str, mods: tuple[Any, ...]) -> MaskMod:
             ms.append(MaskMod(m))
         else:
             raise TypeError(f"{where}: expected mask mods, got {type(m).__name__}")
+    if op == "and":
+        ms = _fuse_and(ms)
     bufs: list[Tensor] = []
     children: list[tuple[_ModSpec, int]] = []
     for m in ms:
@@ -335,6 +359,33 @@ def _combine(op: str, mods: tuple[Any, ...]) -> MaskMod:
     object.__setattr__(mod, "key", spec.key)
     object.__setattr__(mod, "name", spec.label)
     return mod
+
+
+@functools.cache
+def _causal_key() -> str:
+    return MaskMod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).key
+
+
+def _fuse_and(ms: list[MaskMod]) -> list[MaskMod]:
+    """``ms`` with a causal mask and a mask that has a spec for (causal & itself) replaced by one mod
+    of that spec (the same function, a leaner kernel twin: see ``_ModSpec.and_causal``)."""
+    causal = next((i for i, m in enumerate(ms) if m.key == _causal_key()), None)
+    other = next((i for i, m in enumerate(ms) if m.spec.and_causal is not None), None)
+    if causal is None or other is None:
+        return ms
+    c, m = ms[causal], ms[other]
+    spec = m.spec.and_causal
+    assert spec is not None
+
+    def eager(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return c(b, h, q_idx, kv_idx) & m(b, h, q_idx, kv_idx)
+
+    fused = MaskMod.__new__(MaskMod)
+    object.__setattr__(fused, "fn", eager)
+    object.__setattr__(fused, "buffers", m.buffers)
+    object.__setattr__(fused, "key", spec.key)
+    object.__setattr__(fused, "name", f"{c.name} & {m.name}")
+    return [fused if i == other else x for i, x in enumerate(ms) if i != causal]
 
 
 def and_masks(*mods: MaskMod | Callable[..., Any]) -> MaskMod:
