@@ -226,6 +226,59 @@ def test_document_ids_written_to_decrease_stop_the_call():
     assert "document_mask" in run.stderr + run.stdout, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("mode", ["compile", "reduce-overhead", "cuda_graph", "func"])
+def test_document_mask_runs_in_every_execution_mode_and_follows_ids_written_in_place(mode):
+    # the runs of ids are derived inside the op at every call, so a compiled function, a captured
+    # graph or torch.func see the ids of the call: the same gradients as eager before and after the
+    # ids are written in place (mask_mod without a block mask, whose lists would go stale)
+    S = 512
+    q, k, v = _qkv(2, 4, 2, S, S, 64, BF16)
+    pos = torch.arange(S, device=DEV)
+    ids = pos // 100
+    mm = A.and_masks(A.causal_mask(), A.document_mask(ids))
+    assert mm.spec.children[0][0] is A.document_mask(ids).spec.and_causal  # the one-bound twin
+
+    def loss(q, k, v):
+        return A.attention(q, k, v, mask_mod=mm, backend="triton")[0].float().square().mean()
+
+    def eager():
+        return [g.clone() for g in torch.autograd.grad(loss(q, k, v), [q, k, v])]
+
+    torch._dynamo.reset()
+    if mode == "func":
+        def run():
+            return list(torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    elif mode == "cuda_graph":
+        from fp8ops.bench.common import capture_graph
+
+        box = []
+
+        def body():
+            box[:] = torch.autograd.grad(loss(q, k, v), [q, k, v])
+
+        graph = capture_graph(body, body)
+
+        def run():
+            graph.replay()
+            return [g.clone() for g in box]
+    else:
+        compiled = torch.compile(loss, fullgraph=True, mode=None if mode == "compile" else "reduce-overhead")
+
+        def run():
+            return [g.clone() for g in torch.autograd.grad(compiled(q, k, v), [q, k, v])]
+
+    for new_ids in (None, pos // 37, torch.zeros_like(pos)):
+        if new_ids is not None:
+            ids.copy_(new_ids)
+        want = eager()
+        for _ in range(2):
+            got = run()
+            for a, b in zip(got, want):
+                assert (a.float() - b.float()).abs().max() <= 1e-2 * float(b.abs().max()) + 1e-6, (mode, new_ids)
+    dense = mm(0, 0, pos[:, None], pos[None, :])  # the last ids: one document, the causal mask
+    assert torch.equal(dense, pos[:, None] >= pos[None, :])
+
+
 def test_block_mask_per_batch_and_head():
     S = 1024
 

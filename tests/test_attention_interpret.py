@@ -772,3 +772,35 @@ def test_document_mask_reads_ids_written_in_place():
     _check(q, k, v, mask_mod=mm)
     split.copy_(torch.tensor([2] * 20 + [1] * 17))
     _check(q, k, v, mask_mod=mm)
+
+
+@pytest.mark.parametrize("mode", ["compile", "func"])
+def test_document_mask_compiled_and_under_func_follows_ids_written_in_place(mode):
+    # the runs are derived inside the op at each call: torch.compile (fullgraph) and torch.func give
+    # the eager gradients for the ids of each call (the reference: the FP32 math of the same mask)
+    ids = torch.arange(37) // 12
+    mm = A.and_masks(A.causal_mask(), A.document_mask(ids))
+    q, k, v = _dense(1, 2, 2, 37, 37, 16)
+
+    def loss(q, k, v):  # the fused path (kernels under the interpreter)
+        out, _ = A._attention_triton(q, k, v, score_mod=None, mask_mod=mm, block_mask=None, scale=0.25, left=None,
+                                     right=None, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
+                                     dropout_p=0.0, seed=None, fwd_config=FWD16, bwd_config=BWD16)
+        return out.square().sum()
+
+    torch._dynamo.reset()
+    if mode == "compile":
+        compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+
+        def run():
+            return torch.autograd.grad(compiled(q, k, v), [q, k, v])
+    else:
+        def run():
+            return torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for new_ids in (None, torch.arange(37) // 5, torch.zeros(37, dtype=torch.int64)):
+        if new_ids is not None:
+            ids.copy_(new_ids)
+        want = torch.autograd.grad(R.attention(q, k, v, mask_mod=mm, scale=0.25)[0].square().sum(), [q, k, v])
+        for a, b in zip(run(), want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
