@@ -338,6 +338,19 @@ def _observe_shards(state: Any, weights: dict[str, Tensor]) -> Any:
     return state.replace(**seen) if seen else state
 
 
+_EAGER_REASON = ("fp8ops: a layer whose weights fully_shard all-gathers in FP8 (enable_fp8_all_gather) runs its op "
+                 "eagerly between compiled graphs (torch.compile does not trace the gathered weights); compile "
+                 "with fullgraph=False")
+
+
+def _eager(fn: Any) -> Any:
+    """``fn`` never traced by torch.compile: run eagerly between graphs (with ``fullgraph=True``
+    Dynamo raises, giving the reason)."""
+    kw = {"reason": _EAGER_REASON} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
+    return torch.compiler.disable(fn, **kw)
+
+
+@_eager
 def gathered_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearState, *, recipe: Any,
                     grad_probe: Tensor | None) -> tuple[Tensor, LinearState]:
     """:func:`fp8_linear` over an unsharded FP8-gathered weight: ``(y, new_state)``, the weight role
@@ -347,6 +360,7 @@ def gathered_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: Linea
     return y, _observe_shards(new_state, {"weight": weight})
 
 
+@_eager
 def gathered_layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, weight: Tensor,
                               bias: Tensor | None, state: LayerNormLinearState, *, recipe: Any, **kw: Any
                               ) -> tuple[Any, LayerNormLinearState]:
@@ -357,6 +371,7 @@ def gathered_layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | No
     return out, _observe_shards(new_state, {"weight": weight})
 
 
+@_eager
 def gathered_fused_ln_mlp(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1_weight: Tensor,
                           fc1_bias: Tensor | None, fc2_weight: Tensor, fc2_bias: Tensor | None,
                           state: LayerNormMLPState, *, recipe: Any, **kw: Any) -> tuple[Tensor, LayerNormMLPState]:
@@ -387,6 +402,7 @@ def role_state(state: Any, role: str) -> Any:
     return state
 
 
+@_eager
 def gathered_transformer_layer(params: Mapping[str, Tensor], x: Tensor, state: dict[str, Any], *, recipe: Any,
                                **kw: Any) -> tuple[Tensor, dict[str, Any]]:
     """:func:`fp8ops.transformer_layer` (keywords as there) with its unsharded FP8-gathered weights

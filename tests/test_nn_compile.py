@@ -2,9 +2,11 @@
 
 A model of every module kind (Linear -> LayerNormLinear -> LayerNormMLP -> TransformerLayer) trains
 4 SGD steps of 2 micro-batches each, with ``fp8ops.nn.update_scaling`` after each step, eagerly
-and under ``torch.compile(model)`` (``fullgraph=False``: each module's forward makes its probes,
-leaf tensors that require grad, which Dynamo does not create inside a graph; the graph breaks
-there), for ``recipe=None``, delayed and current scaling:
+and under ``torch.compile(model)`` (``fullgraph=False`` with no preparation: a compiled forward
+takes a probe made ahead, one per module at first, so the first step's second micro-batch breaks
+the graph and makes its probes eagerly, and update_scaling then keeps two ready; and
+``fullgraph=True`` after ``fp8ops.nn.prepare_probes(model, forwards=2)``), for ``recipe=None``,
+delayed and current scaling:
 
 - ``aot_eager`` (CPU, float32): the losses, every parameter and every scaling state equal the eager
   run's bit for bit (the same library calls in the same order);
@@ -15,8 +17,8 @@ there), for ``recipe=None``, delayed and current scaling:
   that flips moves a gradient element by up to 1/16), the scales within 5e-2 and the calibrated
   flags exactly.
 
-With ``fullgraph=True`` the compile raises (Dynamo's ``Unsupported``) instead of running something
-else.
+With ``fullgraph=True`` and more forwards than probes made ready the compile raises (Dynamo's
+``Unsupported``, naming ``prepare_probes``) instead of running something else.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ def _model(recipe, device, dtype):
     )
 
 
-def _train(recipe, device, dtype, backend):
+def _train(recipe, device, dtype, backend, fullgraph=False):
     model = _model(recipe, device, dtype)
-    run = model if backend is None else torch.compile(model, backend=backend)
+    if fullgraph:
+        fp8ops.nn.prepare_probes(model, forwards=2)
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=fullgraph)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator(device=device).manual_seed(1)
@@ -70,14 +74,15 @@ def _train(recipe, device, dtype, backend):
     return torch.stack(losses), updates, states
 
 
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks", "fullgraph"])
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("device,dtype,backend", CASES)
-def test_compiled_nn_model_trains_as_eager(device, dtype, backend, recipe_name):
+def test_compiled_nn_model_trains_as_eager(device, dtype, backend, recipe_name, fullgraph):
     recipe = RECIPES[recipe_name]
     torch._dynamo.reset()
     losses, updates, states = _train(recipe, device, dtype, None)
     torch._dynamo.reset()
-    c_losses, c_updates, c_states = _train(recipe, device, dtype, backend)
+    c_losses, c_updates, c_states = _train(recipe, device, dtype, backend, fullgraph)
     assert updates.keys() == c_updates.keys() and states.keys() == c_states.keys()
     if backend == "aot_eager":
         assert torch.equal(c_losses, losses)
@@ -104,8 +109,30 @@ def test_compiled_nn_model_trains_as_eager(device, dtype, backend, recipe_name):
                 assert hist and all(h.abs().max() > 0 for h in hist), (i, role)
 
 
-def test_fullgraph_compile_of_an_nn_module_raises():
+def test_fullgraph_compile_takes_probes_made_ahead():
+    # one forward per step: the one probe each module keeps ready; a second forward in the step with
+    # none left raises, naming the fix; after prepare_probes (or a step that broke the graph there)
+    # the compiled forwards make no graph break
     m = fp8ops.nn.Linear(H, H, recipe=fp8ops.DelayedScaling())
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        torch.compile(m, backend="aot_eager", fullgraph=True)(torch.randn(4, H))
+    step = torch.compile(m, backend="aot_eager", fullgraph=True)
+    step(torch.randn(4, H)).sum().backward()
+    fix = r"fp8ops.nn.Linear: .*has used the 1 made for this step; call fp8ops.nn.prepare_probes\(model, forwards=N\)"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=fix):
+        step(torch.randn(4, H))
+    fp8ops.nn.update_scaling(m)
+    assert len(m._ready) == 1  # the step's one forward taken, one made again
+    fp8ops.nn.prepare_probes(m, forwards=3)
+    for _ in range(2):
+        torch._dynamo.utils.counters.clear()
+        for _ in range(3):
+            step(torch.randn(4, H)).sum().backward()
+        assert not torch._dynamo.utils.counters["graph_break"] and len(m._probes) == 3 and not m._ready
+        fp8ops.nn.update_scaling(m)
+        assert len(m._ready) == 3
+    eager = fp8ops.nn.Linear(H, H, recipe=fp8ops.DelayedScaling())
+    eager(torch.randn(4, H)).sum().backward()
+    fp8ops.nn.update_scaling(eager)
+    assert len(eager._ready) == 1 and eager._ready_size == 1  # eager forwards make their own: none refilled
+    with pytest.raises(ValueError, match=r"prepare_probes: forwards must be an int >= 1 .*got 0"):
+        fp8ops.nn.prepare_probes(m, forwards=0)
