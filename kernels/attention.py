@@ -198,16 +198,6 @@ def _mm_load(table, index):
     return tl.load(table + index)
 
 
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _min_combine(a, b):
-    return tl.minimum(a, b)
-
-
 @triton.jit(debug=True)  # its device_assert stays in the compiled kernel
 def _document_bounds_kernel(ids_ptr, out_ptr, S, BLOCK: tl.constexpr):
     # One row of non-decreasing document ids: for each position p, the run of equal ids that holds
@@ -226,7 +216,7 @@ def _document_bounds_kernel(ids_ptr, out_ptr, S, BLOCK: tl.constexpr):
         cur = tl.load(ids_ptr + base + p, mask=ok, other=0)
         prev = tl.load(ids_ptr + base + p - 1, mask=ok & (p > 0), other=0)
         first = (p == 0) | (cur != prev)
-        run = tl.maximum(tl.associative_scan(tl.where(first & ok, p, 0), 0, _max_combine), carry)
+        run = tl.maximum(tl.associative_scan(tl.where(first & ok, p, 0), 0, _mm_maximum), carry)
         tl.store(out_ptr + 2 * base + p, run, mask=ok)
         carry = tl.max(run, 0)
         n_down += tl.sum((ok & (p > 0) & (cur < prev)).to(tl.int32), 0)
@@ -239,7 +229,7 @@ def _document_bounds_kernel(ids_ptr, out_ptr, S, BLOCK: tl.constexpr):
         cur = tl.load(ids_ptr + base + p, mask=ok, other=0)
         nxt = tl.load(ids_ptr + base + p + 1, mask=ok & (p + 1 < S), other=0)
         last = (p == S - 1) | (cur != nxt)
-        run = tl.minimum(tl.associative_scan(tl.where(last & ok, p + 1, S), 0, _min_combine, reverse=True), carry)
+        run = tl.minimum(tl.associative_scan(tl.where(last & ok, p + 1, S), 0, _mm_minimum, reverse=True), carry)
         tl.store(out_ptr + 2 * base + S + p, run, mask=ok)
         carry = tl.min(run, 0)
 

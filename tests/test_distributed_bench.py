@@ -116,6 +116,22 @@ def test_collective_bytes_count_functional_c10d_and_pipelined_ops():
     assert got == {"all_gather": (1024 * 4096 + 1024 * 4096) / 2, "reduce_scatter": (1024 * 64 * 4 + 2048 * 4096 * 2) / 2}
 
 
+def _run_one_rank(script: str, timeout: int) -> str:
+    """The stdout of ``script`` run as one gloo rank in a process of its own (no GPU), given a free port."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = subprocess.run([sys.executable, "-c", script, port], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 _WRAP_SCRIPT = """
 import os, sys, warnings
 import torch.distributed as dist
@@ -137,18 +153,7 @@ dist.destroy_process_group()
 def test_fsdp_gpt_wraps_each_block_or_each_linear():
     """The FSDP2 GPT's groups: each transformer block then the root (default), or each Linear then
     the root (``--fsdp-wrap linear``); one FP8 all-gather step runs on the CPU with gloo."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    out = subprocess.run([sys.executable, "-c", _WRAP_SCRIPT, port], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    lines = dict(line.split(" ", 1) for line in _run_one_rank(_WRAP_SCRIPT, 300).strip().splitlines())
     blocks = "['', 'blocks.0', 'blocks.1'] True"
     linears = [f"blocks.{i}.{n}" for i in range(2) for n in ("fc1", "fc2", "proj", "qkv")]
     assert lines == {"block": blocks, "linear": f"{sorted(['', *linears])} True"}
@@ -192,17 +197,7 @@ def test_fsdp_gpt_compiled_blocks_train_as_eager():
     modules traced whole, taking probes made ahead) and FP8 all-gather (its layers' ops run eagerly
     between the compiled graphs); a block compiled with ``fullgraph=True`` over FP8-gathered weights
     raises, naming the cause, instead of tracing them."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, port], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines() == [
+    out = _run_one_rank(_COMPILE_SCRIPT, 600)
+    assert out.strip().splitlines() == [
         "bf16 same True", "FP8, bf16 all-gather same True", "FP8, FP8 all-gather same True",
-        "fullgraph raised Unsupported True"], out.stdout
+        "fullgraph raised Unsupported True"], out
