@@ -256,6 +256,10 @@ def prepare_probes(modules: torch.nn.Module | Iterable[torch.nn.Module], *, forw
     With several forwards per optimizer step (gradient accumulation, a module called twice) and
     ``fullgraph=True``, call this once before the first step (with ``fullgraph=False`` the graph
     breaks at a module that has none left, and it makes them eagerly). Eager forwards make their own.
+    Dynamo specializes on how many probes are left, so each forward of a step compiles its own graph,
+    twice (before and after the first update flips the state's ``calibrated`` flag): with more than 4
+    forwards per step ``fullgraph=True`` exceeds Dynamo's default recompile limit (8) and raises;
+    raise ``torch._dynamo.config.recompile_limit`` to at least twice the forwards per step.
 
     Args:
         modules: a module (searched recursively) or an iterable of modules.

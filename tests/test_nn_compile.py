@@ -136,3 +136,31 @@ def test_fullgraph_compile_takes_probes_made_ahead():
     assert len(eager._ready) == 1 and eager._ready_size == 1  # eager forwards make their own: none refilled
     with pytest.raises(ValueError, match=r"prepare_probes: forwards must be an int >= 1 .*got 0"):
         fp8ops.nn.prepare_probes(m, forwards=0)
+
+
+def test_fullgraph_with_more_forwards_than_the_recompile_limit_allows():
+    # each forward of a step compiles its own graph (how many probes are left), twice with the
+    # calibrated flip: 5 forwards a step pass Dynamo's default limit of 8 and raise; a limit of at least
+    # twice the forwards trains as eager
+    def train(limit):
+        m = fp8ops.nn.Linear(H, H, recipe=fp8ops.DelayedScaling())
+        ref = fp8ops.nn.Linear(H, H, recipe=fp8ops.DelayedScaling())
+        ref.load_state_dict(m.state_dict())
+        fp8ops.nn.prepare_probes(m, forwards=5)
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            step = torch.compile(m, backend="aot_eager", fullgraph=True)
+            g = torch.Generator().manual_seed(0)
+            for _ in range(3):
+                for _ in range(5):
+                    x = torch.randn(4, H, generator=g)
+                    step(x).square().sum().backward()
+                    ref(x).square().sum().backward()
+                fp8ops.nn.update_scaling(m)
+                fp8ops.nn.update_scaling(ref)
+        assert torch.equal(m.weight.grad, ref.weight.grad)
+        assert torch.equal(m.fp8_state.grad_output.scale, ref.fp8_state.grad_output.scale)
+
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        train(8)
+    train(10)
