@@ -5,9 +5,12 @@ The model is the step suite's torch GPT (``fp8ops.bench.step.TorchGPT``: pre-nor
 causal attention, gelu-tanh MLP, tied head), bf16 parameters. A step is forward, backward, fused
 AdamW and, for FP8 (``fp8ops.nn.convert`` with delayed scaling), ``fp8ops.nn.update_scaling``.
 ``compile`` compiles the model with ``fullgraph=True`` (each fp8ops.nn module traced whole, taking
-the probes made ahead for it); the optimizer step and the update stay eager. Per variant: ms per
-step (wall, synchronized, median of ``--rounds`` timings of ``--steps`` steps after 5 warm-up
-steps) and the loss after the last step; the variants are timed in turn, round after round.
+the probes made ahead for it); the optimizer step and the update stay eager. Per variant, with the
+bench's helpers (``fp8ops.bench.common.host_us`` / ``device_ops``): ms per step (wall until the GPU
+has finished, median of ``--rounds`` loops of ``--steps`` steps after 5 warm-up steps), host ms per
+step (the same loop launched without synchronization), kernels per step and their summed device
+time (profiler, two steps), and the loss after the last step; the variants are timed in turn, round
+after round.
 
     python scripts/nn_compile_step.py [--hidden 768 2048] [--steps 20] [--rounds 3] [--json OUT]
 
@@ -18,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 import fp8ops
 import fp8ops.nn
+from fp8ops.bench.common import device_ops, host_us
 from fp8ops.bench.step import TorchGPT
 
 SIZES = {768: dict(layers=12, heads=12), 2048: dict(layers=8, heads=16), 4096: dict(layers=4, heads=32)}
@@ -74,19 +77,17 @@ def main() -> dict:
         losses: dict = {}
         for _ in range(args.rounds):
             for name, step in steps.items():
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    loss = step()
-                torch.cuda.synchronize()
-                times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
-                losses[name] = float(loss)
+                times[name].append(host_us(step, args.steps, warmup=0))
+                losses[name] = float(step())
         for name, ts in times.items():
-            ms = sorted(ts)[len(ts) // 2]
-            row = {"hidden": hidden, "variant": name, "ms_per_step": ms, "all_ms": ts, "loss": losses[name],
-                   "tokens_per_s": seq * batch / ms * 1e3}
+            host_ms, ms = (sorted(t[i] for t in ts)[len(ts) // 2] / 1e3 for i in (0, 1))
+            kernels, device_us = device_ops(steps[name], 2)
+            row = {"hidden": hidden, "variant": name, "ms_per_step": ms, "host_ms_per_step": host_ms,
+                   "kernels_per_step": kernels, "kernel_ms_per_step": device_us / 1e3,
+                   "all_host_wall_us": ts, "loss": losses[name], "tokens_per_s": seq * batch / ms * 1e3}
             out["rows"].append(row)
-            print(f"hidden {hidden:5d}  {name:24s} {ms:8.2f} ms/step  {row['tokens_per_s']:10.0f} tok/s  "
+            print(f"hidden {hidden:5d}  {name:24s} {ms:8.2f} ms/step  host {host_ms:7.2f} ms  "
+                  f"{kernels:6.0f} kernels ({device_us / 1e3:7.2f} ms)  {row['tokens_per_s']:9.0f} tok/s  "
                   f"loss {losses[name]:.4f}", flush=True)
         del steps
         torch.cuda.empty_cache()
