@@ -149,3 +149,66 @@ def test_compiled_vmap_still_runs() -> None:
     torch._dynamo.reset()
     got = torch.compile(torch.func.vmap(f), backend="aot_eager")(x)
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPT with its tied output head through fp8_linear (make_model(fp8_head=True))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("mode", ["fullgraph", "func.grad", "graph_step"])
+def test_fp8_head_mode_is_bitwise_eager(mode: str, recipe: str) -> None:
+    """The head's state rides with the layers' through every mode: equal bits, states included."""
+    want = C.eager_result(recipe, torch.float32, "cpu", fp8_head=True)
+    got = C.train(mode, recipe=C.make_recipe(recipe), dtype=torch.float32, device="cpu", backend="aot_eager",
+                  fp8_head=True)
+    assert got.losses == want.losses, (mode, recipe, got.losses, want.losses)
+    for k, g in want.grads.items():
+        assert torch.equal(got.grads[k], g), f"{mode} {recipe}: gradient of parameter {k} differs"
+    for k, g in C.probe_leaves(want).items():
+        assert torch.equal(C.probe_leaves(got)[k], g), f"{mode} {recipe}: probe gradient {k} differs"
+    for a, b in zip(pytree.tree_leaves(want.states), pytree.tree_leaves(got.states)):
+        assert torch.equal(a, b), f"{mode} {recipe}: the states after 8 updates differ"
+
+
+def test_fp8_head_quantizes_the_head_and_keeps_its_state() -> None:
+    """Without a recipe the fp8_linear head is the matmul head (the loss's row order aside); with
+    delayed scaling the head's own state comes last, is calibrated by the updates and holds the
+    head's amaxes (the final norm's output, the embedding, the logits' gradient), and the head's
+    quantization moves the embedding's gradient away from the bf16-head model's."""
+    plain = C.eager_result("none", torch.float32, "cpu")
+    head = C.eager_result("none", torch.float32, "cpu", fp8_head=True)
+    assert C.compare(plain, head)["grad"] < 1e-5 and C.compare(plain, head)["loss"] < 1e-6
+    fp8 = C.eager_result("delayed", torch.float32, "cpu")
+    fp8_head = C.eager_result("delayed", torch.float32, "cpu", fp8_head=True)
+    model, _ = C.make_model("cpu", fp8_head=True)
+    assert len(fp8_head.states) == model.layers + 1 and len(fp8.states) == model.layers
+    st = fp8_head.states[-1]
+    assert isinstance(st, fp8ops.LinearState)
+    assert st.input.calibrated and st.weight.calibrated and st.grad_output.calibrated, "head state uncalibrated"
+    assert float(st.weight.amax_history.max()) > 0 and float(st.input.amax_history.max()) > 0
+    assert float(st.grad_output.amax_history.max()) > 0
+    err, _ = C.max_rel_error(fp8.grads, fp8_head.grads)
+    assert err > 1e-3, f"the FP8 head's gradients equal the bf16 head's ({err:.1e}): the head was not quantized"
+    assert fp8_head.losses[0] != fp8.losses[0]  # the first forward's logits are quantized
+
+
+def test_fp8_head_recipe_of_its_own() -> None:
+    """``head_recipe``: the head's state is built for it and the head quantizes with it. E4M3 for
+    the logits' gradient gives the same forward (E4M3 both ways) and other embedding gradients."""
+    model, params = C.make_model("cpu", fp8_head=True)
+    layers = C.make_recipe("delayed")
+    e4m3 = fp8ops.DelayedScaling(amax_history_len=4, fp8_format=fp8ops.Format.E4M3)
+    out = {}
+    for name, head in (("hybrid", None), ("e4m3", e4m3)):
+        states = C.init_states(model, layers, "cpu", head_recipe=head)
+        ps = pytree.tree_map(lambda t: t.clone().requires_grad_(), params)
+        probes = fp8ops.make_probes(states)
+        loss, new = C.gpt_loss(ps, states, probes, model.tokens[0], model.targets[0], model=model, recipe=layers,
+                               dtype=torch.float32, head_recipe=head)
+        loss.backward()
+        head_state = fp8ops.update(new[-1], recipe=head or layers, grad_amax=probes[-1].grad)
+        assert head_state.grad_output.calibrated
+        out[name] = (float(loss.detach()), ps["tok"].grad.clone())
+    assert out["hybrid"][0] == out["e4m3"][0]
+    assert not torch.equal(out["hybrid"][1], out["e4m3"][1]), "the head's gradient ignored head_recipe"

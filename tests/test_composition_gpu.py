@@ -50,3 +50,20 @@ def test_compiled_mode_matches_eager(mode: str, recipe: str, dtype: str) -> None
     e = C.check_compiled(got, recipe, DTYPES[dtype], "cuda", what=f"{mode} {recipe} {dtype}")
     print(f"\ncomposition {mode:16s} {recipe:8s} {dtype:9s} grad {e['grad']:.2e} (param {e['grad_key']}) "
           f"probe {e['probe']:.2e} loss {e['loss']:.2e} | bounds grad {e['grad_tol']:.2e} loss {e['loss_tol']:.2e}")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("mode", ["func.grad", "fullgraph", "reduce-overhead"])
+def test_fp8_head_mode_matches_eager(mode: str, recipe: str) -> None:
+    """The GPT with its tied head through fp8_linear (FP8 GEMMs, a state of its own), bf16: the
+    torch.func transform bitwise, the compiled modes within check_compiled's bounds."""
+    got = C.train(mode, recipe=C.make_recipe(recipe), dtype=torch.bfloat16, device="cuda", fp8_head=True)
+    if mode.startswith("func."):
+        want = C.eager_result(recipe, torch.bfloat16, "cuda", fp8_head=True)
+        assert got.losses == want.losses, (mode, recipe)
+        for k, g in want.grads.items():
+            assert torch.equal(got.grads[k], g), f"{mode} {recipe}: gradient of parameter {k} differs"
+        return
+    e = C.check_compiled(got, recipe, torch.bfloat16, "cuda", what=f"FP8 head {mode} {recipe}", fp8_head=True)
+    print(f"\ncomposition FP8 head {mode:16s} {recipe:8s} grad {e['grad']:.2e} loss {e['loss']:.2e} | "
+          f"bounds grad {e['grad_tol']:.2e} loss {e['loss_tol']:.2e}")

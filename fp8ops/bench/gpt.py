@@ -10,7 +10,13 @@ head tied to the embedding), (hidden, layers, heads) = (512, 6, 8), (768, 12, 12
 - ``torchao``: the same module with every block's ``nn.Linear`` converted by
   ``torchao.float8.convert_to_float8_training`` (tensorwise), compiled (the head stays bf16);
 - ``fp8ops FP8``: the GPT of :mod:`fp8ops.testing.composition` (:func:`fp8ops.transformer_layer`
-  layers, delayed scaling), the loss compiled with ``fullgraph=True`` or not.
+  layers, delayed scaling), the loss compiled with ``fullgraph=True`` or not; its output head (tied
+  to the embedding) is a bf16 matmul, as in the other two;
+- ``fp8ops FP8, FP8 head``: the same GPT with the head's three GEMMs in FP8 too
+  (:func:`fp8ops.fp8_linear` on the tied embedding, a scaling state of its own, delayed scaling
+  with E4M3 for the logits' gradient too: ``fp8ops.bench.step.HEAD_RECIPE``), compiled; a
+  different model numerically, so its ratios are reported beside, not instead of, the bf16-head ones
+  (``scripts/gpt_fp8_head.py`` compares the training losses of the two heads).
 
 A step is a whole training step: fresh probes, forward, backward, fused capturable AdamW and (FP8)
 :func:`fp8ops.update`. Each build is timed as it is (eager or compiled) and then as one CUDA graph
@@ -45,7 +51,7 @@ QUICK = {256: (2, 4), 512: (2, 8)}
 TARGET_VS_BF16 = {512: 1.0, 768: 0.95, 2048: 0.75, 4096: 0.70}
 TARGET_VS_TORCHAO = {2048: 0.9, 4096: 0.9}
 BUILDS = [("torch", "eager"), ("torch", "compile"), ("torchao", "compile"), ("fp8ops FP8", "eager"),
-          ("fp8ops FP8", "compile")]
+          ("fp8ops FP8", "compile"), ("fp8ops FP8, FP8 head", "compile")]
 """(impl, build); each build is measured as built and then as one CUDA graph per step."""
 
 
@@ -90,7 +96,7 @@ def _one_build(impl: str, build: str, size: dict[str, int], steps: int, profile:
 def _ratios(rows: list[dict[str, Any]], hidden: int) -> dict[str, Any]:
     """Fastest mode of each implementation and the ratios the targets are stated in."""
     best = {}
-    for impl in ("torch", "torchao", "fp8ops FP8"):
+    for impl in ("torch", "torchao", "fp8ops FP8", "fp8ops FP8, FP8 head"):
         mine = [r for r in rows if r["impl"] == impl]
         if mine:
             b = min(mine, key=lambda r: r["ms"])
@@ -102,6 +108,11 @@ def _ratios(rows: list[dict[str, Any]], hidden: int) -> dict[str, Any]:
     if "fp8ops FP8" in best and "torchao" in best:
         out["fp8_over_torchao"] = best["fp8ops FP8"]["ms"] / best["torchao"]["ms"]
         out["target_vs_torchao"] = TARGET_VS_TORCHAO.get(hidden)
+    head = best.get("fp8ops FP8, FP8 head")
+    if head is not None and "torch" in best:
+        out["fp8_head_over_bf16"] = head["ms"] / best["torch"]["ms"]
+    if head is not None and "torchao" in best:
+        out["fp8_head_over_torchao"] = head["ms"] / best["torchao"]["ms"]
     return out
 
 
@@ -150,7 +161,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         parts = [f"hidden {s['hidden']}: best " + ", ".join(f"{k} {v['ms']:.2f} ms ({v['mode']})"
                                                           for k, v in s["best"].items())]
         for key, tkey, peer in (("fp8_over_bf16", "target_vs_bf16", "bf16"),
-                                ("fp8_over_torchao", "target_vs_torchao", "torchao")):
+                                ("fp8_over_torchao", "target_vs_torchao", "torchao"),
+                                ("fp8_head_over_bf16", "target_vs_bf16", "bf16 (FP8 head)"),
+                                ("fp8_head_over_torchao", "target_vs_torchao", "torchao (FP8 head)")):
             if key in s:
                 t = s[tkey]
                 verdict = "" if t is None else (f" (target <= {t:.2f}: " + ("met" if s[key] <= t else "MISSED") + ")")

@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 __all__ = ["MODES", "RECIPES", "Model", "StepResult", "check_compiled", "compare", "eager_result", "gpt_loss",
-           "make_model", "make_recipe", "max_rel_error", "probe_leaves", "train"]
+           "init_states", "make_model", "make_recipe", "max_rel_error", "probe_leaves", "train"]
 
 MODES = ("eager", "compile", "fullgraph", "reduce-overhead", "func.grad", "func.grad_and_value", "func.vjp",
          "graph_step", "graph_step.fullgraph")
@@ -78,14 +78,19 @@ class Model:
     layers: int
     tokens: Tensor  # (steps, B, S) int64
     targets: Tensor  # (steps, B, S) int64
+    fp8_head: bool = False  # the tied head through fp8_linear (FP8 GEMMs under a recipe; state last)
 
 
 def make_model(device: torch.device | str, *, layers: int = 2, hidden: int = 32, heads: int = 4, seq: int = 16,
-               batch: int = 2, vocab: int = 64, steps: int = 8, seed: int = 0) -> tuple[Model, dict[str, Any]]:
+               batch: int = 2, vocab: int = 64, steps: int = 8, seed: int = 0,
+               fp8_head: bool = False) -> tuple[Model, dict[str, Any]]:
     """A :class:`Model` and its float32 master parameters (leaves, ``requires_grad=False``).
 
     Built on the CPU from one generator (the same values on every device), then moved. The data
     is a fixed random token stream, one batch per step; the targets are the tokens shifted by one.
+    ``fp8_head``: the output head (tied to the token embedding) runs through
+    :func:`fp8ops.fp8_linear`, its GEMMs in FP8 under a recipe, with a state of its own after the
+    layers' (:func:`init_states`); otherwise it is a matmul in the compute dtype.
     """
     from fp8ops.transformer_layer import TransformerConfig, init_transformer_params
 
@@ -100,13 +105,31 @@ def make_model(device: torch.device | str, *, layers: int = 2, hidden: int = 32,
         "lnf.bias": 0.1 * torch.randn(hidden, generator=g),
     }
     stream = torch.randint(0, vocab, (steps, batch, seq + 1), generator=g)
-    model = Model(config, vocab, seq, layers, stream[..., :-1].to(device), stream[..., 1:].to(device))
+    model = Model(config, vocab, seq, layers, stream[..., :-1].to(device), stream[..., 1:].to(device), fp8_head)
     return model, pytree.tree_map(lambda t: t.to(device), params)
 
 
+def init_states(model: Model, recipe: Any, device: torch.device | str, *, head_recipe: Any = None
+                ) -> list[Any] | None:
+    """The model's fresh scaling states: one per layer, then the head's (with ``fp8_head``; built
+    for ``head_recipe`` when given, else ``recipe``); None without a recipe."""
+    import fp8ops
+
+    if recipe is None:
+        return None
+    states: list[Any] = [fp8ops.init_transformer_state(model.config, recipe, device=device)
+                         for _ in range(model.layers)]
+    if model.fp8_head:
+        states.append(fp8ops.LinearState.init(head_recipe or recipe, device=device))
+    return states
+
+
 def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[Any] | None, tokens: Tensor,
-             targets: Tensor, *, model: Model, recipe: Any, dtype: torch.dtype) -> tuple[Tensor, list[Any] | None]:
-    """Mean next-token cross-entropy of ``tokens`` (B, S) and the layers' new states."""
+             targets: Tensor, *, model: Model, recipe: Any, dtype: torch.dtype, head_recipe: Any = None
+             ) -> tuple[Tensor, list[Any] | None]:
+    """Mean next-token cross-entropy of ``tokens`` (B, S) and the layers' new states (then the
+    head's, with ``model.fp8_head``: quantized with ``head_recipe`` when given, else ``recipe``; an
+    update of the states then takes the head's state with its own recipe)."""
     from fp8ops.norm import layer_norm
     from fp8ops.transformer_layer import transformer_layer
 
@@ -132,7 +155,18 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
         (x, _), _ = layer_norm(x, *lnf, residual=residual)
     else:
         x, _ = layer_norm(x, *lnf)
-    logits = x.transpose(0, 1) @ params["tok"].to(dtype).t()  # (B, S, V), head tied to the embedding
+    head = params["tok"].to(dtype)  # the head is tied to the embedding
+    if model.fp8_head:  # (S * B, V) logits from fp8_linear, the targets in the same (S, B) order
+        from fp8ops.fp8_linear import fp8_linear
+
+        st = None if states is None else states[model.layers]
+        pr = None if probes is None else probes[model.layers]
+        logits, hs = fp8_linear(x.reshape(-1, x.shape[-1]), head, None, st, recipe=head_recipe or recipe,
+                                grad_probe=pr)
+        new_states.append(hs)
+        targets = targets.t()
+    else:
+        logits = x.transpose(0, 1) @ head.t()  # (B, S, V)
     loss = F.cross_entropy(logits.float().reshape(-1, model.vocab), targets.reshape(-1))
     return loss, (new_states if states is not None else None)
 
@@ -170,7 +204,8 @@ def _grads(params: list[Tensor]) -> dict[str, Tensor]:
 
 def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | str, steps: int = 8,
           lr: float = 1e-2, backend: str = "inductor", model: Model | None = None,
-          params: dict[str, Any] | None = None, capturable: bool | None = None) -> StepResult:
+          params: dict[str, Any] | None = None, capturable: bool | None = None,
+          fp8_head: bool = False) -> StepResult:
     """Train the model for ``steps`` AdamW steps in ``mode``; see the module docstring.
 
     Args:
@@ -181,7 +216,8 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
         steps: optimizer steps.
         lr: AdamW learning rate.
         backend: torch.compile backend of the compiled modes ("inductor", "aot_eager", ...).
-        model, params: from :func:`make_model` (default: ``make_model(device, steps=steps)``).
+        model, params: from :func:`make_model` (default: ``make_model(device, steps=steps,
+            fp8_head=fp8_head)``).
         capturable: AdamW's ``capturable`` flag; default True for the graph modes on CUDA, else
             False.
 
@@ -193,7 +229,7 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
     if mode not in MODES:
         raise ValueError(f"train: mode must be one of {MODES}, got {mode!r}")
     if model is None or params is None:
-        model, params = make_model(device, steps=steps)
+        model, params = make_model(device, steps=steps, fp8_head=fp8_head)
     if model.tokens.shape[0] < steps:
         raise ValueError(f"train: the model's data holds {model.tokens.shape[0]} steps, asked for {steps}")
     leaves, spec = pytree.tree_flatten(params)
@@ -201,9 +237,7 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
     if capturable is None:
         capturable = mode.startswith("graph_step") and torch.device(device).type == "cuda"
     opt = torch.optim.AdamW(master, lr=lr, weight_decay=0.0, capturable=capturable)
-    states = None
-    if recipe is not None:
-        states = [fp8ops.init_transformer_state(model.config, recipe, device=device) for _ in range(model.layers)]
+    states = init_states(model, recipe, device)
 
     def loss_fn(ps: Any, st: Any, pr: Any, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Any]:
         return gpt_loss(ps, st, pr, tokens, targets, model=model, recipe=recipe, dtype=dtype)
@@ -316,12 +350,14 @@ def compare(want: StepResult, got: StepResult) -> dict[str, Any]:
 _EAGER: dict[tuple[str, str, str], StepResult] = {}
 
 
-def eager_result(recipe: str, dtype: torch.dtype, device: str, *, capturable: bool = False) -> StepResult:
+def eager_result(recipe: str, dtype: torch.dtype, device: str, *, capturable: bool = False,
+                 fp8_head: bool = False) -> StepResult:
     """:func:`train` in eager mode for a recipe name (see :func:`make_recipe`), computed once per
-    (recipe, dtype, device, capturable) in a process."""
-    key = (recipe, str(dtype), device, capturable)
+    (recipe, dtype, device, capturable, fp8_head) in a process."""
+    key = (recipe, str(dtype), device, capturable, fp8_head)
     if key not in _EAGER:
-        _EAGER[key] = train("eager", recipe=make_recipe(recipe), dtype=dtype, device=device, capturable=capturable)
+        _EAGER[key] = train("eager", recipe=make_recipe(recipe), dtype=dtype, device=device, capturable=capturable,
+                            fp8_head=fp8_head)
     return _EAGER[key]
 
 
@@ -330,7 +366,7 @@ FP32_GRAD_TOL, FP32_LOSS_TOL = 1e-4, 1e-5
 
 
 def check_compiled(got: StepResult, recipe: str, dtype: torch.dtype, device: str, *, what: str,
-                   capturable: bool = False) -> dict[str, Any]:
+                   capturable: bool = False, fp8_head: bool = False) -> dict[str, Any]:
     """Assert that a compiled run ``got`` stays on eager's numbers; return the errors.
 
     Float32: :data:`FP32_GRAD_TOL` / :data:`FP32_LOSS_TOL`. Bfloat16: the fused casts of a compiler
@@ -339,12 +375,12 @@ def check_compiled(got: StepResult, recipe: str, dtype: torch.dtype, device: str
     for the same recipe; and the compiled run must be no farther from eager float32 than 1.5 times
     eager bfloat16 is (no bias).
     """
-    want = eager_result(recipe, dtype, device, capturable=capturable)
+    want = eager_result(recipe, dtype, device, capturable=capturable, fp8_head=fp8_head)
     e = compare(want, got)
     if dtype == torch.float32:
         grad_tol, loss_tol = FP32_GRAD_TOL, FP32_LOSS_TOL
     else:
-        ref = eager_result(recipe, torch.float32, device, capturable=capturable)
+        ref = eager_result(recipe, torch.float32, device, capturable=capturable, fp8_head=fp8_head)
         noise = compare(ref, want)
         grad_tol, loss_tol = 2 * noise["grad"], 2 * noise["loss"]
         own = compare(ref, got)["grad"]
