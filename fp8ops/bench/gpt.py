@@ -13,8 +13,8 @@ head tied to the embedding), (hidden, layers, heads) = (512, 6, 8), (768, 12, 12
   layers, delayed scaling), the loss compiled with ``fullgraph=True`` or not; its output head (tied
   to the embedding) is a bf16 matmul, as in the other two;
 - ``fp8ops FP8, FP8 head``: the same GPT with the head's three GEMMs in FP8 too
-  (:func:`fp8ops.fp8_linear` on the tied embedding, a scaling state of its own, delayed scaling
-  with E4M3 for the logits' gradient too: ``fp8ops.bench.step.HEAD_RECIPE``), compiled; a
+  (:func:`fp8ops.fp8_linear` on the tied embedding, a scaling state of its own, the layers'
+  recipe), compiled; a
   different model numerically, so its ratios are reported beside, not instead of, the bf16-head ones
   (``scripts/gpt_fp8_head.py`` compares the training losses of the two heads).
 

@@ -98,28 +98,14 @@ def _optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"), fused=True, capturable=True)
 
 
-def _head_recipe() -> Any:
-    import fp8ops
-
-    return fp8ops.DelayedScaling(fp8_format=fp8ops.Format.E4M3)
-
-
-HEAD_RECIPE = _head_recipe()
-"""The recipe of the "fp8ops FP8, FP8 head" GPT's output head: delayed scaling with E4M3 for the
-logits' gradient too (``scripts/gpt_fp8_head.py``: with E5M2 gradients the head's held-out loss
-was 1.1-1.9 % above bf16's after 600 steps, with E4M3 0.9 % below; current scaling 0.1 % either
-side)."""
-
-
 def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
     """``(step, carry, batch)`` of ``model`` ("gpt2": a GPT of ``size``; "seed": the seed layer) for
     ``impl`` ("torch", "torchao" (gpt2 only), "fp8ops bf16", "fp8ops FP8", "fp8ops FP8, FP8 head" (gpt2
-    only: the tied output head through ``fp8_linear`` too, with :data:`HEAD_RECIPE`)); ``mode`` starting with
+    only: the tied output head through ``fp8_linear`` too)); ``mode`` starting with
     "compile" compiles the model (torch) or the loss (fp8ops, ``fullgraph=True``)."""
     import fp8ops
 
     recipe = fp8ops.DelayedScaling() if impl.startswith("fp8ops FP8") else None
-    head_recipe = HEAD_RECIPE if impl == "fp8ops FP8, FP8 head" else None
     g = torch.Generator(device="cuda").manual_seed(1)
     if model == "gpt2":
         L, H, heads, S, B, V = (size[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab"))
@@ -148,11 +134,10 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Ca
         gpt, params = composition.make_model("cuda", layers=L, hidden=H, heads=heads, seq=S, batch=B, vocab=V,
                                              steps=1, fp8_head=impl == "fp8ops FP8, FP8 head")
         params = pytree.tree_map(lambda t: t.bfloat16().requires_grad_(), params)
-        states = composition.init_states(gpt, recipe, "cuda", head_recipe=head_recipe)
+        states = composition.init_states(gpt, recipe, "cuda")
 
         def loss_of(st: Any, pr: Any, tok: torch.Tensor, tgt: torch.Tensor) -> Any:
-            return composition.gpt_loss(params, st, pr, tok, tgt, model=gpt, recipe=recipe, dtype=torch.bfloat16,
-                                        head_recipe=head_recipe)
+            return composition.gpt_loss(params, st, pr, tok, tgt, model=gpt, recipe=recipe, dtype=torch.bfloat16)
     else:
         H, F_, heads, S, B = (size[k] for k in ("hidden", "ffn", "heads", "seq", "batch"))
         x = torch.randn(S, B, H, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -193,12 +178,7 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Ca
         loss.backward()
         opt.step()
         if st is not None:
-            grads = pytree.tree_map(lambda p: p.grad, probes)
-            if head_recipe is None:
-                ns = fp8ops.update(ns, recipe=recipe, grad_amax=grads)
-            else:  # the head's state (last) with its own recipe
-                ns = (fp8ops.update(ns[:-1], recipe=recipe, grad_amax=grads[:-1])
-                      + fp8ops.update(ns[-1:], recipe=head_recipe, grad_amax=grads[-1:]))
+            ns = fp8ops.update(ns, recipe=recipe, grad_amax=pytree.tree_map(lambda p: p.grad, probes))
         return ns, loss.detach()
 
     return fp8ops_step, states, batch
