@@ -75,6 +75,12 @@ def run(label: str, recipe_name: str, fp8_head: bool, args: argparse.Namespace, 
     def loss_fn(ps, st, pr, x, y):
         return C.gpt_loss(ps, st, pr, x, y, model=model, recipe=recipe, dtype=dtype, head_recipe=head_recipe)
 
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            ps = pytree.tree_unflatten(master, spec)
+            losses = [float(loss_fn(ps, states, None, *windows(val, s, args.seq, dev))[0]) for s in val_starts]
+        return sum(losses) / len(losses)
+
     torch._dynamo.reset()
     compiled = torch.compile(loss_fn, fullgraph=True)
     g = torch.Generator().manual_seed(args.seed + 1)  # the batches
@@ -100,10 +106,7 @@ def run(label: str, recipe_name: str, fp8_head: bool, args: argparse.Namespace, 
                           + fp8ops.update(new[-1:], recipe=head_recipe, grad_amax=grads[-1:]))
         curve.append(loss.detach())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with torch.no_grad():
-                ps = pytree.tree_unflatten(master, spec)
-                vl = sum(float(C.gpt_loss(ps, states, None, *windows(val, s, args.seq, dev), model=model,
-                                          recipe=recipe, dtype=dtype, head_recipe=head_recipe)[0]) for s in val_starts) / len(val_starts)
+            vl = held_out_loss()
             evals.append((step + 1, vl))
             print(f"{label:36s} step {step + 1:5d}  train {float(loss.detach()):.4f}  val {vl:.4f}", flush=True)
     curve_f = [float(v) for v in curve]
@@ -147,8 +150,8 @@ def main() -> None:
         print(f"{r['label']:36s} {r['train_tail_mean']:18.4f} {r['val'][-1][1]:11.4f} {dt:+14.2%} {dv:+12.2%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-                       "runs": runs}, f, indent=1)
+            gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+            json.dump({"args": vars(args), "gpu": gpu, "torch": torch.__version__, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,8 @@ head tied to the embedding), (hidden, layers, heads) = (512, 6, 8), (768, 12, 12
   to the embedding) is a bf16 matmul, as in the other two;
 - ``fp8ops FP8, FP8 head``: the same GPT with the head's three GEMMs in FP8 too
   (:func:`fp8ops.fp8_linear` on the tied embedding, a scaling state of its own, the layers'
-  recipe), compiled; a
-  different model numerically, so its ratios are reported beside, not instead of, the bf16-head ones
-  (``scripts/gpt_fp8_head.py`` compares the training losses of the two heads).
+  recipe), compiled; a different model numerically, so its ratios are reported beside, not instead
+  of, the bf16-head ones (``scripts/gpt_fp8_head.py`` compares the training losses of the two heads).
 
 A step is a whole training step: fresh probes, forward, backward, fused capturable AdamW and (FP8)
 :func:`fp8ops.update`. Each build is timed as it is (eager or compiled) and then as one CUDA graph

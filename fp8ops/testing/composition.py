@@ -120,7 +120,7 @@ def init_states(model: Model, recipe: Any, device: torch.device | str, *, head_r
     states: list[Any] = [fp8ops.init_transformer_state(model.config, recipe, device=device)
                          for _ in range(model.layers)]
     if model.fp8_head:
-        states.append(fp8ops.LinearState.init(head_recipe or recipe, device=device))
+        states.append(fp8ops.LinearState.init(recipe if head_recipe is None else head_recipe, device=device))
     return states
 
 
@@ -161,8 +161,8 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
 
         st = None if states is None else states[model.layers]
         pr = None if probes is None else probes[model.layers]
-        logits, hs = fp8_linear(x.reshape(-1, x.shape[-1]), head, None, st, recipe=head_recipe or recipe,
-                                grad_probe=pr)
+        logits, hs = fp8_linear(x.reshape(-1, x.shape[-1]), head, None, st,
+                                recipe=recipe if head_recipe is None else head_recipe, grad_probe=pr)
         new_states.append(hs)
         targets = targets.t()
     else:
