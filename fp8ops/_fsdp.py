@@ -262,6 +262,16 @@ class GatheredFP8Weight(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, fp8_dtype={self._fp8_dtype})"
 
+    # A traceable subclass: torch.compile takes the unsharded weight as its three inner tensors, so the
+    # modules' ops over the gathered bytes trace into the compiled graph like any other op.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, torch.dtype]]:
+        return ["_data", "_inv", "_amax"], (self._fp8_dtype, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: tuple[torch.dtype, torch.dtype], outer_size: Any,
+                             outer_stride: Any) -> GatheredFP8Weight:
+        return GatheredFP8Weight(inner["_data"], inner["_inv"], inner["_amax"], *meta)
+
     def _same(self) -> GatheredFP8Weight:
         return GatheredFP8Weight(self._data, self._inv, self._amax, self._fp8_dtype, self.dtype)
 
@@ -338,19 +348,6 @@ def _observe_shards(state: Any, weights: dict[str, Tensor]) -> Any:
     return state.replace(**seen) if seen else state
 
 
-_EAGER_REASON = ("fp8ops: a layer whose weights fully_shard all-gathers in FP8 (enable_fp8_all_gather) runs its op "
-                 "eagerly between compiled graphs (torch.compile does not trace the gathered weights); compile "
-                 "with fullgraph=False")
-
-
-def _eager(fn: Any) -> Any:
-    """``fn`` never traced by torch.compile: run eagerly between graphs (with ``fullgraph=True``
-    Dynamo raises, giving the reason)."""
-    kw = {"reason": _EAGER_REASON} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
-    return torch.compiler.disable(fn, **kw)
-
-
-@_eager
 def gathered_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: LinearState, *, recipe: Any,
                     grad_probe: Tensor | None) -> tuple[Tensor, LinearState]:
     """:func:`fp8_linear` over an unsharded FP8-gathered weight: ``(y, new_state)``, the weight role
@@ -360,7 +357,6 @@ def gathered_linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: Linea
     return y, _observe_shards(new_state, {"weight": weight})
 
 
-@_eager
 def gathered_layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, weight: Tensor,
                               bias: Tensor | None, state: LayerNormLinearState, *, recipe: Any, **kw: Any
                               ) -> tuple[Any, LayerNormLinearState]:
@@ -371,7 +367,6 @@ def gathered_layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | No
     return out, _observe_shards(new_state, {"weight": weight})
 
 
-@_eager
 def gathered_fused_ln_mlp(x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, fc1_weight: Tensor,
                           fc1_bias: Tensor | None, fc2_weight: Tensor, fc2_bias: Tensor | None,
                           state: LayerNormMLPState, *, recipe: Any, **kw: Any) -> tuple[Tensor, LayerNormMLPState]:
@@ -402,7 +397,6 @@ def role_state(state: Any, role: str) -> Any:
     return state
 
 
-@_eager
 def gathered_transformer_layer(params: Mapping[str, Tensor], x: Tensor, state: dict[str, Any], *, recipe: Any,
                                **kw: Any) -> tuple[Tensor, dict[str, Any]]:
     """:func:`fp8ops.transformer_layer` (keywords as there) with its unsharded FP8-gathered weights

@@ -2,19 +2,22 @@
 fp8ops FP8 with bf16 or FP8 weight all-gathers (``fp8ops.bench.parallel._fsdp_gpt``), one process
 per GPU over NCCL.
 
-    python scripts/fsdp_gpu_profile.py [--hidden 2048] [--layers 4] [--steps 10] [--out DIR]
+    python scripts/fsdp_gpu_profile.py [--hidden 2048] [--layers 4] [--steps 10] [--compile] [--trace] [--out DIR]
 
 For each variant, on rank 0: ms per step (the slower rank's), the host's time to issue a step when
 the GPU is not waited for (``host_ms``: the step call's wall time with the queue not full), the
 synchronizing CUDA calls per step (``torch.cuda.set_sync_debug_mode``) with where the first ones
-came from, the profiler's device time by kind of kernel against the span of a step, and the CPU
-ops with the most self time. Writes ``fsdp_gpu_profile.json`` under ``--out``.
+came from, the profiler's device time by kind of kernel against the span of a step, the CPU ops
+with the most self time, and the garbage collector's collections per step and their time. Writes
+``fsdp_gpu_profile.json`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
+import gzip
 import json
 import os
 import time
@@ -45,6 +48,20 @@ def _syncs(step: Any, batch: Any) -> tuple[int, list[str]]:
     return sum(seen.values()), [f"{n}x {k}" for k, n in seen.most_common(8)]
 
 
+class _GCTimer:
+    """Collections by Python's garbage collector and the time they take, while installed."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._t0 = [0, 0, 0], 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._t0
+
+
 def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
     from fp8ops.bench.parallel import _fsdp_gpt, _kernel_profile
 
@@ -57,18 +74,25 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
                             device_id=torch.device("cuda", rank))
     size = {"layers": args.layers, "hidden": args.hidden, "heads": args.hidden // 128, "seq": 1024,
             "batch": args.batch, "vocab": 32768}
-    out: dict[str, Any] = {"size": size, "launch_paths": args.launch_paths, "rows": []}
+    out: dict[str, Any] = {"size": size, "launch_paths": args.launch_paths, "compile": args.compile, "rows": []}
     for kind in [k for k in KINDS if k in args.kinds]:
         torch._dynamo.reset()
-        step, _, batch = _fsdp_gpt(size, rank, world, kind, wrap=args.wrap)
+        step, _, batch = _fsdp_gpt(size, rank, world, kind, wrap=args.wrap,
+                                   compile_backend="inductor" if args.compile else None)
         for _ in range(4):
             step(None, *batch)
         torch.cuda.synchronize()
+        if args.no_gc:
+            gc.collect()
+            gc.disable()
         dist.barrier()
+        gct = _GCTimer()
+        gc.callbacks.append(gct)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step(None, *batch)
         torch.cuda.synchronize()
+        gc.callbacks.remove(gct)
         ms = torch.tensor((time.perf_counter() - t0) / args.steps * 1e3, device="cuda")
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         # host time: each step issued right after a synchronize, timed to its return
@@ -89,6 +113,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
             torch.cuda.synchronize()
         cpu_top = [(e.key[:80], round(e.self_cpu_time_total / 1e3, 3), e.count)
                    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]]
+        if args.trace and rank == 0:  # one step's host and device timeline, for chrome://tracing or Perfetto
+            with gzip.open(os.path.join(args.out, f"trace_{kind.replace(', ', '_').replace(' ', '-')}.json.gz"),
+                           "wt") as f:
+                f.write(_trace(step, batch))
+        elif args.trace:
+            step(None, *batch)
+            torch.cuda.synchronize()
         if args.cprofile:  # every rank steps (the collectives pair up); rank 0 prints
             import cProfile
             import io
@@ -104,11 +135,15 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
                 stats.sort_stats("tottime").print_stats(40)
                 stats.sort_stats("cumulative").print_stats(60)
                 print(kind, buf.getvalue(), flush=True)
-        row = {"variant": kind, "ms": float(ms), "host_ms_median": sorted(host)[len(host) // 2],
+        gc.enable()
+        row = {"variant": kind, "gc_disabled": args.no_gc, "ms": float(ms), "host_ms_median": sorted(host)[len(host) // 2],
+               "gc_per_step": {"collections": [c / args.steps for c in gct.count],
+                               "ms": gct.seconds / args.steps * 1e3},
                "syncs_per_step": n_sync, "sync_sites": where, "profile": kprof, "cpu_top_ms": cpu_top}
         out["rows"].append(row)
         if rank == 0:
-            print(json.dumps({k: row[k] for k in ("variant", "ms", "host_ms_median", "syncs_per_step")}), flush=True)
+            print(json.dumps({k: row[k] for k in ("variant", "ms", "host_ms_median", "gc_per_step", "syncs_per_step")}),
+                  flush=True)
             print("  kernels", json.dumps({k: kprof.get(k) for k in ("kernels_per_step", "span_ms", "kernel_ms")}))
             for s in where:
                 print("  sync", s)
@@ -122,6 +157,19 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
             json.dump(out, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _trace(step: Any, batch: Any) -> str:
+    """The profiler's chrome trace (host and device) of one step, as text."""
+    import tempfile
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, with_stack=False) as prof:
+        step(None, *batch)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        return open(tmp.name).read()
 
 
 def main() -> None:
@@ -138,6 +186,12 @@ def main() -> None:
                          "stored through a tensor map and a fill kernel for every amax output "
                          "(kernels/_library.EAGER_DIRECT off, TMA_STORE_MIN_ELEMENTS 0, AMAX_CHAIN.eager off), "
                          "for comparisons")
+    ap.add_argument("--compile", action="store_true", help="each FSDP2 group's module compiled (Inductor), as the "
+                    "suite's '+ compile' variants")
+    ap.add_argument("--no-gc", action="store_true", help="Python's garbage collector off while steps are timed "
+                    "and profiled (to see what its collections cost)")
+    ap.add_argument("--trace", action="store_true", help="write rank 0's chrome trace of one step per variant "
+                    "(trace_<variant>.json.gz under --out)")
     ap.add_argument("--cprofile", action="store_true", help="print rank 0's cProfile top by own and by cumulative time")
     args = ap.parse_args()
     world = torch.cuda.device_count()

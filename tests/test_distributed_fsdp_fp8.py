@@ -23,7 +23,9 @@ run:
   element of its gathered weights and the param dtype's bytes for its norm and biases (the
   collective is wrapped and its buffers measured against those of the run without FP8 all-gather);
 - ``update_scaling`` without ``group=`` (of the model, or of its LayerNormMLP alone) and
-  ``enable_fp8_all_gather`` after ``fully_shard`` raise.
+  ``enable_fp8_all_gather`` after ``fully_shard`` raise;
+- with every layer compiled (``fullgraph=True``, ``aot_eager``), the model trains as the eager one
+  bit for bit, with no graph break.
 
 Each distributed test is one ``mp.spawn``: every rank also runs the references, records mismatches
 instead of raising (so that no rank is left waiting in a collective), and the test asserts on the
@@ -171,9 +173,11 @@ class _Spy:
         _fsdp.FP8AllGatherWeight.fsdp_post_all_gather = post
 
 
-def _fsdp_run(recipe, local, world, group, fp8_gather: bool, tag: str, bad: list[str], param_dtype=None):
+def _fsdp_run(recipe, local, world, group, fp8_gather: bool, tag: str, bad: list[str], param_dtype=None,
+              compile_backend=None):
     """The model under fully_shard (each layer, then the root; ``param_dtype``: a mixed-precision
-    policy with FP32 reduction), trained on this rank's data. Returns (model, spy)."""
+    policy with FP32 reduction; ``compile_backend``: each layer compiled with fullgraph=True), trained
+    on this rank's data. Returns (model, spy)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -186,6 +190,8 @@ def _fsdp_run(recipe, local, world, group, fp8_gather: bool, tag: str, bad: list
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for layer in model:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        if compile_backend is not None:
+            layer.compile(backend=compile_backend, fullgraph=True)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     per_step: list[int] = []
     with count_all_reduces() as calls, _Spy() as spy:
@@ -249,9 +255,39 @@ def _check_traffic(tag: str, spy: _Spy, plain: _Spy, world: int, param_dtype: to
                    f"{sorted(n for _, n in plain.gathers)})")
 
 
+def _compiled_case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
+    """``case`` "delayed-compile": every layer compiled with ``fullgraph=True`` (``aot_eager``: the
+    eager kernels, so that the comparison is exact) over the FP8-gathered weights trains as the eager
+    model, parameters and states bit for bit, with no graph break."""
+    from torch._dynamo.utils import counters
+
+    recipe, tag = _recipe(case.partition("-")[0]), f"w{world}/{case}"
+    local = [(x.chunk(world, dim=1)[rank], gy.chunk(world, dim=1)[rank]) for x, gy in _data()]
+    eager, _ = _fsdp_run(recipe, local, world, group, True, f"{tag}/eager", bad)
+    torch._dynamo.reset()
+    counters.clear()
+    model, spy = _fsdp_run(recipe, local, world, group, True, tag, bad, compile_backend="aot_eager")
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    if breaks or graphs < len(model):
+        bad.append(f"{tag}: {breaks} graph breaks and {graphs} graphs for {len(model)} compiled layers")
+    if spy.casts == 0:
+        bad.append(f"{tag}: no shard was quantized for an FP8 all-gather")
+    params, eager_params = _full_params(model, tag, bad, True), _full_params(eager, f"{tag}/eager", bad, True)
+    for k, p in params.items():
+        if not torch.equal(p, eager_params[k]):
+            bad.append(f"{tag}: {k} differs from the eager run by {float((p - eager_params[k]).abs().max()):.3g}")
+    sd, eager_sd = _states(model), _states(eager)
+    for k, v in sd.items():
+        if not torch.equal(v, eager_sd[k]):
+            bad.append(f"{tag}: state {k} {v.tolist()} differs from the eager run's {eager_sd[k].tolist()}")
+
+
 def _case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
     """``case``: "delayed" or "current" (FP32 parameters), or "delayed-bf16" (a bfloat16
-    mixed-precision policy: the unsharded weights and the compute in bfloat16)."""
+    mixed-precision policy: the unsharded weights and the compute in bfloat16); "delayed-compile":
+    :func:`_compiled_case`."""
+    if case.endswith("-compile"):
+        return _compiled_case(case, rank, world, group, bad)
     recipe_name, _, low = case.partition("-")
     recipe = _recipe(recipe_name)
     param_dtype = torch.bfloat16 if low == "bf16" else None
@@ -368,6 +404,11 @@ def test_fsdp2_fp8_all_gather_2_ranks_delayed_current_and_bf16_policy():
         assert not r["bad"], "\n".join(r["bad"])
 
 
+def test_fsdp2_fp8_all_gather_compiled_layers_train_as_eager():
+    for r in _spawn(2, "delayed-compile"):
+        assert not r["bad"], "\n".join(r["bad"])
+
+
 def test_fsdp2_fp8_all_gather_4_ranks_delayed_and_current():
     for r in _spawn(4, "delayed", "current"):
         assert not r["bad"], "\n".join(r["bad"])
@@ -379,7 +420,7 @@ def test_fsdp2_fp8_all_gather_4_ranks_delayed_and_current():
 def test_fsdp2_fp8_all_gather_nccl_two_gpus():
     """The same checks over NCCL, one rank per GPU: the GPU kernels, FSDP2's streams, and the
     backward's transposed copy of the bytes FSDP2 gathered again into the forward's storage."""
-    for r in _spawn(2, "delayed", "current", "delayed-bf16", backend="nccl"):
+    for r in _spawn(2, "delayed", "current", "delayed-bf16", "delayed-compile", backend="nccl"):
         assert not r["bad"], "\n".join(r["bad"])
 
 

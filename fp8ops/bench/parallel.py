@@ -250,8 +250,8 @@ def _fsdp_gpt(size: dict[str, int], rank: int, world: int, kind: str, device: st
     """FSDP2 of the step suite's torch GPT: kind "bf16", "FP8, bf16 all-gather", "FP8, FP8 all-gather";
     ``wrap`` "block": one FSDP2 group per transformer block, "linear": one per Linear (then the root);
     ``compile_backend``: each wrapped module compiled with that backend, the root left eager (FSDP2's
-    hooks run eagerly around each compiled module; the FP8 all-gather layers' ops run eagerly
-    between compiled graphs)."""
+    hooks run eagerly around each compiled module; the FP8 all-gather layers' ops trace into the
+    compiled graphs over the gathered bytes)."""
     import fp8ops
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
