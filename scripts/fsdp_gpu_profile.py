@@ -136,7 +136,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
                 stats.sort_stats("cumulative").print_stats(60)
                 print(kind, buf.getvalue(), flush=True)
         gc.enable()
-        row = {"variant": kind, "gc_disabled": args.no_gc, "ms": float(ms), "host_ms_median": sorted(host)[len(host) // 2],
+        row = {"variant": kind, "gc_disabled": args.no_gc, "ms": float(ms),
+               "host_ms_median": sorted(host)[len(host) // 2],
                "gc_per_step": {"collections": [c / args.steps for c in gct.count],
                                "ms": gct.seconds / args.steps * 1e3},
                "syncs_per_step": n_sync, "sync_sites": where, "profile": kprof, "cpu_top_ms": cpu_top}
