@@ -18,9 +18,9 @@ FSDP2 all-gathers a parameter whose local shard defines ``fsdp_pre_all_gather`` 
                          holds the gathered bytes, 1/scale and the amax of this rank's shard; no
                          high-precision copy of the full weight
     forward              the module's op (fp8_linear, layernorm_linear, fused_ln_mlp, transformer_layer) with a
-                         WeightCache of those bytes (no transposed copy) and a zero-stride stand-in
-                         weight whose gradient, the (N, K) dW, becomes the unsharded parameter's
-                         gradient, which FSDP2 reduce-scatters as usual
+                         WeightCache of those bytes (no transposed copy) next to the unsharded
+                         parameter itself, whose gradient, the (N, K) dW, FSDP2 reduce-scatters as
+                         usual
     backward             the op transposes the gathered bytes for its dgrad GEMM (K-major)
 
 FSDP2 frees the all-gather output after the forward (storage resized to 0) and gathers again for
@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ._glue import apply
 from ._parallel import check_fp8_gather_recipe, fp8_group_quantize
 from ._transformer_checks import WEIGHT_ROLES
 from .fp8_linear import LinearState, WeightCache, fp8_linear
@@ -297,47 +296,24 @@ class GatheredFP8Weight(torch.Tensor):
         return func(*args, **kwargs)
 
 
-class _StandIn(torch.autograd.Function):
-    """A zero-stride (N, K) stand-in for the unsharded weight: the op's weight argument next to the
-    cache; its gradient (dW) passes to the unsharded parameter unchanged."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(w: Tensor) -> Tensor:  # type: ignore[override]
-        return torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, dw: Tensor) -> Tensor:  # type: ignore[override]
-        return dw
-
-
-# autograd.Function.apply (taken under torch.compile and torch.func transforms) binds the arguments
-# with inspect.signature(forward) on every call; a stored signature makes that lookup immediate.
-_StandIn.forward.__signature__ = inspect.signature(_StandIn.forward)  # type: ignore[attr-defined]
-
-
 def is_gathered(*weights: Tensor | None) -> bool:
     """Whether any of ``weights`` is an unsharded FP8-gathered weight (inside ``fully_shard``'s forward)."""
     return any(isinstance(w, GatheredFP8Weight) for w in weights)
 
 
 def _cached(weight: Tensor, scale: Tensor, recipe: Any) -> tuple[Tensor, WeightCache | None]:
-    """``(op weight, cache)`` of one weight argument: for a :class:`GatheredFP8Weight`, the stand-in
-    and a :class:`WeightCache` over the gathered bytes (built with the role's scale tensor itself,
-    as the op checks); for any other weight, the weight itself and no cache."""
+    """``(op weight, cache)`` of one weight argument: for a :class:`GatheredFP8Weight`, the weight
+    itself and a :class:`WeightCache` over its gathered bytes (built with the role's scale tensor
+    itself, as the op checks); for any other weight, the weight itself and no cache. The op reads
+    the cache's bytes, not the weight (no op dispatches on it, so it is never dequantized); the
+    weight's gradient, dW, becomes the unsharded parameter's."""
     if not isinstance(weight, GatheredFP8Weight):
         return weight, None
-    stand_in = apply(_StandIn, weight)  # Function.apply without its per-call argument binding
     dt = weight._fp8_dtype
     # no transposed copy: the op transposes the bytes in its backward pass, when FSDP2 has gathered
     # them again into the same storage
     value = Float8Value(weight._data.view(dt), weight._inv)
-    return stand_in, WeightCache(value, None, scale, recipe, stand_in)
+    return weight, WeightCache(value, None, scale, recipe, weight)
 
 
 def _observe_shards(state: Any, weights: dict[str, Tensor]) -> Any:

@@ -14,6 +14,8 @@ run:
   (as in tests/test_distributed_fsdp.py). With a bfloat16 mixed-precision policy ("delayed-bf16":
   the shard is quantized from FP32, not from its bfloat16 cast) they are within twice the error of
   the run without FP8 all-gather, against FP32;
+- no unsharded FP8 weight is read in high precision (dequantized) while the model trains: the
+  layers read the gathered bytes only;
 - the scaling states are identical on every rank and equal to those without FP8 all-gather (the
   weight roles see the full weight's amax through the update's one all_reduce per step; with the
   bfloat16 policy, the weights' amax histories within 1e-2);
@@ -127,6 +129,7 @@ class _Spy:
         self.hooks: list[tuple[str, torch.dtype, tuple[int, ...], torch.dtype | None]] = []
         self.pre_in_backward: list[bool] = []  # per pre-all-gather hook call: inside the backward pass
         self.casts = 0  # shards quantized by the hooks
+        self.dequantized = 0  # unsharded FP8 weights read in high precision (an op other than the layer's)
         self._saved: list = []
 
     def __enter__(self) -> _Spy:
@@ -134,11 +137,15 @@ class _Spy:
         name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
         orig_ag = getattr(dist, name)
         pre, post = _fsdp.FP8AllGatherWeight.fsdp_pre_all_gather, _fsdp.FP8AllGatherWeight.fsdp_post_all_gather
-        quantize = _fsdp.fp8_group_quantize
+        quantize, dequantize = _fsdp.fp8_group_quantize, _fsdp.GatheredFP8Weight.dequantize
 
         def fp8_group_quantize(*args, **kwargs):
             self.casts += 1
             return quantize(*args, **kwargs)
+
+        def count_dequantize(w):
+            self.dequantized += 1
+            return dequantize(w)
 
         def all_gather_single(output_tensor, input_tensor, *args, **kwargs):
             self.gathers.append((output_tensor.dtype, output_tensor.numel() * output_tensor.element_size()))
@@ -158,16 +165,18 @@ class _Spy:
             self.hooks += [("post", t.dtype, tuple(t.shape), unsharded.dtype) for t in outputs]
             return res
 
-        self._saved = [name, orig_ag, pre, post, quantize]
+        self._saved = [name, orig_ag, pre, post, quantize, dequantize]
         setattr(dist, name, all_gather_single)
+        _fsdp.GatheredFP8Weight.dequantize = count_dequantize
         _fsdp.fp8_group_quantize = fp8_group_quantize
         _fsdp.FP8AllGatherWeight.fsdp_pre_all_gather = fsdp_pre_all_gather
         _fsdp.FP8AllGatherWeight.fsdp_post_all_gather = fsdp_post_all_gather
         return self
 
     def __exit__(self, *exc) -> None:
-        name, orig_ag, pre, post, quantize = self._saved
+        name, orig_ag, pre, post, quantize, dequantize = self._saved
         setattr(dist, name, orig_ag)
+        _fsdp.GatheredFP8Weight.dequantize = dequantize
         _fsdp.fp8_group_quantize = quantize
         _fsdp.FP8AllGatherWeight.fsdp_pre_all_gather = pre
         _fsdp.FP8AllGatherWeight.fsdp_post_all_gather = post
@@ -270,8 +279,9 @@ def _compiled_case(case: str, rank: int, world: int, group, bad: list[str]) -> N
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     if breaks or graphs < len(model):
         bad.append(f"{tag}: {breaks} graph breaks and {graphs} graphs for {len(model)} compiled layers")
-    if spy.casts == 0:
-        bad.append(f"{tag}: no shard was quantized for an FP8 all-gather")
+    if spy.casts == 0 or spy.dequantized:
+        bad.append(f"{tag}: {spy.casts} shards quantized for FP8 all-gathers, {spy.dequantized} unsharded weights "
+                   f"dequantized (expected some and none)")
     params, eager_params = _full_params(model, tag, bad, True), _full_params(eager, f"{tag}/eager", bad, True)
     for k, p in params.items():
         if not torch.equal(p, eager_params[k]):
@@ -345,6 +355,8 @@ def _case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
             bad.append(f"{tag}: state {k} {v.tolist()} differs from the one without FP8 all-gather "
                        f"{plain_sd[k].tolist()}")
     _check_traffic(tag, spy, plain_spy, world, param_dtype or torch.float32, bad)
+    if spy.dequantized:  # the layers read the gathered bytes only
+        bad.append(f"{tag}: {spy.dequantized} unsharded FP8 weights were read in high precision while training")
     # the backward pass's gathers send the bytes their forward cast: one cast per forward gather
     forward_gathers = spy.pre_in_backward.count(False)
     if spy.casts != forward_gathers or forward_gathers == len(spy.pre_in_backward):
