@@ -44,6 +44,7 @@ from ._parallel import check_fp8_gather_recipe, fp8_group_quantize
 from ._transformer_checks import WEIGHT_ROLES
 from .fp8_linear import LinearState, WeightCache, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
+from .kernels._library import AMAX_CHAIN
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .quantize import Float8Value, QuantSpec
 from .transformer_layer import transformer_layer
@@ -175,7 +176,8 @@ class FP8AllGatherWeight(torch.Tensor):
             return (last[1],), last[2]
         spec = QuantSpec.of(recipe, "forward", ws.calibrated)
         group = mesh.get_group()
-        data, inv, amax = fp8_group_quantize(self._tensor.contiguous(), ws.scale, spec, group)  # (rows, K) uint8
+        with AMAX_CHAIN.this_stream(self._tensor.device):  # FSDP2's all-gather stream: no fill per shard for its amax
+            data, inv, amax = fp8_group_quantize(self._tensor.contiguous(), ws.scale, spec, group)  # (rows, K) uint8
         # FSDP2 gathers equal pieces: a shorter last shard (N not divisible by w) is padded with
         # zero bytes (FP8 zeros) to the rows of the first one, which the unsharded weight drops.
         rows = -(-outer_size[0] // mesh.size())

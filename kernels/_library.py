@@ -411,6 +411,8 @@ class AmaxChain:
       stream of their own with allocations from their own memory pool, and a word kept for that
       stream's next launch would stay alive in the pool, which they reject ("tensor(s) in the
       cudagraph pool not tracked as outputs");
+    - plain launches on a side stream inside :meth:`this_stream` (FSDP2's all-gather stream, on
+      which the FP8 all-gather quantizes each weight shard);
     - no launch of any other capture, and none when :attr:`enabled` is off.
     """
 
@@ -422,6 +424,7 @@ class AmaxChain:
         self.enabled = True  # False: a torch.zeros for every launch (for measurements)
         self.eager = True  # chain plain launches on the default stream (see the class notes)
         self.eager_side_streams = False  # ... and on every other stream (for tests)
+        self._streams: set[tuple[int, int]] = set()  # side streams chained inside this_stream
 
     def _key(self, device: torch.device) -> tuple[Any, ...] | None:
         if not self.enabled:
@@ -433,7 +436,26 @@ class AmaxChain:
             token = self._captures.get(where)
             return None if token is None else (*where, token)
         # the default stream's raw handle is 0
-        return where if self.eager and (where[1] == 0 or self.eager_side_streams) else None
+        return where if self.eager and (where[1] == 0 or self.eager_side_streams or where in self._streams) else None
+
+    @contextlib.contextmanager
+    def this_stream(self, device: torch.device) -> Iterator[None]:
+        """Chain the plain launches on ``device``'s current stream within the block, also when it
+        is a side stream: one that no CUDA graph's memory pool owns (FSDP2's all-gather stream), whose
+        word kept for its next launch may stay allocated between blocks."""
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            yield
+            return
+        where = _current_stream(device)
+        with self._lock:
+            added = where not in self._streams
+            self._streams.add(where)
+        try:
+            yield
+        finally:
+            if added:
+                with self._lock:
+                    self._streams.discard(where)
 
     @contextlib.contextmanager
     def output(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -322,3 +322,25 @@ def test_tma_store_of_transposed_copies_from_two_to_the_24_elements():
     big = torch.empty(2048, 8192, dtype=E4M3, device="cuda")
     assert not L.tma_store_wanted(small, None) and L.tma_store_wanted(small, {"TMA": True})
     assert L.tma_store_wanted(big, None) and not L.tma_store_wanted(big, {"TMA": False})
+
+
+def test_amax_words_chain_on_a_side_stream_inside_this_stream(poisoned_words):
+    """Within ``AMAX_CHAIN.this_stream`` the launches on a side stream (FSDP2's all-gather stream)
+    chain their amax words, across blocks; outside it, each takes a fill; the amaxes are right."""
+    xs = [torch.randn(64, 128, device="cuda").bfloat16() * m for m in (4.0, 0.5, 2.0)]
+    scale = torch.tensor(4.0, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    got, counts = [], []
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            chained = poisoned_words.chained
+            with poisoned_words.this_stream(torch.device("cuda")):
+                got += _casts(xs, scale)
+            counts.append(poisoned_words.chained - chained)
+        chained = poisoned_words.chained
+        got += _casts(xs, scale)
+        counts.append(poisoned_words.chained - chained)
+    torch.cuda.current_stream().wait_stream(side)
+    assert counts == [len(xs) - 1, len(xs), 0]  # the second block takes the word the first one left
+    assert [float(a) for a in got] == _maxima(xs) * 3
