@@ -292,12 +292,42 @@ def _compiled_case(case: str, rank: int, world: int, group, bad: list[str]) -> N
             bad.append(f"{tag}: state {k} {v.tolist()} differs from the eager run's {eager_sd[k].tolist()}")
 
 
+def _inductor_case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
+    """``case`` "delayed-bf16-inductor" (GPUs): every layer compiled with Inductor (``fullgraph=True``)
+    over FP8-gathered weights, with a bfloat16 mixed-precision policy, trains with no graph break and
+    each parameter's update within twice the eager FP8 all-gather run's error against FP32 (+1e-3)."""
+    from torch._dynamo.utils import counters
+
+    recipe, tag = _recipe(case.partition("-")[0]), f"w{world}/{case}"
+    data = _data()
+    local = [(x.chunk(world, dim=1)[rank], gy.chunk(world, dim=1)[rank]) for x, gy in data]
+    init = {k: v.detach().clone() for k, v in _model(None).named_parameters()}
+    fp32 = _model(None)
+    _train(fp32, data, None)
+    eager, _ = _fsdp_run(recipe, local, world, group, True, f"{tag}/eager", bad, torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    model, spy = _fsdp_run(recipe, local, world, group, True, tag, bad, torch.bfloat16, compile_backend="inductor")
+    breaks = sum(counters["graph_break"].values())
+    if breaks or spy.casts == 0 or spy.dequantized:
+        bad.append(f"{tag}: {breaks} graph breaks, {spy.casts} shards quantized, {spy.dequantized} unsharded weights "
+                   f"dequantized (expected none, some, none)")
+    params, eager_params = _full_params(model, tag, bad, True), _full_params(eager, f"{tag}/eager", bad, True)
+    for k, p in params.items():
+        d_fp32 = dict(fp32.named_parameters())[k].detach() - init[k]
+        err, budget = _relerr(p - init[k], d_fp32), 2 * _relerr(eager_params[k] - init[k], d_fp32) + 1e-3
+        if err > budget:
+            bad.append(f"{tag}: {k} update error {err:.3g} vs FP32 is over the budget {budget:.3g}")
+
+
 def _case(case: str, rank: int, world: int, group, bad: list[str]) -> None:
     """``case``: "delayed" or "current" (FP32 parameters), or "delayed-bf16" (a bfloat16
     mixed-precision policy: the unsharded weights and the compute in bfloat16); "delayed-compile":
-    :func:`_compiled_case`."""
+    :func:`_compiled_case`; "delayed-bf16-inductor": :func:`_inductor_case`."""
     if case.endswith("-compile"):
         return _compiled_case(case, rank, world, group, bad)
+    if case.endswith("-inductor"):
+        return _inductor_case(case, rank, world, group, bad)
     recipe_name, _, low = case.partition("-")
     recipe = _recipe(recipe_name)
     param_dtype = torch.bfloat16 if low == "bf16" else None
@@ -431,8 +461,10 @@ def test_fsdp2_fp8_all_gather_4_ranks_delayed_and_current():
                     reason="needs 2 GPUs and NCCL")
 def test_fsdp2_fp8_all_gather_nccl_two_gpus():
     """The same checks over NCCL, one rank per GPU: the GPU kernels, FSDP2's streams, and the
-    backward's transposed copy of the bytes FSDP2 gathered again into the forward's storage."""
-    for r in _spawn(2, "delayed", "current", "delayed-bf16", "delayed-compile", backend="nccl"):
+    backward's transposed copy of the bytes FSDP2 gathered again into the forward's storage; and
+    the layers compiled with Inductor over FP8-gathered weights in bfloat16, within the FP8 budget."""
+    cases = ("delayed", "current", "delayed-bf16", "delayed-compile", "delayed-bf16-inductor")
+    for r in _spawn(2, *cases, backend="nccl"):
         assert not r["bad"], "\n".join(r["bad"])
 
 
