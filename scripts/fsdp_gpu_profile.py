@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import gzip
 import json
 import os
 import time
@@ -113,13 +112,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
             torch.cuda.synchronize()
         cpu_top = [(e.key[:80], round(e.self_cpu_time_total / 1e3, 3), e.count)
                    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]]
-        if args.trace and rank == 0:  # one step's host and device timeline, for chrome://tracing or Perfetto
-            with gzip.open(os.path.join(args.out, f"trace_{kind.replace(', ', '_').replace(' ', '-')}.json.gz"),
-                           "wt") as f:
-                f.write(_trace(step, batch))
-        elif args.trace:
-            step(None, *batch)
-            torch.cuda.synchronize()
+        if args.trace and rank == 0:  # that step's host and device timeline, for chrome://tracing or Perfetto
+            name = f"trace_{kind.replace(', ', '_').replace(' ', '-')}.json.gz"
+            prof.export_chrome_trace(os.path.join(args.out, name))
         if args.cprofile:  # every rank steps (the collectives pair up); rank 0 prints
             import cProfile
             import io
@@ -158,19 +153,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
             json.dump(out, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _trace(step: Any, batch: Any) -> str:
-    """The profiler's chrome trace (host and device) of one step, as text."""
-    import tempfile
-
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts, with_stack=False) as prof:
-        step(None, *batch)
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as tmp:
-        prof.export_chrome_trace(tmp.name)
-        return open(tmp.name).read()
 
 
 def main() -> None:

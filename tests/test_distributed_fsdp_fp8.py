@@ -313,8 +313,9 @@ def _inductor_case(case: str, rank: int, world: int, group, bad: list[str]) -> N
         bad.append(f"{tag}: {breaks} graph breaks, {spy.casts} shards quantized, {spy.dequantized} unsharded weights "
                    f"dequantized (expected none, some, none)")
     params, eager_params = _full_params(model, tag, bad, True), _full_params(eager, f"{tag}/eager", bad, True)
+    fp32_params = dict(fp32.named_parameters())
     for k, p in params.items():
-        d_fp32 = dict(fp32.named_parameters())[k].detach() - init[k]
+        d_fp32 = fp32_params[k].detach() - init[k]
         err, budget = _relerr(p - init[k], d_fp32), 2 * _relerr(eager_params[k] - init[k], d_fp32) + 1e-3
         if err > budget:
             bad.append(f"{tag}: {k} update error {err:.3g} vs FP32 is over the budget {budget:.3g}")
