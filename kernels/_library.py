@@ -5,8 +5,10 @@ shared by the launchers, and :func:`fast_launch`, the cached launch path of thei
 ``torch.library.custom_op`` wraps every call in Python layers (autograd, alias checks, a dynamo
 guard) that cost on the order of 100 µs per call on the host, more than the kernels of a whole
 small layer. Ops defined here with ``Library.define`` + ``Library.impl`` reach their Python kernel
-straight from the dispatcher. They are still opaque to ``torch.compile`` (a fake kernel gives the
-output shapes) and have no autograd kernel: fp8ops calls them inside its autograd.Functions.
+straight from the dispatcher. To ``torch.compile`` they are one node each (a fake kernel gives the
+output shapes), but for the ops with a traced CUDA kernel (:class:`OpSpec`), whose Triton kernels
+go into compiled CUDA graphs (:func:`inline_in_graphs`); they have no autograd kernel: fp8ops calls
+them inside its autograd.Functions.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["AMAX_CHAIN", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel", "OpSpec", "cdiv",
-           "contiguous_args", "define", "fast_launch", "merge_config", "next_pow2", "tma_store_ok", "tma_store_wanted",
-           "transposed_store"]
+__all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
+           "OpSpec", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs",
+           "launch_with_amax", "merge_config", "next_pow2", "tma_store_ok", "tma_store_wanted", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -31,11 +33,22 @@ _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 class OpSpec(NamedTuple):
     """A library op as a kernel module provides it: the schema ``"<name>(<args>) -> <returns>"``, the
     CUDA kernel (a launcher) and the fake kernel (output shapes for ``torch.compile``). The op is
-    defined by :func:`define`, called from the fp8ops module that also gives its CPU kernel."""
+    defined by :func:`define`, called from the fp8ops module that also gives its CPU kernel.
+
+    ``traced``, where given, is the CUDA kernel once more, written so that a compiled graph can hold
+    its Triton kernels (:func:`inline_in_graphs`): the launcher's allocations and launches, made
+    through ``torch.library.wrap_triton``, with a fresh zeroed amax word per launch and no host
+    tensor maps."""
 
     schema: str
     cuda: Callable[..., Any]
     fake: Callable[..., Any]
+    traced: Callable[..., Any] | None = None
+
+
+INLINE_IN_GRAPHS = True
+"""Whether the ops with a traced CUDA kernel put their Triton kernels into compiled graphs
+(:func:`inline_in_graphs`; False: they stay opaque calls; for measurements and tests)."""
 
 
 def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
@@ -49,9 +62,67 @@ def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
     _LIB.impl(name, spec.cuda, "CUDA")
     _LIB.impl(name, cpu, "CPU")
     torch.library.register_fake(f"fp8ops::{name}", spec.fake, lib=_LIB)
+    if spec.traced is not None:
+        from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+        torch.library.register_torch_dispatch(f"fp8ops::{name}", FunctionalTensorMode,
+                                              inline_in_graphs(spec.traced), lib=_LIB)
     packet = getattr(torch.ops.fp8ops, name)
     setattr(OPS, name, EagerOp(packet, spec.cuda))
     return packet
+
+
+def inline_in_graphs(traced: Callable[..., Any]) -> Callable[..., Any]:
+    """The rule by which an op's call on CUDA tensors is replaced, while ``torch.compile`` (AOT
+    autograd) functionalizes a graph, by ``traced``: its Triton kernels, allocations and zero fills
+    become nodes of the graph, which Inductor launches from its own code (allocations from the
+    graph's buffers, its launcher) instead of calling the op's Python kernel, as it does for
+    ``torch.library.triton_op``. Calls on CPU tensors, under ``torch.export`` and with
+    :data:`INLINE_IN_GRAPHS` off stay one opaque node."""
+
+    def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if INLINE_IN_GRAPHS and _on_cuda(args) and _traceable_types(types):
+            from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+            if not custom_triton_ops_decomposition_disabled():
+                with mode:
+                    return traced(*args, **kwargs)
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+
+    return rule
+
+
+def _on_cuda(args: tuple[Any, ...]) -> bool:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "cuda" for t in tensors)
+
+
+def _traceable_types(types: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return all(t is torch.Tensor or t is FunctionalTensor or issubclass(t, FakeTensor) for t in types)
+
+
+def launch_with_amax(kernel: Any, grid: tuple[int, ...], device: torch.device, traced: bool, *args: Any,
+                     **kwargs: Any) -> torch.Tensor:
+    """``kernel[grid](*args, **kwargs, amax_ptr=..., amax_next_ptr=...)`` for a kernel that folds its
+    tiles' maxima into a zero-initialised amax word; returns that word. Eagerly the words come from
+    :data:`AMAX_CHAIN`; ``traced`` (a traced CUDA kernel, :class:`OpSpec`): a ``torch.zeros`` word
+    and no next word, the kernel launched through :func:`graph_kernel`."""
+    if traced:
+        amax = torch.zeros((), dtype=torch.float32, device=device)
+        graph_kernel(kernel)[grid](*args, amax_ptr=amax, amax_next_ptr=None, **kwargs)
+        return amax
+    with AMAX_CHAIN.output(device) as (amax, amax_next):
+        kernel[grid](*args, amax_ptr=amax, amax_next_ptr=amax_next, **kwargs)
+    return amax
+
+
+def graph_kernel(fn: Any) -> Any:
+    """A launcher's Triton kernel as a traced CUDA kernel (:class:`OpSpec`) calls it: wrapped by
+    ``torch.library.wrap_triton`` (the JIT function under :class:`FastKernel`)."""
+    return torch.library.wrap_triton(getattr(fn, "fn", fn))
 
 
 class _Ops:

@@ -41,7 +41,8 @@ The ops are registered as opaque ``torch.library`` ops (``fp8ops::amax``, ``fp8o
 ``fp8ops::cast_transpose``, ``fp8ops::cast_transpose_dbias``, ``fp8ops::cast_rowwise``,
 ``fp8ops::transpose_bytes``; see ``_library.py``) with a CUDA kernel (the launchers below)
 and a fake kernel; the CPU kernel, the FP32 reference math, is registered by
-``fp8ops``.
+``fp8ops``. ``fp8ops::cast`` and ``fp8ops::cast_transpose`` also have a traced CUDA kernel: in a
+graph compiled for CUDA tensors, Inductor launches their Triton kernels itself.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from ._library import (
     cdiv,
     contiguous_args,
     fast_launch,
+    launch_with_amax,
     merge_config,
     tma_store_wanted,
     transposed_store,
@@ -360,14 +362,19 @@ def cast_launch(
     Returns:
         ``(q, amax, inv_scale)``: q (...) FP8, amax () and inv_scale () float32.
     """
+    return _cast(x, scale, amax_in, margin, power_2, out_dtype, config, False)
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None, margin: int, power_2: bool,
+          out_dtype: torch.dtype, config: dict[str, Any] | None, traced: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     inv, cast = _cast_args("cast", x, scale, amax_in, margin, power_2, out_dtype, flat=True)
     cfg = merge_config(_CAST_CFG, config, name="cast")
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     n = x.numel()
     grid = (max(1, cdiv(n, cfg["BLOCK"])),)
-    with AMAX_CHAIN.output(x.device) as (amax, amax_next):
-        _cast_fwd_kernel[grid](x, q, n_elements=n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], amax_ptr=amax,
-                               amax_next_ptr=amax_next, **cast)
+    amax = launch_with_amax(_cast_fwd_kernel, grid, x.device, traced, x, q, n_elements=n, BLOCK=cfg["BLOCK"],
+                            num_warps=cfg["num_warps"], **cast)
     return q, amax, inv
 
 
@@ -389,7 +396,7 @@ def cast_transpose_launch(
     Returns:
         ``(q, q_t, amax, inv_scale)``: q (M, K) and q_t (K, M) FP8, both contiguous.
     """
-    q, qt, amax, inv, _ = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, False, config)
+    q, qt, amax, inv, _ = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, False, config, False)
     return q, qt, amax, inv
 
 
@@ -413,19 +420,19 @@ def cast_transpose_dbias_launch(
     Returns:
         ``(q, q_t, amax, inv_scale, dbias)``; dbias (K,) float32.
     """
-    q, qt, amax, inv, partial = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, True, config)
+    q, qt, amax, inv, partial = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, True, config, False)
     return q, qt, amax, inv, column_sums(partial)[0]
 
 
 def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None, margin: int,
-                    power_2: bool, out_dtype: torch.dtype, dbias: bool, config: dict[str, Any] | None
+                    power_2: bool, out_dtype: torch.dtype, dbias: bool, config: dict[str, Any] | None, traced: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     name = "cast_transpose_dbias" if dbias else "cast_transpose"
     inv, cast = _cast_args(name, x, scale, amax_in, margin, power_2, out_dtype, flat=False)
     M, K = x.shape
     q = torch.empty((M, K), dtype=out_dtype, device=x.device)
     qt = torch.empty((K, M), dtype=out_dtype, device=x.device)
-    tma = tma_store_wanted(qt, config)
+    tma = not traced and tma_store_wanted(qt, config)
     cfg = merge_config(_CAST_T_CFG_TMA if tma else _CAST_T_CFG, config, name=name)
     # An empty x still launches one program (it writes the inverse scale), which writes one row of
     # zero partial sums.
@@ -433,13 +440,20 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
                if dbias else None)
     grid = (max(1, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_K"])),)
     desc = transposed_store(qt, tma, cfg["BLOCK_K"], cfg["BLOCK_M"])
-    with AMAX_CHAIN.output(x.device) as (amax, amax_next):
-        _cast_transpose_fwd_kernel[grid](
-            x, q, qt, desc, dbias_ptr=partial, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=dbias, TMA_T=tma, num_warps=cfg["num_warps"],
-            amax_ptr=amax, amax_next_ptr=amax_next, **cast,
-        )
+    amax = launch_with_amax(
+        _cast_transpose_fwd_kernel, grid, x.device, traced,
+        x, q, qt, desc, dbias_ptr=partial, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=dbias, TMA_T=tma, num_warps=cfg["num_warps"], **cast,
+    )
     return q, qt, amax, inv, partial
+
+
+def _cast_traced(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
+    return _cast(x.contiguous(), scale, amax_in, margin, power_2, out_dtype, None, True)
+
+
+def _cast_transpose_traced(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
+    return _cast_transpose(x.contiguous(), scale, amax_in, margin, power_2, out_dtype, False, None, True)[:4]
 
 
 def cast_rowwise_launch(
@@ -477,7 +491,7 @@ def cast_rowwise_launch(
 
 
 # ------------------------------------------------------------------------------------------------
-# Library ops: opaque to torch.compile (a fake kernel gives shapes), CUDA kernels above.
+# Library ops: a fake kernel gives torch.compile their shapes; CUDA kernels above (and traced ones for the casts).
 
 
 def _amax_fake(x: torch.Tensor) -> torch.Tensor:
@@ -527,7 +541,8 @@ transpose_bytes = OpSpec("transpose_bytes(Tensor x) -> Tensor", cuda=contiguous_
 """``fp8ops::transpose_bytes``: the contiguous transpose of a 2-D tensor of one-byte elements."""
 
 cast = OpSpec(
-    f"cast({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor)", cuda=contiguous_args(cast_launch), fake=_cast_fake
+    f"cast({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor)", cuda=contiguous_args(cast_launch), fake=_cast_fake,
+    traced=_cast_traced,
 )
 """``fp8ops::cast``: saturating FP8 cast + amax, ``(q, amax, inv_scale)``; see :func:`cast_launch`."""
 
@@ -535,6 +550,7 @@ cast_transpose = OpSpec(
     f"cast_transpose({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)",
     cuda=contiguous_args(cast_transpose_launch),
     fake=_cast_transpose_fake,
+    traced=_cast_transpose_traced,
 )
 """``fp8ops::cast_transpose``: cast + transposed copy + amax, ``(q, q_t, amax, inv_scale)``."""
 

@@ -1,0 +1,132 @@
+"""The library ops whose Triton kernels go into compiled graphs (``OpSpec.traced``,
+``kernels._library.inline_in_graphs``): ``fp8ops::cast`` and ``fp8ops::cast_transpose``.
+
+On CUDA, a graph compiled with Inductor launches the cast kernel from its own code (the op's call
+is gone from the generated code) and gives the eager op's bytes, amax and inverse scale bit for bit,
+with delayed and current scaling (the just-in-time scale from ``amax_in``), E4M3 and E5M2; a
+compiled ``fp8_linear`` training step equals its opaque-op build bit for bit. With
+``INLINE_IN_GRAPHS`` off the compiled graph calls the op, as it does on the CPU in every case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fp8ops
+from fp8ops.kernels import _library
+from fp8ops.testing.states import calibrate
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def fresh_graphs() -> Iterator[None]:
+    """Every compile traces anew (no cached graph of another setting), the setting restored after."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        yield
+    _library.INLINE_IN_GRAPHS = True
+    torch._dynamo.reset()
+
+
+def _compiled_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, str]:
+    from torch._inductor.utils import run_and_get_code
+
+    out, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+    return out, "\n".join(codes)
+
+
+def _cast_graph(op: str, x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None,
+                dtype: torch.dtype) -> Callable[..., Any]:
+    packet = getattr(torch.ops.fp8ops, op).default
+
+    def body(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None) -> Any:
+        return packet(x * 2, scale, amax_in, 0, False, dtype)
+
+    return body
+
+
+def test_rule_keeps_cpu_calls_opaque(fresh_graphs: None) -> None:
+    x = torch.randn(40, 24)
+    scale = torch.tensor(3.0)
+    body = _cast_graph("cast_transpose", x, scale, None, E4M3)
+    with torch.no_grad():
+        want = body(x, scale, None)
+        got, code = _compiled_code(body, x, scale, None)
+    assert "torch.ops.fp8ops.cast_transpose.default" in code
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, want))
+
+
+def test_on_cuda_and_types() -> None:
+    assert not _library._on_cuda((torch.ones(2), 3, None))
+    assert not _library._on_cuda((1, None))
+    assert _library._traceable_types([torch.Tensor])
+    assert not _library._traceable_types([torch.Tensor, torch.nn.Parameter])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["cast", "cast_transpose"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("current", [False, True])
+def test_compiled_cast_launches_the_kernel_and_matches_eager(fresh_graphs: None, op: str, dtype: torch.dtype,
+                                                              current: bool) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(300, 200, device="cuda") * 7).to(torch.bfloat16)
+    x[3, 5] = 1e4  # saturates at scale 3
+    scale = torch.tensor(3.0, device="cuda")
+    amax_in = (x.float() * 2).abs().amax() if current else None
+    body = _cast_graph(op, x, scale, amax_in, dtype)
+    kernel = "_cast_transpose_fwd_kernel" if op == "cast_transpose" else "_cast_fwd_kernel"
+    with torch.no_grad():
+        want = body(x, scale, amax_in)
+        got, code = _compiled_code(body, x, scale, amax_in)
+        assert f"torch.ops.fp8ops.{op}.default" not in code and kernel in code
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                               b.view(torch.uint8) if b.element_size() == 1 else b)
+        _library.INLINE_IN_GRAPHS = False
+        torch._dynamo.reset()
+        again, code = _compiled_code(body, x, scale, amax_in)
+        assert f"torch.ops.fp8ops.{op}.default" in code and kernel not in code
+        assert all(torch.equal(a.float(), b.float()) for a, b in zip(again, want))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [fp8ops.DelayedScaling(), fp8ops.CurrentScaling()], ids=["delayed", "current"])
+def test_compiled_fp8_linear_step_inlined_equals_opaque(fresh_graphs: None, recipe: Any) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(300, 200, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(96, 200, device="cuda") * 0.1).to(torch.bfloat16)
+    b = torch.randn(96, device="cuda").to(torch.bfloat16)
+    state = fp8ops.LinearState.init(recipe, device="cuda")
+    if isinstance(recipe, fp8ops.DelayedScaling):
+        state = calibrate(state, recipe)
+    results = {}
+    for inline in (True, False):
+        _library.INLINE_IN_GRAPHS = inline
+        torch._dynamo.reset()
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        probe = torch.zeros((), device="cuda", requires_grad=True)
+
+        def step(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor, probe: torch.Tensor) -> Any:
+            return fp8ops.fp8_linear(xs, ws, bs, state, recipe=recipe, grad_probe=probe)
+
+        y, new = torch.compile(step, fullgraph=True)(xs, ws, bs, probe)
+        y.backward(torch.linspace(-2, 2, y.numel(), device="cuda").view_as(y).to(y.dtype))
+        leaves = [t for t in pytree.tree_leaves(new) if isinstance(t, torch.Tensor)]
+        results[inline] = [y, xs.grad, ws.grad, bs.grad, probe.grad, *leaves]
+    assert len(results[True]) == len(results[False])
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)
