@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
            "OpSpec", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs",
-           "launch_with_amax", "merge_config", "next_pow2", "tma_store_ok", "tma_store_wanted", "transposed_store"]
+           "merge_config", "next_pow2", "tma_store_ok", "tma_store_wanted", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -102,21 +102,6 @@ def _traceable_types(types: Any) -> bool:
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     return all(t is torch.Tensor or t is FunctionalTensor or issubclass(t, FakeTensor) for t in types)
-
-
-def launch_with_amax(kernel: Any, grid: tuple[int, ...], device: torch.device, traced: bool, *args: Any,
-                     **kwargs: Any) -> torch.Tensor:
-    """``kernel[grid](*args, **kwargs, amax_ptr=..., amax_next_ptr=...)`` for a kernel that folds its
-    tiles' maxima into a zero-initialised amax word; returns that word. Eagerly the words come from
-    :data:`AMAX_CHAIN`; ``traced`` (a traced CUDA kernel, :class:`OpSpec`): a ``torch.zeros`` word
-    and no next word, the kernel launched through :func:`graph_kernel`."""
-    if traced:
-        amax = torch.zeros((), dtype=torch.float32, device=device)
-        graph_kernel(kernel)[grid](*args, amax_ptr=amax, amax_next_ptr=None, **kwargs)
-        return amax
-    with AMAX_CHAIN.output(device) as (amax, amax_next):
-        kernel[grid](*args, amax_ptr=amax, amax_next_ptr=amax_next, **kwargs)
-    return amax
 
 
 def graph_kernel(fn: Any) -> Any:
@@ -529,9 +514,15 @@ class AmaxChain:
                     self._streams.discard(where)
 
     @contextlib.contextmanager
-    def output(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    def output(self, device: torch.device, traced: bool = False
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         """``(amax, amax_next)`` for one launch on ``device``'s current stream, made inside the block;
-        ``amax_next`` None when the launch is not chained."""
+        ``amax_next`` None when the launch is not chained. ``traced``: a launch of a traced CUDA
+        kernel (:class:`OpSpec`), which a compiled graph runs: a ``torch.zeros`` word of its own and
+        no chain."""
+        if traced:
+            yield torch.zeros((), dtype=torch.float32, device=device), None
+            return
         with self._lock:
             key = self._key(device)
             amax = None if key is None else self._next.pop(key, None)

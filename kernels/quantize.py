@@ -60,7 +60,7 @@ from ._library import (
     cdiv,
     contiguous_args,
     fast_launch,
-    launch_with_amax,
+    graph_kernel,
     merge_config,
     tma_store_wanted,
     transposed_store,
@@ -373,8 +373,10 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None, ma
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     n = x.numel()
     grid = (max(1, cdiv(n, cfg["BLOCK"])),)
-    amax = launch_with_amax(_cast_fwd_kernel, grid, x.device, traced, x, q, n_elements=n, BLOCK=cfg["BLOCK"],
-                            num_warps=cfg["num_warps"], **cast)
+    kernel = graph_kernel(_cast_fwd_kernel) if traced else _cast_fwd_kernel
+    with AMAX_CHAIN.output(x.device, traced) as (amax, amax_next):
+        kernel[grid](x, q, n_elements=n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], amax_ptr=amax,
+                     amax_next_ptr=amax_next, **cast)
     return q, amax, inv
 
 
@@ -440,20 +442,24 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
                if dbias else None)
     grid = (max(1, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_K"])),)
     desc = transposed_store(qt, tma, cfg["BLOCK_K"], cfg["BLOCK_M"])
-    amax = launch_with_amax(
-        _cast_transpose_fwd_kernel, grid, x.device, traced,
-        x, q, qt, desc, dbias_ptr=partial, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=dbias, TMA_T=tma, num_warps=cfg["num_warps"], **cast,
-    )
+    kernel = graph_kernel(_cast_transpose_fwd_kernel) if traced else _cast_transpose_fwd_kernel
+    with AMAX_CHAIN.output(x.device, traced) as (amax, amax_next):
+        kernel[grid](
+            x, q, qt, desc, dbias_ptr=partial, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=dbias, TMA_T=tma, num_warps=cfg["num_warps"],
+            amax_ptr=amax, amax_next_ptr=amax_next, **cast,
+        )
     return q, qt, amax, inv, partial
 
 
+# The traced CUDA kernels of fp8ops::cast and fp8ops::cast_transpose (OpSpec.traced): the launchers'
+# code with the kernel launched through graph_kernel, a zeroed amax word and pointer stores.
 def _cast_traced(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
-    return _cast(x.contiguous(), scale, amax_in, margin, power_2, out_dtype, None, True)
+    return _cast(x, scale, amax_in, margin, power_2, out_dtype, None, True)
 
 
 def _cast_transpose_traced(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
-    return _cast_transpose(x.contiguous(), scale, amax_in, margin, power_2, out_dtype, False, None, True)[:4]
+    return _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, False, None, True)[:4]
 
 
 def cast_rowwise_launch(
@@ -542,7 +548,7 @@ transpose_bytes = OpSpec("transpose_bytes(Tensor x) -> Tensor", cuda=contiguous_
 
 cast = OpSpec(
     f"cast({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor)", cuda=contiguous_args(cast_launch), fake=_cast_fake,
-    traced=_cast_traced,
+    traced=contiguous_args(_cast_traced),
 )
 """``fp8ops::cast``: saturating FP8 cast + amax, ``(q, amax, inv_scale)``; see :func:`cast_launch`."""
 
@@ -550,7 +556,7 @@ cast_transpose = OpSpec(
     f"cast_transpose({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)",
     cuda=contiguous_args(cast_transpose_launch),
     fake=_cast_transpose_fake,
-    traced=_cast_transpose_traced,
+    traced=contiguous_args(_cast_transpose_traced),
 )
 """``fp8ops::cast_transpose``: cast + transposed copy + amax, ``(q, q_t, amax, inv_scale)``."""
 

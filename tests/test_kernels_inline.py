@@ -45,8 +45,7 @@ def _compiled_code(fn: Callable[..., Any], *args: Any) -> tuple[Any, str]:
     return out, "\n".join(codes)
 
 
-def _cast_graph(op: str, x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None,
-                dtype: torch.dtype) -> Callable[..., Any]:
+def _cast_graph(op: str, dtype: torch.dtype) -> Callable[..., Any]:
     packet = getattr(torch.ops.fp8ops, op).default
 
     def body(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None) -> Any:
@@ -58,7 +57,7 @@ def _cast_graph(op: str, x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Te
 def test_rule_keeps_cpu_calls_opaque(fresh_graphs: None) -> None:
     x = torch.randn(40, 24)
     scale = torch.tensor(3.0)
-    body = _cast_graph("cast_transpose", x, scale, None, E4M3)
+    body = _cast_graph("cast_transpose", E4M3)
     with torch.no_grad():
         want = body(x, scale, None)
         got, code = _compiled_code(body, x, scale, None)
@@ -73,6 +72,19 @@ def test_on_cuda_and_types() -> None:
     assert not _library._traceable_types([torch.Tensor, torch.nn.Parameter])
 
 
+def test_traced_launch_takes_a_zeroed_word_outside_the_chain() -> None:
+    chain = _library.AmaxChain()
+    cpu = torch.device("cpu")
+    with chain.output(cpu) as (_, kept):  # a chained launch leaves its next word for the next one
+        assert kept is not None
+    kept.fill_(7.0)  # what the launch's program 0 would have zeroed
+    with chain.output(cpu, traced=True) as (amax, nxt):
+        assert nxt is None and amax.dtype == torch.float32 and amax.shape == () and amax.item() == 0.0
+    with chain.output(cpu) as (word, _):  # the traced launch took nothing from the chain
+        assert word is kept
+    assert chain.chained == 1
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["cast", "cast_transpose"])
@@ -85,7 +97,7 @@ def test_compiled_cast_launches_the_kernel_and_matches_eager(fresh_graphs: None,
     x[3, 5] = 1e4  # saturates at scale 3
     scale = torch.tensor(3.0, device="cuda")
     amax_in = (x.float() * 2).abs().amax() if current else None
-    body = _cast_graph(op, x, scale, amax_in, dtype)
+    body = _cast_graph(op, dtype)
     kernel = "_cast_transpose_fwd_kernel" if op == "cast_transpose" else "_cast_fwd_kernel"
     with torch.no_grad():
         want = body(x, scale, amax_in)
