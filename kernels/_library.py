@@ -14,6 +14,7 @@ them inside its autograd.Functions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
            "OpSpec", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs",
-           "merge_config", "next_pow2", "tma_store_ok", "tma_store_wanted", "transposed_store"]
+           "merge_config", "next_pow2", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -36,9 +37,10 @@ class OpSpec(NamedTuple):
     defined by :func:`define`, called from the fp8ops module that also gives its CPU kernel.
 
     ``traced``, where given, is the CUDA kernel once more, written so that a compiled graph can hold
-    its Triton kernels (:func:`inline_in_graphs`): the launcher's allocations and launches, made
-    through ``torch.library.wrap_triton``, with a fresh zeroed amax word per launch and no host
-    tensor maps."""
+    its Triton kernels (:func:`inline_in_graphs`): the launcher called with ``traced=True``
+    (:func:`traced_kernel`), whose allocations and launches are made through
+    ``torch.library.wrap_triton`` (:func:`graph_kernel`), with a fresh zeroed amax word per launch
+    and no host tensor maps."""
 
     schema: str
     cuda: Callable[..., Any]
@@ -106,8 +108,13 @@ def _traceable_types(types: Any) -> bool:
 
 def graph_kernel(fn: Any) -> Any:
     """A launcher's Triton kernel as a traced CUDA kernel (:class:`OpSpec`) calls it: wrapped by
-    ``torch.library.wrap_triton`` (the JIT function under :class:`FastKernel`)."""
-    return torch.library.wrap_triton(getattr(fn, "fn", fn))
+    ``torch.library.wrap_triton`` (the JIT function under :class:`FastKernel`). Under the Triton
+    interpreter, which has no JIT function to wrap, the kernel itself (the traced launch then runs
+    eagerly, as in the CPU tests of that path)."""
+    jit = fn.fn if isinstance(fn, FastKernel) else fn
+    if not isinstance(jit, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
+        return jit
+    return torch.library.wrap_triton(jit)
 
 
 class _Ops:
@@ -211,6 +218,14 @@ def contiguous_args(
         return launch(*head, *args[count:], **kwargs)
 
     return kernel
+
+
+def traced_kernel(
+    launch: Callable[..., Any], count: int = 1, layout: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Callable[..., Any]:
+    """The traced CUDA kernel of an op (:class:`OpSpec`): its launcher called with ``traced=True``,
+    arguments laid out as :func:`contiguous_args` does for the CUDA kernel."""
+    return contiguous_args(functools.partial(launch, traced=True), count, layout)
 
 
 def merge_config(default: dict[str, Any], override: dict[str, Any] | None, *, name: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._library import cdiv, fast_launch
+from ._library import cdiv, fast_launch, graph_kernel
 
 __all__ = ["column_sums"]
 
@@ -55,10 +55,11 @@ def _column_sums_kernel(
     tl.store(out + rk, tl.sum(acc, axis=0).to(out.dtype.element_ty), mask=col_ok)
 
 
-def column_sums(a: torch.Tensor, b: torch.Tensor | None = None, *, dtype: torch.dtype = torch.float32
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def column_sums(a: torch.Tensor, b: torch.Tensor | None = None, *, dtype: torch.dtype = torch.float32,
+                traced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(a.sum(0), b.sum(0))`` of contiguous (G, K) float32 buffers, summed in float32 and written in
-    ``dtype``, in one launch (``b`` None: ``(a.sum(0), None)``). G may be 0 (zeros)."""
+    ``dtype``, in one launch (``b`` None: ``(a.sum(0), None)``). G may be 0 (zeros). ``traced``:
+    launched from a compiled graph, as the traced CUDA kernel that calls it (``_library.traced_kernel``)."""
     if a.dim() != 2 or a.dtype != torch.float32 or not a.is_contiguous():
         raise ValueError(f"column_sums: a must be a contiguous 2-D float32 tensor, got {a.dtype} of shape "
                          f"{tuple(a.shape)} and strides {tuple(a.stride())}")
@@ -69,8 +70,9 @@ def column_sums(a: torch.Tensor, b: torch.Tensor | None = None, *, dtype: torch.
     G, K = a.shape
     out_a = torch.empty((K,), dtype=dtype, device=a.device)
     out_b = torch.empty((K,), dtype=dtype, device=a.device) if b is not None else None
+    kernel = graph_kernel(_column_sums_kernel) if traced else _column_sums_kernel
     if K:
-        _column_sums_kernel[(cdiv(K, _BLOCK_K), 2 if b is not None else 1)](
+        kernel[(cdiv(K, _BLOCK_K), 2 if b is not None else 1)](
             a, b if b is not None else a, out_a, out_b if out_b is not None else out_a, G, K,
             TWO=b is not None, BLOCK_G=_BLOCK_G, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS,
         )

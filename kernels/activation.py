@@ -54,8 +54,10 @@ Improve Transformer" (2020); So et al., "Primer" (2021, squared ReLU); NVIDIA Tr
 fused activation + cast kernels.
 
 The ops are registered as opaque ``torch.library`` ops (``fp8ops::act_fwd``, ``fp8ops::act_amax``,
-``fp8ops::act_bwd``, ``fp8ops::act_bwd_amax``) with a CUDA kernel (the launchers below) and a fake
-kernel; the CPU kernel, the FP32 reference math, is registered by ``fp8ops.activation``.
+``fp8ops::act_bwd``, ``fp8ops::act_bwd_amax``) with a CUDA kernel (the launchers below), a traced
+CUDA kernel (the launchers with ``traced=True``: in a graph compiled for CUDA tensors, Inductor
+launches their Triton kernels itself) and a fake kernel; the CPU kernel, the FP32 reference math,
+is registered by ``fp8ops.activation``.
 """
 
 from __future__ import annotations
@@ -73,8 +75,10 @@ from ._library import (
     cdiv,
     contiguous_args,
     fast_launch,
+    graph_kernel,
     merge_config,
     tma_store_wanted,
+    traced_kernel,
     transposed_store,
 )
 from ._reduce import column_sums
@@ -475,6 +479,7 @@ def act_fwd_launch(
     hp_dtype: torch.dtype | None = None,
     *,
     config: dict[str, Any] | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Activation with its FP8 cast (and transposed copy) in one pass.
 
@@ -490,6 +495,8 @@ def act_fwd_launch(
         store_q: write ``q`` (M, F); transpose: write ``q_t`` (F, M) (both need ``out_dtype``).
         h_inv: () float32 inverse scale when h is FP8 (the kernel reads ``h = code * h_inv``).
         hp_dtype: dtype of ``y``; default h's dtype (required with FP8 h and ``store_y``).
+        traced: launched from a compiled graph (``_library.traced_kernel``): the kernel through
+            ``wrap_triton``, a zeroed amax word of its own, no TMA store.
 
     Returns:
         ``(y, q, q_t, amax, inv_scale)``; outputs not written are empty (0,) tensors; amax () is
@@ -508,12 +515,13 @@ def act_fwd_launch(
     y = _output((M, F), ydt, dev, bool(store_y))
     q = _output((M, F), qdt, dev, store_q)
     qt = _output((F, M), qdt, dev, transpose)
-    tma = transpose and tma_store_wanted(qt, config)
+    tma = transpose and not traced and tma_store_wanted(qt, config)
     cfg = merge_config(_FWD_CFG_TMA if tma else _FWD_CFG, config, name=name)
     num_m, num_n = _tiles(M, F, cfg)
     desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])
-    with AMAX_CHAIN.output(dev) as (amax, amax_next):
-        _act_fwd_kernel[(num_m * num_n,)](
+    kernel = graph_kernel(_act_fwd_kernel) if traced else _act_fwd_kernel
+    with AMAX_CHAIN.output(dev, traced) as (amax, amax_next):
+        kernel[(num_m * num_n,)](
             h, y, q, qt, desc, amax_ptr=amax, amax_next_ptr=amax_next,
             h_inv_ptr=h_inv if h_inv is not None else cast["scale_ptr"],
             M=M, F=F, stride_hm=h.stride(0), num_m=num_m, num_n=num_n,
@@ -525,10 +533,10 @@ def act_fwd_launch(
 
 
 def act_amax_launch(h: torch.Tensor, act: str, h_inv: torch.Tensor | None = None, *,
-                    config: dict[str, Any] | None = None) -> torch.Tensor:
+                    config: dict[str, Any] | None = None, traced: bool = False) -> torch.Tensor:
     """max |act(h)| as a 0-d float32 tensor: the first pass of current scaling (reads h once)."""
     return act_fwd_launch(h, act, store_y=False, scale=None, amax_in=None, margin=0, power_2=False, out_dtype=None,
-                          store_q=False, transpose=False, h_inv=h_inv, config=config)[3]
+                          store_q=False, transpose=False, h_inv=h_inv, config=config, traced=traced)[3]
 
 
 def act_bwd_launch(
@@ -547,6 +555,7 @@ def act_bwd_launch(
     hp_dtype: torch.dtype | None = None,
     *,
     config: dict[str, Any] | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Activation gradient with its FP8 cast, transposed copy and bias gradient in one pass.
 
@@ -559,7 +568,7 @@ def act_bwd_launch(
         scale, amax_in, margin, power_2, out_dtype: as :func:`act_fwd_launch` (amax_in: of dh32).
         transpose: write ``q_t`` (C, M) (needs ``out_dtype``).
         dbias: return the column sums of dh32, (C,) float32.
-        h_inv, hp_dtype: as :func:`act_fwd_launch` (hp_dtype: of ``dh``).
+        h_inv, hp_dtype: as :func:`act_fwd_launch` (hp_dtype: of ``dh``). traced: as there.
 
     Returns:
         ``(dh, q, q_t, amax, inv_scale, dbias)``; outputs not written are empty (0,) tensors.
@@ -583,12 +592,13 @@ def act_bwd_launch(
     q = _output((M, C), qdt, dev, has_fp8)
     qt = _output((C, M), qdt, dev, transpose)
     # TMA store of q^T (see _FWD_CFG_TMA); a gated tile must not cross from one half into the other
-    tma = transpose and tma_store_wanted(qt, config) and not (gated and F % cfg["BLOCK_N"])
+    tma = transpose and not traced and tma_store_wanted(qt, config) and not (gated and F % cfg["BLOCK_N"])
     num_m, num_n = _tiles(M, F, cfg)
     part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else cast["scale_ptr"]
     desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])
-    with AMAX_CHAIN.output(dev) as (amax, amax_next):
-        _act_bwd_kernel[(num_m * num_n,)](
+    kernel = graph_kernel(_act_bwd_kernel) if traced else _act_bwd_kernel
+    with AMAX_CHAIN.output(dev, traced) as (amax, amax_next):
+        kernel[(num_m * num_n,)](
             da, h, dh, q, qt, desc, part, amax_ptr=amax, amax_next_ptr=amax_next,
             h_inv_ptr=h_inv if h_inv is not None else cast["scale_ptr"],
             M=M, F=F, stride_dam=da.stride(0), stride_hm=h.stride(0), num_m=num_m, num_n=num_n,
@@ -597,19 +607,19 @@ def act_bwd_launch(
             num_warps=cfg["num_warps"], **cast,
         )
     # Finalize the bias gradient: a fixed-order sum over the row tiles' partial sums.
-    db = column_sums(part)[0] if dbias else h.new_empty(0, dtype=torch.float32)
+    db = column_sums(part, traced=traced)[0] if dbias else h.new_empty(0, dtype=torch.float32)
     return dh, q, qt, amax, inv, db
 
 
 def act_bwd_amax_launch(da: torch.Tensor, h: torch.Tensor, act: str, h_inv: torch.Tensor | None = None, *,
-                        config: dict[str, Any] | None = None) -> torch.Tensor:
+                        config: dict[str, Any] | None = None, traced: bool = False) -> torch.Tensor:
     """max |da * act'(h)| as a 0-d float32 tensor: the first pass of current scaling."""
     return act_bwd_launch(da, h, act, store_dh=False, scale=None, amax_in=None, margin=0, power_2=False,
-                          out_dtype=None, transpose=False, dbias=False, h_inv=h_inv, config=config)[3]
+                          out_dtype=None, transpose=False, dbias=False, h_inv=h_inv, config=config, traced=traced)[3]
 
 
 # ------------------------------------------------------------------------------------------------
-# Library ops: opaque to torch.compile (a fake kernel gives shapes), CUDA kernels above.
+# Library ops: a fake kernel gives torch.compile their shapes; CUDA kernels above, also traced.
 
 
 def _width(h: torch.Tensor, act: str) -> int:
@@ -664,6 +674,7 @@ act_fwd = OpSpec(
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     cuda=contiguous_args(act_fwd_launch, 1, _unit),
     fake=_act_fwd_fake,
+    traced=traced_kernel(act_fwd_launch, 1, _unit),
 )
 """``fp8ops::act_fwd``: activation + FP8 cast, ``(y, q, q_t, amax, inv_scale)``; see :func:`act_fwd_launch`."""
 
@@ -671,6 +682,7 @@ act_amax = OpSpec(
     "act_amax(Tensor h, str act, Tensor? h_inv=None) -> Tensor",
     cuda=contiguous_args(act_amax_launch, 1, _unit),
     fake=_act_amax_fake,
+    traced=traced_kernel(act_amax_launch, 1, _unit),
 )
 """``fp8ops::act_amax``: max |act(h)|, float32, NaN-propagating."""
 
@@ -680,6 +692,7 @@ act_bwd = OpSpec(
     "ScalarType? hp_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     cuda=contiguous_args(act_bwd_launch, 2, _unit),
     fake=_act_bwd_fake,
+    traced=traced_kernel(act_bwd_launch, 2, _unit),
 )
 """``fp8ops::act_bwd``: activation gradient + FP8 cast + bias gradient,
 ``(dh, q, q_t, amax, inv_scale, dbias)``; see :func:`act_bwd_launch`."""
@@ -688,5 +701,6 @@ act_bwd_amax = OpSpec(
     "act_bwd_amax(Tensor da, Tensor h, str act, Tensor? h_inv=None) -> Tensor",
     cuda=contiguous_args(act_bwd_amax_launch, 2, _unit),
     fake=_act_bwd_amax_fake,
+    traced=traced_kernel(act_bwd_amax_launch, 2, _unit),
 )
 """``fp8ops::act_bwd_amax``: max |da * act'(h)|, float32, NaN-propagating."""

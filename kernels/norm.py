@@ -50,8 +50,10 @@ Normalization" (2019); Chan, Golub & LeVeque, "Algorithms for computing the samp
 NVIDIA Transformer Engine and Apex fused LayerNorm kernels (partial dγ/dβ buffers + finalize).
 
 The ops (``fp8ops::norm_fwd``, ``fp8ops::norm_amax``, ``fp8ops::norm_bwd``) are registered as opaque
-library ops (see ``_library.py``) with a CUDA kernel (the launchers below) and a fake kernel; the CPU
-kernel, the FP32 reference math, is registered by ``fp8ops.norm``.
+library ops (see ``_library.py``) with a CUDA kernel (the launchers below), a traced CUDA kernel
+(the same launchers with ``traced=True``: in a graph compiled for CUDA tensors, Inductor launches
+their Triton kernels itself) and a fake kernel; the CPU kernel, the FP32 reference math, is
+registered by ``fp8ops.norm``.
 """
 
 from __future__ import annotations
@@ -63,7 +65,17 @@ import triton
 import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale
-from ._library import AMAX_CHAIN, OpSpec, cdiv, contiguous_args, fast_launch, merge_config, next_pow2
+from ._library import (
+    AMAX_CHAIN,
+    OpSpec,
+    cdiv,
+    contiguous_args,
+    fast_launch,
+    graph_kernel,
+    merge_config,
+    next_pow2,
+    traced_kernel,
+)
 from ._reduce import column_sums
 
 __all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
@@ -255,6 +267,7 @@ def _norm_fwd_kernel(
     BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    eps = tl.cast(eps, tl.float32)  # a compiled graph passes its float arguments as float64
     # Step 1: the FP8 scale, read or computed just in time (every program computes the same value).
     scale = 1.0
     if HAS_Q:
@@ -658,6 +671,7 @@ def _launch_fwd(
     store_s: bool,
     cast: _Cast,
     config: dict[str, Any] | None,
+    traced: bool,
 ) -> tuple[torch.Tensor, ...]:
     M, K = x.shape
     dev = x.device
@@ -696,8 +710,9 @@ def _launch_fwd(
     if single:
         blocks = min(blocks, _num_sms(dev) * cfg["PROGRAMS_PER_SM"])
     grid = (max(1, blocks),)
-    with AMAX_CHAIN.output(dev) as (amax, amax_next):
-        _norm_fwd_kernel[grid](
+    kernel = graph_kernel(_norm_fwd_kernel) if traced else _norm_fwd_kernel
+    with AMAX_CHAIN.output(dev, traced) as (amax, amax_next):
+        kernel[grid](
             x, residual if residual is not None else x, weight, bias if bias is not None else weight,
             y, s, q, q_t, scale if scale is not None else amax, amax_in if amax_in is not None else amax,
             amax, amax_next, inv, mean, rstd, M, K, float(eps),
@@ -726,6 +741,7 @@ def norm_fwd_launch(
     transpose: bool,
     *,
     config: dict[str, Any] | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """LayerNorm / RMSNorm forward with optional residual add and FP8 output, one launch.
 
@@ -740,6 +756,7 @@ def norm_fwd_launch(
         margin, power_2: current-scaling parameters. out_dtype: FP8 dtype of q, or None (no q).
         transpose: also write q_t (K, M) (needs out_dtype).
         config: overrides of ``BLOCK_M``, ``BLOCK_K``, ``num_warps``, ``PROGRAMS_PER_SM``.
+        traced: launched from a compiled graph (``_library.traced_kernel``).
 
     Returns:
         ``(y, s, q, q_t, amax, inv_scale, mean, rstd)`` as in the ``fp8ops::norm_fwd`` schema.
@@ -749,7 +766,7 @@ def norm_fwd_launch(
     return _launch_fwd(
         name, x, residual, weight, bias, eps, rms, zero_centered_gamma,
         store_y=store_y, store_stats=True, store_s=residual is not None,
-        cast=_Cast(scale, amax_in, margin, power_2, out_dtype, transpose), config=config,
+        cast=_Cast(scale, amax_in, margin, power_2, out_dtype, transpose), config=config, traced=traced,
     )
 
 
@@ -763,6 +780,7 @@ def norm_amax_launch(
     zero_centered_gamma: bool,
     *,
     config: dict[str, Any] | None = None,
+    traced: bool = False,
 ) -> torch.Tensor:
     """max |y32| of the norm's output as a () float32 tensor, storing nothing else (the first pass
     of current scaling). Arguments as :func:`norm_fwd_launch`."""
@@ -770,7 +788,7 @@ def norm_amax_launch(
     _check_fwd_inputs(name, x, residual, weight, bias, eps)
     out = _launch_fwd(
         name, x, residual, weight, bias, eps, rms, zero_centered_gamma,
-        store_y=False, store_stats=False, store_s=False, cast=_NO_CAST, config=config,
+        store_y=False, store_stats=False, store_s=False, cast=_NO_CAST, config=config, traced=traced,
     )
     return out[4]
 
@@ -787,6 +805,7 @@ def norm_bwd_launch(
     has_bias: bool,
     *,
     config: dict[str, Any] | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm / RMSNorm backward: dx (one pass per row) and dweight / dbias (persistent grid,
     per-program fp32 partial sums, then a finalize).
@@ -798,6 +817,7 @@ def norm_bwd_launch(
         ds: (M, K) gradient of the sum output, added to dx, or None.
         rms, zero_centered_gamma: as in the forward. has_bias: also return dbias.
         config: overrides of ``BLOCK_M``, ``BLOCK_K``, ``num_warps``, ``PROGRAMS_PER_SM``.
+        traced: launched from a compiled graph (``_library.traced_kernel``).
 
     Returns:
         ``(dx, dweight, dbias)``: dx (M, K) in s's dtype; dweight (K,) and dbias (K,) (empty
@@ -823,19 +843,20 @@ def norm_bwd_launch(
     alloc = torch.empty if single else torch.zeros  # chunked rows accumulate in place
     dw_part = alloc((G, K), dtype=torch.float32, device=dev)
     db_part = alloc((G, K), dtype=torch.float32, device=dev) if has_bias else dw_part
-    _norm_bwd_kernel[(G,)](
+    kernel = graph_kernel(_norm_bwd_kernel) if traced else _norm_bwd_kernel
+    kernel[(G,)](
         dy, s, weight, mean if not rms else rstd, rstd, ds if ds is not None else dy, dx, dw_part, db_part,
         M, K,
         RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_DS=ds is not None, HAS_BIAS=has_bias,
         SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
     )
     # Step: finalize, a deterministic fp32 sum of the G partial rows of both buffers, one launch.
-    dweight, dbias = column_sums(dw_part, db_part if has_bias else None, dtype=weight.dtype)
+    dweight, dbias = column_sums(dw_part, db_part if has_bias else None, dtype=weight.dtype, traced=traced)
     return dx, dweight, (dbias if dbias is not None else weight.new_empty(0))
 
 
 # ------------------------------------------------------------------------------------------------
-# Library ops: opaque to torch.compile (a fake kernel gives shapes), CUDA kernels above.
+# Library ops: a fake kernel gives torch.compile their shapes; CUDA kernels above, also traced.
 
 
 def _norm_fwd_fake(x, residual, weight, bias, eps, rms, zero_centered_gamma, store_y, scale, amax_in,  # type: ignore[no-untyped-def]
@@ -870,6 +891,7 @@ norm_fwd = OpSpec(
     "-> (Tensor y, Tensor s, Tensor q, Tensor q_t, Tensor amax, Tensor inv_scale, Tensor mean, Tensor rstd)",
     cuda=contiguous_args(norm_fwd_launch, 4),
     fake=_norm_fwd_fake,
+    traced=traced_kernel(norm_fwd_launch, 4),
 )
 """``fp8ops::norm_fwd``: LayerNorm / RMSNorm forward (+ residual, + FP8 output); see :func:`norm_fwd_launch`."""
 
@@ -878,6 +900,7 @@ norm_amax = OpSpec(
     "bool zero_centered_gamma) -> Tensor",
     cuda=contiguous_args(norm_amax_launch, 4),
     fake=_norm_amax_fake,
+    traced=traced_kernel(norm_amax_launch, 4),
 )
 """``fp8ops::norm_amax``: max |y32| of the norm output (first pass of current scaling)."""
 
@@ -886,5 +909,6 @@ norm_bwd = OpSpec(
     "bool zero_centered_gamma, bool has_bias) -> (Tensor dx, Tensor dweight, Tensor dbias)",
     cuda=contiguous_args(norm_bwd_launch, 6),
     fake=_norm_bwd_fake,
+    traced=traced_kernel(norm_bwd_launch, 6),
 )
 """``fp8ops::norm_bwd``: LayerNorm / RMSNorm backward ``(dx, dweight, dbias)``; see :func:`norm_bwd_launch`."""

@@ -41,7 +41,7 @@ The ops are registered as opaque ``torch.library`` ops (``fp8ops::amax``, ``fp8o
 ``fp8ops::cast_transpose``, ``fp8ops::cast_transpose_dbias``, ``fp8ops::cast_rowwise``,
 ``fp8ops::transpose_bytes``; see ``_library.py``) with a CUDA kernel (the launchers below)
 and a fake kernel; the CPU kernel, the FP32 reference math, is registered by
-``fp8ops``. ``fp8ops::cast`` and ``fp8ops::cast_transpose`` also have a traced CUDA kernel: in a
+``fp8ops``. All but ``cast_rowwise`` and ``transpose_bytes`` also have a traced CUDA kernel: in a
 graph compiled for CUDA tensors, Inductor launches their Triton kernels itself.
 """
 
@@ -63,6 +63,7 @@ from ._library import (
     graph_kernel,
     merge_config,
     tma_store_wanted,
+    traced_kernel,
     transposed_store,
 )
 from ._reduce import column_sums
@@ -311,16 +312,18 @@ def _cast_args(
     return inv, kwargs
 
 
-def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None) -> torch.Tensor:
-    """max |x| as a 0-d float32 tensor (NaN if x holds a NaN). x: any shape, contiguous."""
+def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None, traced: bool = False) -> torch.Tensor:
+    """max |x| as a 0-d float32 tensor (NaN if x holds a NaN). x: any shape, contiguous. ``traced``:
+    launched from a compiled graph (``_library.traced_kernel``)."""
     _check_input("amax", x, flat=True)
     cfg = merge_config(_AMAX_CFG, config, name="amax")
     n = x.numel()
     if not n:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    with AMAX_CHAIN.output(x.device) as (amax, amax_next):
+    kernel = graph_kernel(_amax_fwd_kernel) if traced else _amax_fwd_kernel
+    with AMAX_CHAIN.output(x.device, traced) as (amax, amax_next):
         grid = (cdiv(n, cfg["BLOCK"]),)
-        _amax_fwd_kernel[grid](x, amax, amax_next, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+        kernel[grid](x, amax, amax_next, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return amax
 
 
@@ -349,6 +352,7 @@ def cast_launch(
     out_dtype: torch.dtype,
     *,
     config: dict[str, Any] | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Saturating FP8 cast with the amax computed in the same pass.
 
@@ -358,11 +362,13 @@ def cast_launch(
         amax_in: () float32 amax of ``x`` for current scaling, or None for a given scale.
         margin, power_2: current-scaling parameters (ignored when ``amax_in`` is None).
         out_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        traced: launched from a compiled graph (``_library.traced_kernel``): the kernel through
+            ``wrap_triton``, a zeroed amax word of its own, no TMA store.
 
     Returns:
         ``(q, amax, inv_scale)``: q (...) FP8, amax () and inv_scale () float32.
     """
-    return _cast(x, scale, amax_in, margin, power_2, out_dtype, config, False)
+    return _cast(x, scale, amax_in, margin, power_2, out_dtype, config, traced)
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None, margin: int, power_2: bool,
@@ -389,6 +395,7 @@ def cast_transpose_launch(
     out_dtype: torch.dtype,
     *,
     config: dict[str, Any] | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`cast_launch` that also writes the transposed copy in the same pass.
 
@@ -398,7 +405,7 @@ def cast_transpose_launch(
     Returns:
         ``(q, q_t, amax, inv_scale)``: q (M, K) and q_t (K, M) FP8, both contiguous.
     """
-    q, qt, amax, inv, _ = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, False, config, False)
+    q, qt, amax, inv, _ = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, False, config, traced)
     return q, qt, amax, inv
 
 
@@ -411,6 +418,7 @@ def cast_transpose_dbias_launch(
     out_dtype: torch.dtype,
     *,
     config: dict[str, Any] | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`cast_transpose_launch` that also returns the column sums of x: the bias gradient of
     a linear layer whose output gradient is x, without a second pass over x.
@@ -422,8 +430,8 @@ def cast_transpose_dbias_launch(
     Returns:
         ``(q, q_t, amax, inv_scale, dbias)``; dbias (K,) float32.
     """
-    q, qt, amax, inv, partial = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, True, config, False)
-    return q, qt, amax, inv, column_sums(partial)[0]
+    q, qt, amax, inv, partial = _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, True, config, traced)
+    return q, qt, amax, inv, column_sums(partial, traced=traced)[0]
 
 
 def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None, margin: int,
@@ -450,16 +458,6 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
             amax_ptr=amax, amax_next_ptr=amax_next, **cast,
         )
     return q, qt, amax, inv, partial
-
-
-# The traced CUDA kernels of fp8ops::cast and fp8ops::cast_transpose (OpSpec.traced): the launchers'
-# code with the kernel launched through graph_kernel, a zeroed amax word and pointer stores.
-def _cast_traced(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
-    return _cast(x, scale, amax_in, margin, power_2, out_dtype, None, True)
-
-
-def _cast_transpose_traced(x, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
-    return _cast_transpose(x, scale, amax_in, margin, power_2, out_dtype, False, None, True)[:4]
 
 
 def cast_rowwise_launch(
@@ -497,7 +495,7 @@ def cast_rowwise_launch(
 
 
 # ------------------------------------------------------------------------------------------------
-# Library ops: a fake kernel gives torch.compile their shapes; CUDA kernels above (and traced ones for the casts).
+# Library ops: a fake kernel gives torch.compile their shapes; CUDA kernels above, also traced (_library.traced_kernel).
 
 
 def _amax_fake(x: torch.Tensor) -> torch.Tensor:
@@ -539,7 +537,8 @@ def _cast_rowwise_fake(x, margin, power_2, out_dtype):  # type: ignore[no-untype
 # The schema arguments of a per-tensor cast.
 _CAST_SCHEMA = "Tensor x, Tensor scale, Tensor? amax_in, int margin, bool power_2, ScalarType out_dtype"
 
-amax = OpSpec("amax(Tensor x) -> Tensor", cuda=contiguous_args(amax_launch), fake=_amax_fake)
+amax = OpSpec("amax(Tensor x) -> Tensor", cuda=contiguous_args(amax_launch), fake=_amax_fake,
+              traced=traced_kernel(amax_launch))
 """``fp8ops::amax``: max |x| over every element, float32, NaN-propagating."""
 
 transpose_bytes = OpSpec("transpose_bytes(Tensor x) -> Tensor", cuda=contiguous_args(transpose_bytes_launch),
@@ -548,7 +547,7 @@ transpose_bytes = OpSpec("transpose_bytes(Tensor x) -> Tensor", cuda=contiguous_
 
 cast = OpSpec(
     f"cast({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor)", cuda=contiguous_args(cast_launch), fake=_cast_fake,
-    traced=contiguous_args(_cast_traced),
+    traced=traced_kernel(cast_launch),
 )
 """``fp8ops::cast``: saturating FP8 cast + amax, ``(q, amax, inv_scale)``; see :func:`cast_launch`."""
 
@@ -556,7 +555,7 @@ cast_transpose = OpSpec(
     f"cast_transpose({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)",
     cuda=contiguous_args(cast_transpose_launch),
     fake=_cast_transpose_fake,
-    traced=contiguous_args(_cast_transpose_traced),
+    traced=traced_kernel(cast_transpose_launch),
 )
 """``fp8ops::cast_transpose``: cast + transposed copy + amax, ``(q, q_t, amax, inv_scale)``."""
 
@@ -564,6 +563,7 @@ cast_transpose_dbias = OpSpec(
     f"cast_transpose_dbias({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     cuda=contiguous_args(cast_transpose_dbias_launch),
     fake=_cast_transpose_dbias_fake,
+    traced=traced_kernel(cast_transpose_dbias_launch),
 )
 """``fp8ops::cast_transpose_dbias``: :data:`cast_transpose` plus the column sums of x (float32),
 ``(q, q_t, amax, inv_scale, dbias)``: an output gradient's bias gradient from the same pass."""

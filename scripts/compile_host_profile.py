@@ -9,7 +9,8 @@ library ops a step calls.
 ``--ab`` instead times the fp8ops step built with the library ops' Triton kernels inlined into its
 compiled graphs (``INLINE_IN_GRAPHS``, the default) and with those ops opaque, side by side with
 torch's, over ``--rounds`` rounds in alternating order (Inductor's caches off, so that each build
-traces anew): host ms of a step started on an idle GPU and ms per step of 20 steps back to back.
+traces anew): host ms of a step started on an idle GPU, ms per step of 20 steps back to back, and
+the seconds of the build with its first step (tracing and compiling).
 
 Needs a CUDA GPU.
 """
@@ -59,13 +60,17 @@ def ab(size, rounds: int) -> None:
         for name in names if r % 2 == 0 else names[::-1]:
             _library.INLINE_IN_GRAPHS = not name.endswith("opaque")
             torch._dynamo.reset()
+            t0 = time.perf_counter()
             step, carry, batch = _variant("gpt2", name.split(",")[0], "compile", size)
-            for _ in range(4):
+            carry, _ = step(carry, *batch)
+            torch.cuda.synchronize()
+            build_s = time.perf_counter() - t0
+            for _ in range(3):
                 carry, _ = step(carry, *batch)
             host, carry = host_ms(step, carry, batch)
             ms, carry = step_ms(step, carry, batch)
-            print(f"round {r}  {name:22s} host {host:7.2f} ms per step, {ms:7.2f} ms per step back to back",
-                  flush=True)
+            print(f"round {r}  {name:22s} host {host:7.2f} ms per step, {ms:7.2f} ms per step back to back, "
+                  f"build + first step {build_s:5.1f} s", flush=True)
     _library.INLINE_IN_GRAPHS = True
 
 

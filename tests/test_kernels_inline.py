@@ -1,11 +1,15 @@
 """The library ops whose Triton kernels go into compiled graphs (``OpSpec.traced``,
-``kernels._library.inline_in_graphs``): ``fp8ops::cast`` and ``fp8ops::cast_transpose``.
+``kernels._library.inline_in_graphs``): the casts, the amax, the norms and the activations, forward
+and backward (the calls of ``fp8ops.testing.kernel_calls``).
 
-On CUDA, a graph compiled with Inductor launches the cast kernel from its own code (the op's call
-is gone from the generated code) and gives the eager op's bytes, amax and inverse scale bit for bit,
+On CUDA, a graph compiled with Inductor launches the op's kernels from its own code (the op's call
+is gone from the generated code), with no copy of an output the kernel writes (Inductor's
+reinplacing misses nothing) and no write to an input, and gives the eager op's outputs bit for bit,
 with delayed and current scaling (the just-in-time scale from ``amax_in``), E4M3 and E5M2; a
-compiled ``fp8_linear`` training step equals its opaque-op build bit for bit. With
-``INLINE_IN_GRAPHS`` off the compiled graph calls the op, as it does on the CPU in every case.
+compiled ``fp8_linear``, ``layernorm_linear`` and ``fused_ln_mlp`` training step equals its
+opaque-op build bit for bit. With ``INLINE_IN_GRAPHS`` off the compiled graph calls the op, as it
+does on the CPU in every case. (The traced launches themselves are checked against the ops' own
+launches on the CPU under the Triton interpreter: test_kernels_inline_interpret.py.)
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 import fp8ops
 from fp8ops.kernels import _library
+from fp8ops.testing.kernel_calls import kernel_calls
 from fp8ops.testing.states import calibrate
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -114,31 +119,81 @@ def test_compiled_cast_launches_the_kernel_and_matches_eager(fresh_graphs: None,
         assert all(torch.equal(a.float(), b.float()) for a, b in zip(again, want))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", [fp8ops.DelayedScaling(), fp8ops.CurrentScaling()], ids=["delayed", "current"])
-def test_compiled_fp8_linear_step_inlined_equals_opaque(fresh_graphs: None, recipe: Any) -> None:
+@pytest.mark.parametrize("name", [c.name for c in kernel_calls("cpu")])
+def test_compiled_op_launches_its_kernels_in_place(fresh_graphs: None, name: str) -> None:
+    from torch._dynamo.utils import ReinplaceCounters
+
+    call = {c.name: c for c in kernel_calls("cuda", rows=300)}[name]
+    packet = getattr(torch.ops.fp8ops, call.op).default
+
+    def body(*args: Any) -> Any:
+        return packet(*args)
+
+    inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in call.args]
+    with torch.no_grad():
+        want = packet(*call.args)
+        ReinplaceCounters.clear()
+        got, code = _compiled_code(body, *call.args)
+    assert f"torch.ops.fp8ops.{call.op}.default" not in code and call.kernel in code
+    assert ReinplaceCounters.get_total_missed() == 0, "an output the kernel writes was copied"
+    for a, b in zip(call.args, inputs):
+        assert not isinstance(a, torch.Tensor) or torch.equal(_bits(a), _bits(b)), "an input was written"
+    want, got = (w if isinstance(w, tuple) else (w,) for w in (want, got))
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, i)
+        assert torch.equal(_bits(a), _bits(b)), f"{name}: output {i} differs"
+
+
+def _layer_step(op: str, recipe: Any) -> tuple[Callable[..., Any], list[torch.Tensor], Any, torch.Tensor]:
+    """A training step of ``op`` on bf16 operands: (step(inputs, probe) -> (y, state), inputs, the
+    calibrated state, the probe)."""
     torch.manual_seed(0)
     x = torch.randn(300, 200, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(96, 200, device="cuda") * 0.1).to(torch.bfloat16)
-    b = torch.randn(96, device="cuda").to(torch.bfloat16)
-    state = fp8ops.LinearState.init(recipe, device="cuda")
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda") * 0.1).to(torch.bfloat16)
+
+    if op == "fp8_linear":
+        cls, inputs, probe = fp8ops.LinearState, [x, w(96, 200), w(96)], torch.zeros((), device="cuda")
+    elif op == "layernorm_linear":
+        cls, inputs = fp8ops.LayerNormLinearState, [x, 1 + w(200), w(200), w(96, 200), w(96)]
+        probe = torch.zeros((), device="cuda")
+    else:
+        cls, inputs = fp8ops.LayerNormMLPState, [x, 1 + w(200), w(200), w(384, 200), w(384), w(200, 384), w(200)]
+        probe = torch.zeros(2, device="cuda")
+    state = cls.init(recipe, device="cuda")
     if isinstance(recipe, fp8ops.DelayedScaling):
         state = calibrate(state, recipe)
+    fn = getattr(fp8ops, op)
+
+    def step(inputs: list[torch.Tensor], probe: torch.Tensor) -> Any:
+        return fn(*inputs, state, recipe=recipe, grad_probe=probe)
+
+    return step, inputs, state, probe
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["fp8_linear", "layernorm_linear", "fused_ln_mlp"])
+@pytest.mark.parametrize("recipe", [fp8ops.DelayedScaling(), fp8ops.CurrentScaling()], ids=["delayed", "current"])
+def test_compiled_step_inlined_equals_opaque(fresh_graphs: None, op: str, recipe: Any) -> None:
+    step, inputs, _, probe0 = _layer_step(op, recipe)
     results = {}
     for inline in (True, False):
         _library.INLINE_IN_GRAPHS = inline
         torch._dynamo.reset()
-        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
-        probe = torch.zeros((), device="cuda", requires_grad=True)
-
-        def step(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor, probe: torch.Tensor) -> Any:
-            return fp8ops.fp8_linear(xs, ws, bs, state, recipe=recipe, grad_probe=probe)
-
-        y, new = torch.compile(step, fullgraph=True)(xs, ws, bs, probe)
+        leaves_in = [t.detach().clone().requires_grad_() for t in inputs]
+        probe = probe0.clone().requires_grad_()
+        y, new = torch.compile(step, fullgraph=True)(leaves_in, probe)
         y.backward(torch.linspace(-2, 2, y.numel(), device="cuda").view_as(y).to(y.dtype))
         leaves = [t for t in pytree.tree_leaves(new) if isinstance(t, torch.Tensor)]
-        results[inline] = [y, xs.grad, ws.grad, bs.grad, probe.grad, *leaves]
+        results[inline] = [y, *(t.grad for t in leaves_in), probe.grad, *leaves]
     assert len(results[True]) == len(results[False])
-    for a, b in zip(results[True], results[False]):
-        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(results[True], results[False])):
+        assert torch.equal(a, b), f"{op}: result {i} differs"

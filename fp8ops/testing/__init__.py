@@ -11,6 +11,8 @@ Public, so that tests of code built on fp8ops can use the same rules as fp8ops' 
   ``fully_shard`` / DDP, and :func:`~fp8ops.testing.distributed.count_all_reduces`.
 - :mod:`fp8ops.testing.attention_inputs`: seeded q/k/v in each attention layout, a fused QKV
   projection's strided slices and a causal document mask, on any device.
+- :mod:`fp8ops.testing.kernel_calls`: one call of each library op a model step runs, on any
+  device (the traced kernels' checks).
 - :mod:`fp8ops.testing.strategies`: hypothesis strategies for shapes, tensors, recipes, scales,
   amax observations and scaling states. Needs ``hypothesis`` (the ``test`` extra); import it
   explicitly: ``from fp8ops.testing import strategies``.
