@@ -106,11 +106,14 @@ def _traceable_types(types: Any) -> bool:
     return all(t is torch.Tensor or t is FunctionalTensor or issubclass(t, FakeTensor) for t in types)
 
 
-def graph_kernel(fn: Any) -> Any:
-    """A launcher's Triton kernel as a traced CUDA kernel (:class:`OpSpec`) calls it: wrapped by
+def graph_kernel(fn: Any, traced: bool = True) -> Any:
+    """A launcher's Triton kernel as its launch calls it: ``fn`` itself for an eager launch
+    (``traced`` False); for a traced CUDA kernel (:class:`OpSpec`), wrapped by
     ``torch.library.wrap_triton`` (the JIT function under :class:`FastKernel`). Under the Triton
     interpreter, which has no JIT function to wrap, the kernel itself (the traced launch then runs
     eagerly, as in the CPU tests of that path)."""
+    if not traced:
+        return fn
     jit = fn.fn if isinstance(fn, FastKernel) else fn
     if not isinstance(jit, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
         return jit

@@ -519,7 +519,7 @@ def act_fwd_launch(
     cfg = merge_config(_FWD_CFG_TMA if tma else _FWD_CFG, config, name=name)
     num_m, num_n = _tiles(M, F, cfg)
     desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])
-    kernel = graph_kernel(_act_fwd_kernel) if traced else _act_fwd_kernel
+    kernel = graph_kernel(_act_fwd_kernel, traced)
     with AMAX_CHAIN.output(dev, traced) as (amax, amax_next):
         kernel[(num_m * num_n,)](
             h, y, q, qt, desc, amax_ptr=amax, amax_next_ptr=amax_next,
@@ -596,7 +596,7 @@ def act_bwd_launch(
     num_m, num_n = _tiles(M, F, cfg)
     part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else cast["scale_ptr"]
     desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])
-    kernel = graph_kernel(_act_bwd_kernel) if traced else _act_bwd_kernel
+    kernel = graph_kernel(_act_bwd_kernel, traced)
     with AMAX_CHAIN.output(dev, traced) as (amax, amax_next):
         kernel[(num_m * num_n,)](
             da, h, dh, q, qt, desc, part, amax_ptr=amax, amax_next_ptr=amax_next,

@@ -710,7 +710,7 @@ def _launch_fwd(
     if single:
         blocks = min(blocks, _num_sms(dev) * cfg["PROGRAMS_PER_SM"])
     grid = (max(1, blocks),)
-    kernel = graph_kernel(_norm_fwd_kernel) if traced else _norm_fwd_kernel
+    kernel = graph_kernel(_norm_fwd_kernel, traced)
     with AMAX_CHAIN.output(dev, traced) as (amax, amax_next):
         kernel[grid](
             x, residual if residual is not None else x, weight, bias if bias is not None else weight,
@@ -843,7 +843,7 @@ def norm_bwd_launch(
     alloc = torch.empty if single else torch.zeros  # chunked rows accumulate in place
     dw_part = alloc((G, K), dtype=torch.float32, device=dev)
     db_part = alloc((G, K), dtype=torch.float32, device=dev) if has_bias else dw_part
-    kernel = graph_kernel(_norm_bwd_kernel) if traced else _norm_bwd_kernel
+    kernel = graph_kernel(_norm_bwd_kernel, traced)
     kernel[(G,)](
         dy, s, weight, mean if not rms else rstd, rstd, ds if ds is not None else dy, dx, dw_part, db_part,
         M, K,

@@ -320,7 +320,7 @@ def amax_launch(x: torch.Tensor, *, config: dict[str, Any] | None = None, traced
     n = x.numel()
     if not n:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    kernel = graph_kernel(_amax_fwd_kernel) if traced else _amax_fwd_kernel
+    kernel = graph_kernel(_amax_fwd_kernel, traced)
     with AMAX_CHAIN.output(x.device, traced) as (amax, amax_next):
         grid = (cdiv(n, cfg["BLOCK"]),)
         kernel[grid](x, amax, amax_next, n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
@@ -379,7 +379,7 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor | None, ma
     q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     n = x.numel()
     grid = (max(1, cdiv(n, cfg["BLOCK"])),)
-    kernel = graph_kernel(_cast_fwd_kernel) if traced else _cast_fwd_kernel
+    kernel = graph_kernel(_cast_fwd_kernel, traced)
     with AMAX_CHAIN.output(x.device, traced) as (amax, amax_next):
         kernel[grid](x, q, n_elements=n, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], amax_ptr=amax,
                      amax_next_ptr=amax_next, **cast)
@@ -450,7 +450,7 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
                if dbias else None)
     grid = (max(1, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_K"])),)
     desc = transposed_store(qt, tma, cfg["BLOCK_K"], cfg["BLOCK_M"])
-    kernel = graph_kernel(_cast_transpose_fwd_kernel) if traced else _cast_transpose_fwd_kernel
+    kernel = graph_kernel(_cast_transpose_fwd_kernel, traced)
     with AMAX_CHAIN.output(x.device, traced) as (amax, amax_next):
         kernel[grid](
             x, q, qt, desc, dbias_ptr=partial, M=M, K=K, stride_xm=x.stride(0), BLOCK_M=cfg["BLOCK_M"],

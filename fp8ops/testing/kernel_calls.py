@@ -4,7 +4,6 @@ own launches, under the Triton interpreter on the CPU and inside compiled graphs
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -44,7 +43,10 @@ def kernel_calls(device: str | torch.device = "cpu", rows: int = 40, seed: int =
         out = torch.ops.fp8ops.norm_fwd(x, res, w, None if rms else b, 1e-5, rms, False, False, None, None, 0,
                                         False, None, False)
         stats[rms] = (out[1], out[6], out[7])  # s, mean, rstd
-    call: Callable[..., KernelCall] = lambda name, op, kernel, *args: KernelCall(name, op, kernel, args)  # noqa: E731
+
+    def call(name: str, op: str, kernel: str, *args: Any) -> KernelCall:
+        return KernelCall(name, op, kernel, args)
+
     return [
         call("amax", "amax", "_amax_fwd_kernel", x),
         call("cast delayed", "cast", "_cast_fwd_kernel", x, scale, None, 0, False, E4M3),
