@@ -48,9 +48,10 @@ class OpSpec(NamedTuple):
     traced: Callable[..., Any] | None = None
 
 
-INLINE_IN_GRAPHS = True
+INLINE_IN_GRAPHS: bool | frozenset[str] = True
 """Whether the ops with a traced CUDA kernel put their Triton kernels into compiled graphs
-(:func:`inline_in_graphs`; False: they stay opaque calls; for measurements and tests)."""
+(:func:`inline_in_graphs`; False: they stay opaque calls; a set of op names: only those ops do;
+for measurements and tests)."""
 
 
 def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
@@ -68,22 +69,22 @@ def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 
         torch.library.register_torch_dispatch(f"fp8ops::{name}", FunctionalTensorMode,
-                                              inline_in_graphs(spec.traced), lib=_LIB)
+                                              inline_in_graphs(spec.traced, name), lib=_LIB)
     packet = getattr(torch.ops.fp8ops, name)
     setattr(OPS, name, EagerOp(packet, spec.cuda))
     return packet
 
 
-def inline_in_graphs(traced: Callable[..., Any]) -> Callable[..., Any]:
+def inline_in_graphs(traced: Callable[..., Any], name: str = "") -> Callable[..., Any]:
     """The rule by which an op's call on CUDA tensors is replaced, while ``torch.compile`` (AOT
     autograd) functionalizes a graph, by ``traced``: its Triton kernels, allocations and zero fills
     become nodes of the graph, which Inductor launches from its own code (allocations from the
     graph's buffers, its launcher) instead of calling the op's Python kernel, as it does for
     ``torch.library.triton_op``. Calls on CPU tensors, under ``torch.export`` and with
-    :data:`INLINE_IN_GRAPHS` off stay one opaque node."""
+    :data:`INLINE_IN_GRAPHS` off (or not naming the op ``name``) stay one opaque node."""
 
     def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if INLINE_IN_GRAPHS and _on_cuda(args) and _traceable_types(types):
+        if _inlined(name) and _on_cuda(args) and _traceable_types(types):
             from torch.export._trace import custom_triton_ops_decomposition_disabled
 
             if not custom_triton_ops_decomposition_disabled():
@@ -92,6 +93,11 @@ def inline_in_graphs(traced: Callable[..., Any]) -> Callable[..., Any]:
         return mode.__torch_dispatch__(op, types, args, kwargs)
 
     return rule
+
+
+def _inlined(name: str) -> bool:
+    on = INLINE_IN_GRAPHS
+    return on if isinstance(on, bool) else name in on
 
 
 def _on_cuda(args: tuple[Any, ...]) -> bool:

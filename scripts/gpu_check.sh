@@ -8,6 +8,10 @@
 #   GPU_TESTS_LIMIT_S=N           time limit of each test group (default: what the budget leaves)
 #   TEST_GROUPS="name:paths;..."  groups of GPU tests run side by side (default: eight groups
 #                                covering tests/ and property_tests/)
+#   XDIST=N                       run the groups' paths as one pytest spread over N worker
+#                                processes (pytest-xdist) instead, logged as gpu_tests_all.log
+#   PYTEST_ARGS="..."             more pytest arguments for that run (e.g. "-v --timeout 150": each
+#                                result named as it comes, a stuck test cut alone)
 #   Wheels in .whl/ (e.g. torchao, a peer in the linear suite) are installed to /tmp/site first.
 #
 #   OUTDIR     created if missing; receives nvidia-smi.txt, versions.txt, install.log,
@@ -116,6 +120,20 @@ TEST_GROUPS=${TEST_GROUPS:-"composition:tests/test_composition_gpu.py;ops:tests/
 TEST_LIMIT=${GPU_TESTS_LIMIT_S:-$(limit 420 60)}
 IFS=';' read -ra groups <<< "$TEST_GROUPS"
 pids=()
+if [ -n "${XDIST:-}" ]; then
+    # One pytest over every group's paths, its tests spread over XDIST worker processes
+    # (pytest-xdist), each compiling with one Inductor thread so that the workers share the cores.
+    paths=()
+    for g in "${groups[@]}"; do
+        # shellcheck disable=SC2206  # the paths are words
+        paths+=(${g#*:})
+    done
+    groups=()
+    TORCHINDUCTOR_COMPILE_THREADS=1 timeout --kill-after=10 "$TEST_LIMIT" "$PY" -m pytest -m gpu -q -rf \
+        -p no:cacheprovider -n "$XDIST" ${PYTEST_ARGS:-} --junitxml="$OUT/gpu_tests_all.xml" "${paths[@]}" \
+        > "$OUT/gpu_tests_all.log" 2>&1 &
+    pids+=("all:$!")
+fi
 for g in "${groups[@]}"; do
     name=${g%%:*}
     # shellcheck disable=SC2086  # the paths are words

@@ -62,3 +62,13 @@ def test_the_ops_of_a_model_step_have_a_traced_kernel() -> None:
 def test_graph_kernel_runs_the_kernel_itself_under_the_interpreter() -> None:
     fn = L.graph_kernel(KA._act_fwd_kernel)
     assert not isinstance(fn, L.FastKernel) and hasattr(fn, "__getitem__")
+
+
+def test_inline_in_graphs_takes_a_set_of_op_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    # INLINE_IN_GRAPHS: True (every traced op inlined), False (none) or a set of op names (those)
+    monkeypatch.setattr(L, "INLINE_IN_GRAPHS", frozenset({"cast", "norm_bwd"}))
+    assert [L._inlined(n) for n in ("cast", "norm_bwd", "cast_transpose", "act_fwd")] == [True, True, False, False]
+    monkeypatch.setattr(L, "INLINE_IN_GRAPHS", False)
+    assert not L._inlined("cast")
+    monkeypatch.setattr(L, "INLINE_IN_GRAPHS", True)
+    assert all(L._inlined(n) for n in SPECS)
