@@ -9,8 +9,11 @@
 #   TEST_GROUPS="name:paths;..."  groups of GPU tests run side by side (default: eight groups
 #                                covering tests/ and property_tests/)
 #   XDIST=N                       run the groups' paths as one pytest spread over N worker
-#                                processes (pytest-xdist) instead, logged as gpu_tests_all.log
-#   PYTEST_ARGS="..."             more pytest arguments for that run (e.g. "-v --timeout 150": each
+#                                processes (pytest-xdist), logged as gpu_tests_all.log (default,
+#                                where pytest-xdist is installed: the cores less two, at most 14;
+#                                XDIST=0: the groups side by side, a pytest each)
+#   PYTEST_ARGS="..."             more pytest arguments for that run (default "-v --dist worksteal
+#                                --timeout 170", the last where pytest-timeout is installed: each
 #                                result named as it comes, a stuck test cut alone)
 #   Wheels in .whl/ (e.g. torchao, a peer in the linear suite) are installed to /tmp/site first.
 #
@@ -113,14 +116,22 @@ timeout --kill-after=10 "$(limit 180 360)" \
     "$PY" -m pip install --no-deps --no-build-isolation -e . 2>&1 | tee "$OUT/install.log"
 check "pip install" $?
 
-step "GPU tests: pytest -m gpu, in concurrent groups"
-# Compilation is CPU-bound and the machine has many cores: the groups run side by side, each with
-# its own log and JUnit file. TEST_GROUPS="name:paths;name:paths" overrides the default groups.
+step "GPU tests: pytest -m gpu, over worker processes or in concurrent groups"
+# Compilation is CPU-bound and the machine has many cores: the tests run in xdist workers (XDIST)
+# or, without pytest-xdist, in groups side by side, each with its own log and JUnit file.
+# TEST_GROUPS="name:paths;name:paths" overrides the default groups.
 TEST_GROUPS=${TEST_GROUPS:-"composition:tests/test_composition_gpu.py;ops:tests/test_composition_ops.py property_tests;attention:tests/test_attention_gpu.py tests/test_attention_hopper_gpu.py;attention_bwd:tests/test_attention_hopper_bwd_gpu.py;linear:tests/test_fp8_linear_gpu.py tests/test_layernorm_linear_gpu.py tests/test_fused_ln_mlp_gpu.py tests/test_gemm_gpu.py;norm:tests/test_norm_gpu.py tests/test_transformer_layer_gpu.py;quantize:tests/test_quantize_gpu.py tests/test_activation_gpu.py tests/test_kernels_launch_gpu.py tests/test_kernels_inline.py tests/test_optim_gpu.py;graph:tests/test_graph_step_gpu.py tests/test_nn_compile.py tests/test_distributed_fp8_gather.py tests/test_distributed_tp.py tests/test_distributed_fsdp_fp8.py"}
 TEST_LIMIT=${GPU_TESTS_LIMIT_S:-$(limit 420 60)}
 IFS=';' read -ra groups <<< "$TEST_GROUPS"
 pids=()
-if [ -n "${XDIST:-}" ]; then
+if [ -z "${XDIST+set}" ] && "$PY" -c "import xdist" 2>/dev/null; then
+    XDIST=$(( $(nproc) > 16 ? 14 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
+fi
+if [ -z "${PYTEST_ARGS+set}" ]; then
+    PYTEST_ARGS="-v --dist worksteal"
+    "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS="$PYTEST_ARGS --timeout 170"
+fi
+if [ "${XDIST:-0}" != 0 ]; then
     # One pytest over every group's paths, its tests spread over XDIST worker processes
     # (pytest-xdist), each compiling with one Inductor thread so that the workers share the cores.
     paths=()
@@ -129,7 +140,7 @@ if [ -n "${XDIST:-}" ]; then
         paths+=(${g#*:})
     done
     groups=()
-    TORCHINDUCTOR_COMPILE_THREADS=1 timeout --kill-after=10 "$TEST_LIMIT" "$PY" -m pytest -m gpu -q -rf \
+    TORCHINDUCTOR_COMPILE_THREADS=1 timeout --kill-after=10 "$TEST_LIMIT" "$PY" -m pytest -m gpu -rf \
         -p no:cacheprovider -n "$XDIST" ${PYTEST_ARGS:-} --junitxml="$OUT/gpu_tests_all.xml" "${paths[@]}" \
         > "$OUT/gpu_tests_all.log" 2>&1 &
     pids+=("all:$!")
