@@ -8,6 +8,7 @@
 #   GPU_TESTS_LIMIT_S=N           time limit of each test group (default: what the budget leaves)
 #   TEST_GROUPS="name:paths;..."  groups of GPU tests run side by side (default: eight groups
 #                                covering tests/ and property_tests/)
+#   TESTS=0                       run no GPU test (the benchmarks only)
 #   XDIST=N                       run the groups' paths as one pytest spread over N worker
 #                                processes (pytest-xdist), logged as gpu_tests_all.log (default,
 #                                where pytest-xdist is installed: the cores less two, at most 14;
@@ -124,6 +125,9 @@ TEST_GROUPS=${TEST_GROUPS:-"composition:tests/test_composition_gpu.py;ops:tests/
 TEST_LIMIT=${GPU_TESTS_LIMIT_S:-$(limit 420 60)}
 IFS=';' read -ra groups <<< "$TEST_GROUPS"
 pids=()
+if [ "${TESTS:-1}" = 0 ]; then
+    groups=() XDIST=0  # no GPU test: straight to the benchmarks
+fi
 if [ -z "${XDIST+set}" ] && "$PY" -c "import xdist" 2>/dev/null; then
     XDIST=$(( $(nproc) > 16 ? 14 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
 fi
