@@ -299,6 +299,15 @@ def _init_linear(weight: Tensor, bias: Tensor | None) -> None:
         torch.nn.init.uniform_(bias, -bound, bound)
 
 
+# Called from eager code (a compiled forward that broke its graph at this call), the probe
+# bookkeeping runs as it is: Dynamo would otherwise compile it as a function of its own, twice per
+# module class, and reach its recompile limit with four classes in a model's second step. Traced
+# from a compiled forward it is inlined as before.
+_skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+if _skip_code is not None:
+    _skip_code(FP8Module._next_probes.__code__)
+
+
 class Linear(FP8Module):
     """``y = x W^T + b`` through :func:`fp8ops.fp8_linear` (FP8 GEMMs forward and backward).
 

@@ -200,3 +200,21 @@ def test_fullgraph_with_more_forwards_than_the_recompile_limit_allows():
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         train(8)
     train(10)
+
+
+def test_probe_bookkeeping_is_not_compiled_as_a_function_of_its_own():
+    # fullgraph=False without prepare_probes: the first step's second forward breaks the graph at
+    # the probe bookkeeping; called from the broken forward, FP8Module._next_probes runs as it is
+    # instead of compiling twice per module class (four classes reached Dynamo's recompile limit
+    # in the second step, and it warned). The forwards themselves still compile.
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    model = _model(fp8ops.DelayedScaling(), "cpu", torch.float32)
+    run = torch.compile(model, backend="aot_eager")
+    for _ in range(3):
+        for _ in range(2):
+            run(torch.randn(S, B, H)).square().sum().backward()
+        fp8ops.nn.update_scaling(model)
+    assert len(_debug_get_cache_entry_list(fp8ops.nn.FP8Module._next_probes.__code__)) == 0
+    assert len(_debug_get_cache_entry_list(fp8ops.nn.Linear.forward.__code__)) >= 1
