@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -232,6 +233,15 @@ def update_scaling(modules: torch.nn.Module | Iterable[torch.nn.Module], *, grou
     by_recipe: dict[Any, list[FP8Module]] = {}
     for m in found.values():
         by_recipe.setdefault(m.recipe, []).append(m)
+    short = [m for m in found.values() if m._ready_used and len(m._probes) > m._ready_size]
+    if short:
+        m = short[0]
+        warnings.warn(
+            f"update_scaling: under torch.compile {type(m).__name__} ran {len(m._probes)} training forwards this "
+            f"step with {m._ready_size} probe set(s) made ready, so the graph broke to make the others eagerly "
+            f"({len(short)} module(s)); Dynamo keeps that break in the compiled code, and later forwards run as "
+            f"several graphs; call fp8ops.nn.prepare_probes(model, forwards={len(m._probes)}) before the first step "
+            f"for one graph per forward", stacklevel=2)
     for recipe, mods in by_recipe.items():
         states = [m.fp8_state for m in mods]
         grads = [m._probe_grads() for m in mods]
