@@ -191,6 +191,15 @@ class FP8Module(torch.nn.Module):
         return out
 
 
+# Called from eager code (a compiled forward that broke its graph at this call), the probe
+# bookkeeping runs as it is: Dynamo would otherwise compile it as a function of its own, twice per
+# module class, and reach its recompile limit with four classes in a model's second step. Traced
+# from a compiled forward it is inlined as before.
+_skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+if _skip_code is not None:
+    _skip_code(FP8Module._next_probes.__code__)
+
+
 def update_scaling(modules: torch.nn.Module | Iterable[torch.nn.Module], *, group: Any = None) -> None:
     """Run :meth:`FP8Module.update_scaling` for every fp8ops module in ``modules`` at once.
 
@@ -307,15 +316,6 @@ def _init_linear(weight: Tensor, bias: Tensor | None) -> None:
     if bias is not None:
         bound = 1.0 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
         torch.nn.init.uniform_(bias, -bound, bound)
-
-
-# Called from eager code (a compiled forward that broke its graph at this call), the probe
-# bookkeeping runs as it is: Dynamo would otherwise compile it as a function of its own, twice per
-# module class, and reach its recompile limit with four classes in a model's second step. Traced
-# from a compiled forward it is inlined as before.
-_skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
-if _skip_code is not None:
-    _skip_code(FP8Module._next_probes.__code__)
 
 
 class Linear(FP8Module):

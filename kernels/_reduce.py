@@ -70,8 +70,8 @@ def column_sums(a: torch.Tensor, b: torch.Tensor | None = None, *, dtype: torch.
     G, K = a.shape
     out_a = torch.empty((K,), dtype=dtype, device=a.device)
     out_b = torch.empty((K,), dtype=dtype, device=a.device) if b is not None else None
-    kernel = graph_kernel(_column_sums_kernel, traced)
     if K:
+        kernel = graph_kernel(_column_sums_kernel, traced)
         kernel[(cdiv(K, _BLOCK_K), 2 if b is not None else 1)](
             a, b if b is not None else a, out_a, out_b if out_b is not None else out_a, G, K,
             TWO=b is not None, BLOCK_G=_BLOCK_G, BLOCK_K=_BLOCK_K, num_warps=_NUM_WARPS,
