@@ -25,8 +25,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
-           "OpSpec", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs",
-           "merge_config", "next_pow2", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
+           "OpSpec", "analysis_key", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs", "install_analysis_memo",
+           "merge_config", "memoized_analysis", "next_pow2", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -88,6 +88,7 @@ def inline_in_graphs(traced: Callable[..., Any], name: str = "") -> Callable[...
             from torch.export._trace import custom_triton_ops_decomposition_disabled
 
             if not custom_triton_ops_decomposition_disabled():
+                install_analysis_memo()
                 with mode:
                     return traced(*args, **kwargs)
         return mode.__torch_dispatch__(op, types, args, kwargs)
@@ -124,6 +125,125 @@ def graph_kernel(fn: Any, traced: bool = True) -> Any:
     if not isinstance(jit, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
         return jit
     return torch.library.wrap_triton(jit)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel analysis of compiled graphs, once per kernel and signature
+
+ANALYSIS_MEMO = True
+"""Whether :func:`install_analysis_memo` keeps the analysis of a traced Triton kernel call for
+the next call with the same signature (False: it leaves torch's analysis as it is; for
+measurements and tests)."""
+
+_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")  # newer and older torch
+_MEMO_ENTRIES = 4096
+_VALUE_KINDS = (int, float, bool, str, torch.dtype, triton.language.dtype)  # by value in a key
+
+
+def analysis_key(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: Any) -> tuple[Any, ...] | None:
+    """What torch's analysis of a Triton kernel call reads of its arguments, or None where an
+    argument is of a kind this does not know (the call is then analysed as usual).
+
+    ``torch.compile`` finds the tensors a user-defined Triton kernel reads and writes from the
+    kernel's TTIR, which it generates for every call site (``generate_ttir`` in
+    ``torch/_higher_order_ops/triton_kernel_wrap.py``): while functionalizing the graph and again
+    while Inductor lowers and schedules it. That generation sees of each argument only its kind: a
+    tensor (fake, or an Inductor buffer) by its dtype (it stands in a 2-element tensor of that
+    dtype), a symbolic size as the value 2, every other argument (constexprs, ints, floats, bools,
+    None, strings) as it is, and a TMA descriptor by its metadata; the target is the current
+    device's. So two calls with equal keys get the same TTIR and the same analysis."""
+    import sympy
+    from torch._inductor.ir import TensorBox
+
+    parts: list[Any] = []
+    for name, a in kwargs.items():
+        if isinstance(a, (torch.Tensor, TensorBox)):
+            parts.append((name, "tensor", a.dtype))
+        elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+            parts.append((name, "symbolic"))
+        elif a is None or type(a) in _VALUE_KINDS:
+            parts.append((name, type(a).__name__, a))
+        else:
+            return None
+    try:
+        tma = _frozen(tma_descriptor_metadata)
+        hash(tma)
+    except TypeError:
+        return None
+    return (id(kernel), tuple(parts), tma, _target())
+
+
+def _target() -> Any:
+    # the GPU the TTIR is generated for (the current device's), None where there is no driver
+    try:
+        target = triton.runtime.driver.active.get_current_target()
+        hash(target)
+        return target
+    except Exception:
+        return None
+
+
+def _frozen(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    return v
+
+
+def memoized_analysis(analysis: Callable[..., Any]) -> Callable[..., Any]:
+    """``analysis(kernel, kwargs, tma_descriptor_metadata)`` (torch's TTIR-based analysis of a
+    kernel call) with its results kept by :func:`analysis_key`: a model of N identical layers
+    has its kernels analysed once, not N times per compilation stage. Each call returns a copy.
+    ``hits``, ``misses`` and ``unkeyed`` (calls with an argument of a kind the key does not know)
+    count the calls."""
+    import copy
+
+    kept: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # key -> (kernel, result); the kernel keeps its id
+
+    @functools.wraps(analysis)
+    def memo(*args: Any, **kw: Any) -> Any:
+        key = None
+        if ANALYSIS_MEMO and not kw and len(args) in (2, 3):
+            key = analysis_key(args[0], args[1], args[2] if len(args) == 3 else None)
+            if key is None:
+                memo.unkeyed += 1  # type: ignore[attr-defined]
+            elif key in kept:
+                memo.hits += 1  # type: ignore[attr-defined]
+                return copy.deepcopy(kept[key][1])
+        result = analysis(*args, **kw)
+        if key is not None and len(kept) < _MEMO_ENTRIES:
+            memo.misses += 1  # type: ignore[attr-defined]
+            kept[key] = (args[0], copy.deepcopy(result))
+        return result
+
+    memo.hits = memo.misses = memo.unkeyed = 0  # type: ignore[attr-defined]
+    memo.fp8ops_memo = True  # type: ignore[attr-defined]
+    memo.original = analysis  # type: ignore[attr-defined]
+    return memo
+
+
+def install_analysis_memo() -> None:
+    """Put :func:`memoized_analysis` in place of torch's analysis of traced Triton kernel calls
+    (once; called as the first traced call is put into a graph, when Inductor is loaded), in its
+    module and where Inductor holds the same function; nothing with :data:`ANALYSIS_MEMO` off or a
+    torch without it."""
+    if not ANALYSIS_MEMO:
+        return
+    import sys
+
+    from torch._higher_order_ops import triton_kernel_wrap as twrap
+
+    for name in _ANALYSES:
+        fn = getattr(twrap, name, None)
+        if fn is None or getattr(fn, "fp8ops_memo", False):
+            continue
+        memo = memoized_analysis(fn)
+        setattr(twrap, name, memo)
+        for mod_name in ("torch._inductor.ir", "torch._inductor.graph", "torch._inductor.scheduler"):
+            mod = sys.modules.get(mod_name)
+            if mod is not None and getattr(mod, name, None) is fn:
+                setattr(mod, name, memo)
 
 
 class _Ops:
