@@ -152,14 +152,17 @@ def analysis_key(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: A
     dtype), a symbolic size as the value 2, every other argument (constexprs, ints, floats, bools,
     None, strings) as it is, and a TMA descriptor by its metadata; the target is the current
     device's. So two calls with equal keys get the same TTIR and the same analysis."""
-    import sympy
+    import sys
+
     from torch._inductor.ir import TensorBox
 
+    sympy = sys.modules.get("sympy")  # symbolic sizes of Inductor's IR (none exist before it is loaded)
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool, *((sympy.Expr,) if sympy is not None else ()))
     parts: list[Any] = []
     for name, a in kwargs.items():
         if isinstance(a, (torch.Tensor, TensorBox)):
             parts.append((name, "tensor", a.dtype))
-        elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+        elif isinstance(a, symbolic):
             parts.append((name, "symbolic"))
         elif a is None or type(a) in _VALUE_KINDS:
             parts.append((name, type(a).__name__, a))
@@ -167,10 +170,27 @@ def analysis_key(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: A
             return None
     try:
         tma = _frozen(tma_descriptor_metadata)
-        hash(tma)
+        which = _kernel_key(kernel)
+        hash((which, tma))
     except TypeError:
         return None
-    return (id(kernel), tuple(parts), tma, _target())
+    return (which, tuple(parts), tma, _target())
+
+
+def _kernel_key(kernel: Any) -> Any:
+    # The JIT function whose TTIR is generated, by identity (the memo keeps it alive), and for an
+    # Autotuner the first config's values, which the analysis merges into the arguments. torch wraps
+    # a launch with launch options (num_warps, ...) into an Autotuner of its own at every call site,
+    # so the wrapper's identity would key every call apart.
+    if isinstance(kernel, triton.runtime.Autotuner):
+        first = kernel.configs[0] if kernel.configs else None
+        values = None if first is None else (_frozen(first.kwargs), first.num_warps, first.num_stages)
+        return ("autotuner", id(kernel.fn), values)
+    return ("jit", id(kernel))
+
+
+def _jit_function(kernel: Any) -> Any:
+    return kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
 
 
 def _target() -> Any:
@@ -199,7 +219,7 @@ def memoized_analysis(analysis: Callable[..., Any]) -> Callable[..., Any]:
     count the calls."""
     import copy
 
-    kept: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # key -> (kernel, result); the kernel keeps its id
+    kept: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # key -> (JIT function, result): it keeps its id
 
     @functools.wraps(analysis)
     def memo(*args: Any, **kw: Any) -> Any:
@@ -214,7 +234,7 @@ def memoized_analysis(analysis: Callable[..., Any]) -> Callable[..., Any]:
         result = analysis(*args, **kw)
         if key is not None and len(kept) < _MEMO_ENTRIES:
             memo.misses += 1  # type: ignore[attr-defined]
-            kept[key] = (args[0], copy.deepcopy(result))
+            kept[key] = (_jit_function(args[0]), copy.deepcopy(result))
         return result
 
     memo.hits = memo.misses = memo.unkeyed = 0  # type: ignore[attr-defined]

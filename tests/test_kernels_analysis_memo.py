@@ -71,6 +71,28 @@ def test_what_the_key_separates() -> None:
     assert stub.calls == 2 + len(variants) + 1 and memo.hits == 0
 
 
+def test_autotuner_wrappers_of_one_kernel_share_a_key() -> None:
+    # torch wraps a launch with launch options (num_warps=...) into an Autotuner of its own at every
+    # call site; the analysis reads the wrapped JIT function and the first config's values
+    import triton
+
+    from fp8ops.kernels import quantize as KQ
+
+    fn = KQ._cast_transpose_fwd_kernel  # the JIT function (here, under the interpreter, its stand-in)
+    fn = fn if hasattr(fn, "arg_names") and not isinstance(fn, L.FastKernel) else fn.fn
+    kw = {"x": torch.empty(2), "M": 8}
+
+    def wrapper(num_warps: int = 4, **values: int) -> object:
+        return triton.autotune(configs=[triton.Config(dict(values), num_warps=num_warps)], key=[])(fn)
+
+    a, b = wrapper(), wrapper()
+    assert a is not b
+    assert L.analysis_key(a, kw, {}) == L.analysis_key(b, kw, {})
+    assert L.analysis_key(a, kw, {}) != L.analysis_key(wrapper(BLOCK_M=32), kw, {})
+    assert L.analysis_key(a, kw, {}) != L.analysis_key(wrapper(num_warps=8), kw, {})
+    assert L.analysis_key(a, kw, {}) != L.analysis_key(fn, kw, {})
+
+
 def test_symbolic_sizes_share_one_key() -> None:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -163,12 +185,14 @@ _REAL = textwrap.dedent("""
                     MARGIN=0, SCALE_FROM_AMAX=False, POWER_2=False, BLOCK_M=64, BLOCK_K=64, GROUP_M=8,
                     DBIAS=dbias, TMA_T=False)
 
+    # as torch launches it: an Autotuner of its own around the kernel at every call site
+    site = lambda: triton.autotune(configs=[triton.Config({}, num_warps=4)], key=[])(kernel)
     real = lambda dt: torch.empty(4, dtype=dt)
-    fresh = [written(analysis(kernel, args(d, real), {})) for d in (False, True)]
-    kept = [written(memo(kernel, args(d, real), {})) for d in (False, True)]
+    fresh = [written(analysis(site(), args(d, real), {})) for d in (False, True)]
+    kept = [written(memo(site(), args(d, real), {})) for d in (False, True)]
     with FakeTensorMode() as mode:
         fake = lambda dt: torch.empty(4, dtype=dt)
-        again = [written(memo(kernel, args(d, fake), {})) for d in (False, True)]
+        again = [written(memo(site(), args(d, fake), {})) for d in (False, True)]
     print(repr((fresh, kept, again, memo.hits, memo.misses)))
 """)
 
