@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
             p = sub.add_parser(name, parents=[shared], help=f"(cannot be imported: {type(exc).__name__}: {exc})")
             p.set_defaults(import_error=f"{module_name}: {type(exc).__name__}: {exc}")
             continue
-        summary = (module.__doc__ or name).strip().splitlines()[0]
+        # the docstring's first sentence, which may wrap over several lines
+        summary = " ".join((module.__doc__ or name).strip().split("\n\n")[0].split())
         p = sub.add_parser(name, parents=[shared], help=summary, description=summary)
         module.add_arguments(p)
     from . import report
