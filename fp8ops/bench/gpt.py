@@ -18,7 +18,8 @@ head tied to the embedding), (hidden, layers, heads) = (512, 6, 8), (768, 12, 12
   of, the bf16-head ones (``scripts/gpt_fp8_head.py`` compares the training losses of the two heads).
 
 A step is a whole training step: fresh probes, forward, backward, fused capturable AdamW and (FP8)
-:func:`fp8ops.update`. Each build is timed as it is (eager or compiled) and then as one CUDA graph
+:func:`fp8ops.update`. A compiled fp8ops build runs its first step, over uncalibrated states, eagerly,
+so that its loss is compiled once, for calibrated states. Each build is timed as it is (eager or compiled) and then as one CUDA graph
 per step (:func:`fp8ops.graph_step`) on the same compiled code, so every implementation is seen in
 eager, compile, graph and compile + graph. Per variant: ms/step, tokens/s, host ms (the time a step
 call takes to return when the GPU is idle at its start), kernels per step and their summed device

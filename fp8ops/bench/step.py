@@ -94,23 +94,28 @@ class TorchGPT(torch.nn.Module):
 # Variants: each returns (step, carry, batch) with step(carry, *batch) -> (carry, loss)
 
 
-def _optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def _optimizer(params: list[torch.Tensor], device: str = "cuda") -> torch.optim.Optimizer:
+    if device != "cuda":  # the CPU tests of the step
+        return torch.optim.AdamW(params, lr=1e-4)
     return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"), fused=True, capturable=True)
 
 
-def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
+def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first: bool = True,
+             device: str = "cuda") -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
     """``(step, carry, batch)`` of ``model`` ("gpt2": a GPT of ``size``; "seed": the seed layer) for
     ``impl`` ("torch", "torchao" (gpt2 only), "fp8ops bf16", "fp8ops FP8", "fp8ops FP8, FP8 head" (gpt2
     only: the tied output head through ``fp8_linear`` too)); ``mode`` starting with
-    "compile" compiles the model (torch) or the loss (fp8ops, ``fullgraph=True``)."""
+    "compile" compiles the model (torch) or the loss (fp8ops, ``fullgraph=True``); ``eager_first``:
+    an fp8ops step's first call, over uncalibrated states, runs the loss eagerly (it is then compiled
+    once, for calibrated states); ``device``: "cuda", or "cpu" for tests of the fp8ops builds."""
     import fp8ops
 
     recipe = fp8ops.DelayedScaling() if impl.startswith("fp8ops FP8") else None
-    g = torch.Generator(device="cuda").manual_seed(1)
+    g = torch.Generator(device=device).manual_seed(1)
     if model == "gpt2":
         L, H, heads, S, B, V = (size[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab"))
-        tokens = torch.randint(0, V, (B, S), device="cuda", generator=g)
-        targets = torch.randint(0, V, (B, S), device="cuda", generator=g)
+        tokens = torch.randint(0, V, (B, S), device=device, generator=g)
+        targets = torch.randint(0, V, (B, S), device=device, generator=g)
         batch: tuple[Any, ...] = (tokens, targets)
         if impl in ("torch", "torchao"):
             net = TorchGPT(L, H, heads, S, V).cuda().bfloat16()
@@ -131,17 +136,17 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Ca
             return torch_step, None, batch
         from fp8ops.testing import composition
 
-        gpt, params = composition.make_model("cuda", layers=L, hidden=H, heads=heads, seq=S, batch=B, vocab=V,
+        gpt, params = composition.make_model(device, layers=L, hidden=H, heads=heads, seq=S, batch=B, vocab=V,
                                              steps=1, fp8_head=impl == "fp8ops FP8, FP8 head")
         params = pytree.tree_map(lambda t: t.bfloat16().requires_grad_(), params)
-        states = composition.init_states(gpt, recipe, "cuda")
+        states = composition.init_states(gpt, recipe, device)
 
         def loss_of(st: Any, pr: Any, tok: torch.Tensor, tgt: torch.Tensor) -> Any:
             return composition.gpt_loss(params, st, pr, tok, tgt, model=gpt, recipe=recipe, dtype=torch.bfloat16)
     else:
         H, F_, heads, S, B = (size[k] for k in ("hidden", "ffn", "heads", "seq", "batch"))
-        x = torch.randn(S, B, H, device="cuda", generator=g).bfloat16().requires_grad_()
-        dy = (torch.randn(S, B, H, device="cuda", generator=g) * 1e-2).bfloat16()
+        x = torch.randn(S, B, H, device=device, generator=g).bfloat16().requires_grad_()
+        dy = (torch.randn(S, B, H, device=device, generator=g) * 1e-2).bfloat16()
         batch = (x, dy)
         if impl == "torch":
             from fp8ops.reference.transformer_layer import BasicTransformerLayer
@@ -161,20 +166,26 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Ca
             return torch_layer_step, None, batch
         cfg = fp8ops.TransformerConfig(hidden_size=H, ffn_hidden_size=F_, num_attention_heads=heads,
                                        hidden_dropout=0.1, attention_dropout=0.1)
-        params = {k: v.cuda().bfloat16().requires_grad_() for k, v in fp8ops.init_transformer_params(cfg).items()}
-        states = None if recipe is None else fp8ops.init_transformer_state(cfg, recipe, device="cuda")
+        params = {k: v.to(device).bfloat16().requires_grad_() for k, v in fp8ops.init_transformer_params(cfg).items()}
+        states = None if recipe is None else fp8ops.init_transformer_state(cfg, recipe, device=device)
 
         def loss_of(st: Any, pr: Any, xx: torch.Tensor, d: torch.Tensor) -> Any:
             y, ns = fp8ops.transformer_layer(params, xx, st, config=cfg, recipe=recipe, probes=pr)
             return (y.float() * d.float()).sum(), ns
 
-    opt = _optimizer(pytree.tree_leaves(params))
+    opt = _optimizer(pytree.tree_leaves(params), device)
     compiled = torch.compile(loss_of, fullgraph=True) if mode.startswith("compile") else loss_of
+
+    first = [True] if eager_first else []
 
     def fp8ops_step(st: Any, *b: torch.Tensor) -> tuple[Any, torch.Tensor]:
         opt.zero_grad(set_to_none=True)
         probes = None if st is None else fp8ops.make_probes(st)
-        loss, ns = compiled(st, probes, *b)
+        # the first step over uncalibrated states runs eagerly, so that the loss is compiled once,
+        # for the calibrated states its update makes (docs/scaling_state.md)
+        fn = loss_of if first and st is not None and not _calibrated(st) else compiled
+        first.clear()
+        loss, ns = fn(st, probes, *b)
         loss.backward()
         opt.step()
         if st is not None:
@@ -182,6 +193,14 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int]) -> tuple[Ca
         return ns, loss.detach()
 
     return fp8ops_step, states, batch
+
+
+def _calibrated(states: Any) -> bool:
+    """Whether every scaling state in the pytree ``states`` is calibrated."""
+    from fp8ops.state import ScalingState
+
+    leaves = pytree.tree_leaves(states, is_leaf=lambda s: isinstance(s, ScalingState))
+    return all(s.calibrated for s in leaves if isinstance(s, ScalingState))
 
 
 VARIANTS = [
