@@ -9,6 +9,8 @@
 #   TEST_GROUPS="name:paths;..."  groups of GPU tests run side by side (default: eight groups
 #                                covering tests/ and property_tests/)
 #   TESTS=0                       run no GPU test (the benchmarks only)
+#   BENCH_LIMIT_S=N               time limit of each benchmark suite (default 330; at most what the
+#                                budget leaves)
 #   XDIST=N                       run the groups' paths as one pytest spread over N worker
 #                                processes (pytest-xdist), logged as gpu_tests_all.log (default,
 #                                where pytest-xdist is installed: the cores less two, at most 14;
@@ -168,7 +170,7 @@ for suite in ${SUITES:-quantize linear}; do
     extra=""
     [ "$suite" = quantize ] && extra=$SWEEP
     # shellcheck disable=SC2086  # extra is empty or one word
-    timeout --kill-after=10 "$(limit 330 10)" \
+    timeout --kill-after=10 "$(limit "${BENCH_LIMIT_S:-330}" 10)" \
         "$PY" -m fp8ops.bench "$suite" --out "$OUT" $extra 2>&1 | tee "$OUT/bench_$suite.log"
     check "benchmark $suite" $?
 done
