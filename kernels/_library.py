@@ -232,9 +232,10 @@ def memoized_analysis(analysis: Callable[..., Any]) -> Callable[..., Any]:
                 memo.hits += 1  # type: ignore[attr-defined]
                 return copy.deepcopy(kept[key][1])
         result = analysis(*args, **kw)
-        if key is not None and len(kept) < _MEMO_ENTRIES:
+        if key is not None:
             memo.misses += 1  # type: ignore[attr-defined]
-            kept[key] = (_jit_function(args[0]), copy.deepcopy(result))
+            if len(kept) < _MEMO_ENTRIES:
+                kept[key] = (_jit_function(args[0]), copy.deepcopy(result))
         return result
 
     memo.hits = memo.misses = memo.unkeyed = 0  # type: ignore[attr-defined]

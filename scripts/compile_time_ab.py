@@ -23,8 +23,6 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def variant(hidden: int, steps: int, memo: bool) -> dict:
     import torch

@@ -181,9 +181,9 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
     def fp8ops_step(st: Any, *b: torch.Tensor) -> tuple[Any, torch.Tensor]:
         opt.zero_grad(set_to_none=True)
         probes = None if st is None else fp8ops.make_probes(st)
-        # the first step over uncalibrated states runs eagerly, so that the loss is compiled once,
-        # for the calibrated states its update makes (docs/scaling_state.md)
-        fn = loss_of if first and st is not None and not _calibrated(st) else compiled
+        # the first step (its states are fresh, uncalibrated) runs eagerly, so that the loss is
+        # compiled once, for the calibrated states its update makes (docs/scaling_state.md)
+        fn = loss_of if first and st is not None else compiled
         first.clear()
         loss, ns = fn(st, probes, *b)
         loss.backward()
@@ -193,14 +193,6 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
         return ns, loss.detach()
 
     return fp8ops_step, states, batch
-
-
-def _calibrated(states: Any) -> bool:
-    """Whether every scaling state in the pytree ``states`` is calibrated."""
-    from fp8ops.state import ScalingState
-
-    leaves = pytree.tree_leaves(states, is_leaf=lambda s: isinstance(s, ScalingState))
-    return all(s.calibrated for s in leaves if isinstance(s, ScalingState))
 
 
 VARIANTS = [
