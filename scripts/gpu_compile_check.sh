@@ -9,7 +9,9 @@
 #
 #   GPT_HIDDEN="4096 2048"   bench gpt sizes, in order (default "4096 2048")
 #   GPT_ARGS="..."           bench gpt arguments, split at spaces (default: the eager builds and the
-#                            FP8-head variant left out: --no-eager --impls torch torchao "fp8ops FP8")
+#                            FP8-head variant left out: --no-eager --impls torch torchao "fp8ops FP8"
+#                            "fp8ops FP8 + fused AdamW")
+#   TESTS=0                  skip the GPU tests
 #   AB_HIDDEN=512            the GPT size of the compile-time A/B (0: skip it)
 #   BUDGET_S=560             the whole script's time limit
 # Wheels in .whl/ (torchao, the gpt suite's peer) are installed to /tmp/site first.
@@ -34,13 +36,15 @@ fi
     | tee "$OUT/versions.txt"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/versions.txt"
 
-echo "== GPU tests of compiled graphs (t=$((SECONDS - START))s)"
-workers=$(( $(nproc) > 16 ? 14 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
-TORCHINDUCTOR_COMPILE_THREADS=1 timeout --kill-after=10 "${TESTS_LIMIT_S:-170}" "$PY" -m pytest -m gpu -v -rf \
-    -p no:cacheprovider -n "$workers" --dist worksteal --timeout 160 tests/test_kernels_inline.py \
-    tests/test_composition_gpu.py -k "compiled or fp8_head or inline or traced or rule or on_cuda" \
-    > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
-tail -3 "$OUT/gpu_tests.log"
+if [ "${TESTS:-1}" != 0 ]; then
+    echo "== GPU tests of compiled graphs (t=$((SECONDS - START))s)"
+    workers=$(( $(nproc) > 16 ? 14 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
+    TORCHINDUCTOR_COMPILE_THREADS=1 timeout --kill-after=10 "${TESTS_LIMIT_S:-170}" "$PY" -m pytest -m gpu -v -rf \
+        -p no:cacheprovider -n "$workers" --dist worksteal --timeout 160 tests/test_kernels_inline.py \
+        tests/test_composition_gpu.py -k "compiled or fp8_head or inline or traced or rule or on_cuda" \
+        > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
+    tail -3 "$OUT/gpu_tests.log"
+fi
 
 if [ "${AB_HIDDEN:-512}" != 0 ]; then
     echo "== compile time, memo off / on (t=$((SECONDS - START))s)"
@@ -52,14 +56,15 @@ for h in ${GPT_HIDDEN:-4096 2048}; do
     t=$(( $(left) - 5 ))
     [ "$t" -lt 60 ] && { echo "== bench gpt --hidden $h: skipped, ${t} s left"; continue; }
     echo "== bench gpt --hidden $h (t=$((SECONDS - START))s, limit ${t} s)"
-    mkdir -p "$OUT/gpt_$h"
     if [ -n "${GPT_ARGS+set}" ]; then
         read -ra args <<< "$GPT_ARGS"
     else
-        args=(--no-eager --impls torch torchao "fp8ops FP8")
+        args=(--no-eager --impls torch torchao "fp8ops FP8" "fp8ops FP8 + fused AdamW")
     fi
-    timeout --kill-after=10 "$t" "$PY" -m fp8ops.bench gpt --hidden "$h" --out "$OUT/gpt_$h" "${args[@]}" \
+    # the JSON only (the plot stays behind: the files that come back are few)
+    timeout --kill-after=10 "$t" "$PY" -m fp8ops.bench gpt --hidden "$h" --out "/tmp/gpt_$h" "${args[@]}" \
         > "$OUT/gpt_$h.log" 2>&1 || FAILED=1
+    cp "/tmp/gpt_$h/gpt.json" "$OUT/gpt_$h.json" 2>/dev/null
     grep -E 'target|fastest|x bf16|ms' "$OUT/gpt_$h.log" | tail -25
 done
 echo "== done in $((SECONDS - START)) s, failed=$FAILED"

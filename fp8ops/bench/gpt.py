@@ -15,7 +15,11 @@ head tied to the embedding), (hidden, layers, heads) = (512, 6, 8), (768, 12, 12
 - ``fp8ops FP8, FP8 head``: the same GPT with the head's three GEMMs in FP8 too
   (:func:`fp8ops.fp8_linear` on the tied embedding, a scaling state of its own, the layers'
   recipe), compiled; a different model numerically, so its ratios are reported beside, not instead
-  of, the bf16-head ones (``scripts/gpt_fp8_head.py`` compares the training losses of the two heads).
+  of, the bf16-head ones (``scripts/gpt_fp8_head.py`` compares the training losses of the two heads);
+- ``fp8ops FP8 + fused AdamW``: the ``fp8ops FP8`` model with its layers' GEMM weights stepped by
+  :func:`fp8ops.adamw_quantize_`, which writes each weight's FP8 copy for the next forward in the
+  optimizer's pass (no cast of the weights in the step), the other parameters by torch's AdamW;
+  the same model and AdamW coefficients, compiled.
 
 A step is a whole training step: fresh probes, forward, backward, fused capturable AdamW and (FP8)
 :func:`fp8ops.update`. A compiled fp8ops build runs its first step, over uncalibrated states, eagerly,
@@ -41,7 +45,7 @@ from typing import Any
 import torch
 
 from .common import Progress, environment, format_table, write_bar_chart, write_json
-from .step import _measure, _variant
+from .step import FUSED_ADAMW, _measure, _variant
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,7 +55,7 @@ QUICK = {256: (2, 4), 512: (2, 8)}
 TARGET_VS_BF16 = {512: 1.0, 768: 0.95, 2048: 0.75, 4096: 0.70}
 TARGET_VS_TORCHAO = {2048: 0.9, 4096: 0.9}
 BUILDS = [("torch", "eager"), ("torch", "compile"), ("torchao", "compile"), ("fp8ops FP8", "eager"),
-          ("fp8ops FP8", "compile"), ("fp8ops FP8, FP8 head", "compile")]
+          ("fp8ops FP8", "compile"), ("fp8ops FP8, FP8 head", "compile"), (FUSED_ADAMW, "compile")]
 """(impl, build); each build is measured as built and then as one CUDA graph per step."""
 
 
@@ -96,23 +100,27 @@ def _one_build(impl: str, build: str, size: dict[str, int], steps: int, profile:
 def _ratios(rows: list[dict[str, Any]], hidden: int) -> dict[str, Any]:
     """Fastest mode of each implementation and the ratios the targets are stated in."""
     best = {}
-    for impl in ("torch", "torchao", "fp8ops FP8", "fp8ops FP8, FP8 head"):
+    for impl in ("torch", "torchao", "fp8ops FP8", "fp8ops FP8, FP8 head", FUSED_ADAMW):
         mine = [r for r in rows if r["impl"] == impl]
         if mine:
             b = min(mine, key=lambda r: r["ms"])
             best[impl] = {"mode": b["mode"], "ms": b["ms"]}
-    out: dict[str, Any] = {"hidden": hidden, "best": best}
+    out: dict[str, Any] = {"hidden": hidden, "best": best, "target_vs_bf16": TARGET_VS_BF16.get(hidden),
+                           "target_vs_torchao": TARGET_VS_TORCHAO.get(hidden)}
     if "fp8ops FP8" in best and "torch" in best:
         out["fp8_over_bf16"] = best["fp8ops FP8"]["ms"] / best["torch"]["ms"]
-        out["target_vs_bf16"] = TARGET_VS_BF16.get(hidden)
     if "fp8ops FP8" in best and "torchao" in best:
         out["fp8_over_torchao"] = best["fp8ops FP8"]["ms"] / best["torchao"]["ms"]
-        out["target_vs_torchao"] = TARGET_VS_TORCHAO.get(hidden)
     head = best.get("fp8ops FP8, FP8 head")
     if head is not None and "torch" in best:
         out["fp8_head_over_bf16"] = head["ms"] / best["torch"]["ms"]
     if head is not None and "torchao" in best:
         out["fp8_head_over_torchao"] = head["ms"] / best["torchao"]["ms"]
+    fused = best.get(FUSED_ADAMW)
+    if fused is not None and "torch" in best:
+        out["fused_adamw_over_bf16"] = fused["ms"] / best["torch"]["ms"]
+    if fused is not None and "torchao" in best:
+        out["fused_adamw_over_torchao"] = fused["ms"] / best["torchao"]["ms"]
     return out
 
 
@@ -163,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for key, tkey, peer in (("fp8_over_bf16", "target_vs_bf16", "bf16"),
                                 ("fp8_over_torchao", "target_vs_torchao", "torchao"),
                                 ("fp8_head_over_bf16", "target_vs_bf16", "bf16 (FP8 head)"),
-                                ("fp8_head_over_torchao", "target_vs_torchao", "torchao (FP8 head)")):
+                                ("fp8_head_over_torchao", "target_vs_torchao", "torchao (FP8 head)"),
+                                ("fused_adamw_over_bf16", "target_vs_bf16", "bf16 (fused AdamW)"),
+                                ("fused_adamw_over_torchao", "target_vs_torchao", "torchao (fused AdamW)")):
             if key in s:
                 t = s[tkey]
                 verdict = "" if t is None else (f" (target <= {t:.2f}: " + ("met" if s[key] <= t else "MISSED") + ")")

@@ -94,17 +94,86 @@ class TorchGPT(torch.nn.Module):
 # Variants: each returns (step, carry, batch) with step(carry, *batch) -> (carry, loss)
 
 
+LR = 1e-4
+"""The learning rate of every step's AdamW."""
+
+
 def _optimizer(params: list[torch.Tensor], device: str = "cuda") -> torch.optim.Optimizer:
     if device != "cuda":  # the CPU tests of the step
-        return torch.optim.AdamW(params, lr=1e-4)
-    return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"), fused=True, capturable=True)
+        return torch.optim.AdamW(params, lr=LR)
+    return torch.optim.AdamW(params, lr=torch.tensor(LR, device="cuda"), fused=True, capturable=True)
+
+
+FUSED_ADAMW = "fp8ops FP8 + fused AdamW"
+"""The gpt build whose layers' GEMM weights are stepped by :func:`fp8ops.adamw_quantize_`."""
+_GEMM_WEIGHTS = (("qkv.weight", "qkv", "weight"), ("proj.weight", "proj", "weight"),
+                 ("fc1.weight", "mlp", "fc1_weight"), ("fc2.weight", "mlp", "fc2_weight"))
+"""A layer's GEMM weights: (parameter key, its state's key, its role in that state)."""
+
+
+def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], states: list[Any], recipe: Any,
+                      mode: str, eager_first: bool, device: str) -> tuple[Callable[..., Any], Any]:
+    """``(step, carry)`` of a GPT whose layers' GEMM weights are stepped by
+    :func:`fp8ops.adamw_quantize_`, which also writes each weight's FP8 copy (under the scale that
+    the step's :func:`fp8ops.update` just computed) for the next forward's ``weight_cache``; the
+    other parameters (embeddings, norms, biases) by torch's AdamW. The same AdamW coefficients for
+    all. ``loss_of(states, probes, caches, *batch)``; the first caches come from
+    :func:`fp8ops.quantize_weight`. The step function's ``caches(states)`` builds the caches that
+    a forward from ``states`` would take, and ``stepped`` is (the parameters, torch's optimizer, the
+    weights stepped by the fused one), for tests."""
+    import fp8ops
+
+    lr = torch.full((), LR, device=device)
+    fused = []  # (layer, parameter key, state key, role, weight, exp_avg, exp_avg_sq, step count, FP8 buffers)
+    states = [dict(s) for s in states]
+    for i, lp in enumerate(params["layers"]):
+        for key, skey, role in _GEMM_WEIGHTS:
+            w = lp[key]
+            cache, rs = fp8ops.quantize_weight(w, getattr(states[i][skey], role), recipe=recipe)
+            states[i][skey] = states[i][skey].replace(**{role: rs})
+            fused.append((i, key, skey, role, w, torch.zeros_like(w), torch.zeros_like(w),
+                          torch.zeros((), device=device), cache.value))
+    taken = {id(f[4]) for f in fused}
+    opt = _optimizer([p for p in pytree.tree_leaves(params) if id(p) not in taken], device)
+    compiled = torch.compile(loss_of, fullgraph=True) if mode.startswith("compile") else loss_of
+    first = [True] if eager_first else []
+
+    def caches(st: list[Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{} for _ in st]
+        for i, key, skey, role, w, *_, value in fused:
+            out[i][key] = fp8ops.WeightCache(value, None, getattr(st[i][skey], role).scale, recipe, w)
+        return out
+
+    def fused_step(st: Any, *b: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        opt.zero_grad(set_to_none=True)
+        for f in fused:
+            f[4].grad = None
+        probes = fp8ops.make_probes(st)
+        fn = loss_of if first else compiled  # the first step (fresh states) eagerly, as in _variant
+        first.clear()
+        loss, ns = fn(st, probes, caches(st), *b)
+        loss.backward()
+        # the update first: the optimizer casts each weight under the next step's scale
+        ns = [dict(s) for s in fp8ops.update(ns, recipe=recipe, grad_amax=pytree.tree_map(lambda p: p.grad, probes))]
+        opt.step()
+        nc = caches(ns)
+        for i, key, skey, role, w, m, v, t, _ in fused:
+            _, rs = fp8ops.adamw_quantize_(w, w.grad, m, v, t, getattr(ns[i][skey], role), recipe=recipe, lr=lr,
+                                           out=nc[i][key])
+            ns[i][skey] = ns[i][skey].replace(**{role: rs})
+        return ns, loss.detach()
+
+    fused_step.caches = caches  # type: ignore[attr-defined]
+    fused_step.stepped = (params, opt, [f[4] for f in fused])  # type: ignore[attr-defined]
+    return fused_step, states
 
 
 def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first: bool = True,
              device: str = "cuda") -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
     """``(step, carry, batch)`` of ``model`` ("gpt2": a GPT of ``size``; "seed": the seed layer) for
     ``impl`` ("torch", "torchao" (gpt2 only), "fp8ops bf16", "fp8ops FP8", "fp8ops FP8, FP8 head" (gpt2
-    only: the tied output head through ``fp8_linear`` too)); ``mode`` starting with
+    only: the tied output head through ``fp8_linear`` too), :data:`FUSED_ADAMW` (gpt2 only: the
+    layers' GEMM weights stepped by :func:`fp8ops.adamw_quantize_`, :func:`_fused_adamw_step`)); ``mode`` starting with
     "compile" compiles the model (torch) or the loss (fp8ops, ``fullgraph=True``); ``eager_first``:
     an fp8ops step's first call, over uncalibrated states, runs the loss eagerly (it is then compiled
     once, for calibrated states); ``device``: "cuda", or "cpu" for tests of the fp8ops builds."""
@@ -140,6 +209,14 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
                                              steps=1, fp8_head=impl == "fp8ops FP8, FP8 head")
         params = pytree.tree_map(lambda t: t.bfloat16().requires_grad_(), params)
         states = composition.init_states(gpt, recipe, device)
+
+        if impl == FUSED_ADAMW:
+            def loss_cached(st: Any, pr: Any, wc: Any, tok: torch.Tensor, tgt: torch.Tensor) -> Any:
+                return composition.gpt_loss(params, st, pr, tok, tgt, model=gpt, recipe=recipe, dtype=torch.bfloat16,
+                                            weight_caches=wc)
+
+            step, carry = _fused_adamw_step(loss_cached, params, states, recipe, mode, eager_first, device)
+            return step, carry, batch
 
         def loss_of(st: Any, pr: Any, tok: torch.Tensor, tgt: torch.Tensor) -> Any:
             return composition.gpt_loss(params, st, pr, tok, tgt, model=gpt, recipe=recipe, dtype=torch.bfloat16)

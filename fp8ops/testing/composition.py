@@ -125,11 +125,15 @@ def init_states(model: Model, recipe: Any, device: torch.device | str, *, head_r
 
 
 def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[Any] | None, tokens: Tensor,
-             targets: Tensor, *, model: Model, recipe: Any, dtype: torch.dtype, head_recipe: Any = None
-             ) -> tuple[Tensor, list[Any] | None]:
+             targets: Tensor, *, model: Model, recipe: Any, dtype: torch.dtype, head_recipe: Any = None,
+             weight_caches: list[Any] | None = None) -> tuple[Tensor, list[Any] | None]:
     """Mean next-token cross-entropy of ``tokens`` (B, S) and the layers' new states (then the
     head's, with ``model.fp8_head``: quantized with ``head_recipe`` when given, else ``recipe``; an
-    update of the states then takes the head's state with its own recipe)."""
+    update of the states then takes the head's state with its own recipe).
+
+    ``weight_caches``: one :func:`fp8ops.transformer_layer` ``weight_cache`` dict (or None) per
+    layer. A cache refers to its weight tensor itself, so the layers' parameters must then be in
+    ``dtype`` already (their conversion to ``dtype`` is then no copy)."""
     from fp8ops.norm import layer_norm
     from fp8ops.transformer_layer import transformer_layer
 
@@ -144,11 +148,12 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
         lp = {k: v.to(dtype) for k, v in lp.items()}
         st = None if states is None else states[i]
         pr = None if probes is None else probes[i]
+        wc = None if weight_caches is None else weight_caches[i]
         if chain:
             (x, residual), ns = transformer_layer(lp, x, st, config=model.config, recipe=recipe, probes=pr,
-                                                  residual=residual, return_residual=True)
+                                                  residual=residual, return_residual=True, weight_cache=wc)
         else:
-            x, ns = transformer_layer(lp, x, st, config=model.config, recipe=recipe, probes=pr)
+            x, ns = transformer_layer(lp, x, st, config=model.config, recipe=recipe, probes=pr, weight_cache=wc)
         new_states.append(ns)
     lnf = (params["lnf.weight"].to(dtype), params["lnf.bias"].to(dtype), None)
     if residual is not None:

@@ -1,0 +1,81 @@
+"""The gpt suite's fp8ops builds (``fp8ops.bench.step._variant``) on the CPU at a tiny size: the
+build with the fused optimizer (``fp8ops.adamw_quantize_`` on the layers' GEMM weights, their FP8
+copies handed to the next forward) trains as the build with torch's AdamW, and the copy each step
+leaves is the FP8 cast of the weight as it then is, under the scale of the state it goes with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fp8ops
+from fp8ops.bench import step as bench_step
+
+SIZE = {"layers": 2, "hidden": 32, "heads": 4, "seq": 8, "batch": 2, "vocab": 64}
+
+
+def _run(impl, steps):
+    torch.manual_seed(0)
+    step, carry, batch = bench_step._variant("gpt2", impl, "eager", SIZE, device="cpu")
+    losses = []
+    for _ in range(steps):
+        carry, loss = step(carry, *batch)
+        losses.append(float(loss))
+    return step, carry, losses
+
+
+def test_fused_adamw_build_trains_as_the_torch_adamw_build():
+    _, _, plain = _run("fp8ops FP8", 5)
+    _, _, fused = _run(bench_step.FUSED_ADAMW, 5)
+    assert plain[0] == fused[0]  # the same model and data: the first loss is before any update
+    assert plain[-1] < plain[0] - 1e-3  # lr 1e-4 over 5 steps: the loss moves ...
+    # ... and the fused build follows it (both AdamW in float32 math, bf16 weights)
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=2e-4, atol=0)
+
+
+def test_fused_adamw_build_hands_on_the_cast_of_the_current_weight(monkeypatch):
+    # a large step, so that the weights' amaxes (and with them the scales) move from step to step
+    monkeypatch.setattr(bench_step, "LR", 0.05)
+    step, carry, _ = _run(bench_step.FUSED_ADAMW, 3)
+    recipe = fp8ops.DelayedScaling()
+    caches = step.caches(carry)
+    checked = 0
+    for i, per_layer in enumerate(caches):
+        assert sorted(per_layer) == ["fc1.weight", "fc2.weight", "proj.weight", "qkv.weight"]
+        for key, cache in per_layer.items():
+            skey, role = {"qkv.weight": ("qkv", "weight"), "proj.weight": ("proj", "weight"),
+                          "fc1.weight": ("mlp", "fc1_weight"), "fc2.weight": ("mlp", "fc2_weight")}[key]
+            rs = getattr(carry[i][skey], role)
+            assert rs.calibrated
+            want, _ = fp8ops.quantize_weight(cache.weight, rs, recipe=recipe)
+            assert torch.equal(cache.value.data.view(torch.uint8), want.value.data.view(torch.uint8)), key
+            assert torch.equal(cache.value.data_t.view(torch.uint8), want.value.data_t.view(torch.uint8)), key
+            assert torch.equal(cache.value.inv_scale, want.value.inv_scale), key
+            checked += 1
+    assert checked == 4 * SIZE["layers"]
+
+
+def test_fused_adamw_build_steps_each_parameter_once():
+    """Each parameter is stepped by exactly one optimizer: a weight stepped twice (or not at all)
+    would still train, only differently."""
+    step, _, _ = bench_step._variant("gpt2", bench_step.FUSED_ADAMW, "eager", SIZE, device="cpu")
+    params, opt, fused = step.stepped
+    by_torch = [id(p) for g in opt.param_groups for p in g["params"]]
+    by_fused = [id(w) for w in fused]
+    assert len(by_fused) == 4 * SIZE["layers"]
+    assert all(w.dim() == 2 for w in fused)
+    assert sorted(by_torch + by_fused) == sorted(id(p) for p in pytree.tree_leaves(params))
+
+
+def test_ratios_report_the_fused_build_beside_the_plain_one():
+    from fp8ops.bench.gpt import _ratios
+
+    rows = [{"impl": "torch", "mode": "compile", "ms": 80.0}, {"impl": "torch", "mode": "compile + graph", "ms": 85.0},
+            {"impl": "fp8ops FP8", "mode": "compile", "ms": 60.0},
+            {"impl": bench_step.FUSED_ADAMW, "mode": "compile", "ms": 58.0},
+            {"impl": bench_step.FUSED_ADAMW, "mode": "compile + graph", "ms": 56.0}]
+    r = _ratios(rows, 4096)
+    assert r["best"][bench_step.FUSED_ADAMW] == {"mode": "compile + graph", "ms": 56.0}
+    assert r["fp8_over_bf16"] == 60.0 / 80.0 and r["fused_adamw_over_bf16"] == 56.0 / 80.0
+    assert r["target_vs_bf16"] == 0.70 and "fused_adamw_over_torchao" not in r
