@@ -79,3 +79,16 @@ def test_ratios_report_the_fused_build_beside_the_plain_one():
     assert r["best"][bench_step.FUSED_ADAMW] == {"mode": "compile + graph", "ms": 56.0}
     assert r["fp8_over_bf16"] == 60.0 / 80.0 and r["fused_adamw_over_bf16"] == 56.0 / 80.0
     assert r["target_vs_bf16"] == 0.70 and "fused_adamw_over_torchao" not in r
+
+
+def test_the_fused_build_runs_only_when_named():
+    import argparse
+
+    from fp8ops.bench import gpt
+
+    parser = argparse.ArgumentParser()
+    gpt.add_arguments(parser)
+    default = {i for i, _ in gpt._builds(parser.parse_args(["--no-torchao"]))}
+    assert default == {"torch", "fp8ops FP8", "fp8ops FP8, FP8 head"}
+    named = gpt._builds(parser.parse_args(["--no-eager", "--impls", "torch", bench_step.FUSED_ADAMW]))
+    assert named == [("torch", "compile"), (bench_step.FUSED_ADAMW, "compile")]

@@ -19,7 +19,7 @@ head tied to the embedding), (hidden, layers, heads) = (512, 6, 8), (768, 12, 12
 - ``fp8ops FP8 + fused AdamW``: the ``fp8ops FP8`` model with its layers' GEMM weights stepped by
   :func:`fp8ops.adamw_quantize_`, which writes each weight's FP8 copy for the next forward in the
   optimizer's pass (no cast of the weights in the step), the other parameters by torch's AdamW;
-  the same model and AdamW coefficients, compiled.
+  the same model and AdamW coefficients, compiled; run only when ``--impls`` names it.
 
 A step is a whole training step: fresh probes, forward, backward, fused capturable AdamW and (FP8)
 :func:`fp8ops.update`. A compiled fp8ops build runs its first step, over uncalibrated states, eagerly,
@@ -57,6 +57,9 @@ TARGET_VS_TORCHAO = {2048: 0.9, 4096: 0.9}
 BUILDS = [("torch", "eager"), ("torch", "compile"), ("torchao", "compile"), ("fp8ops FP8", "eager"),
           ("fp8ops FP8", "compile"), ("fp8ops FP8, FP8 head", "compile"), (FUSED_ADAMW, "compile")]
 """(impl, build); each build is measured as built and then as one CUDA graph per step."""
+ON_REQUEST = {FUSED_ADAMW}
+"""Implementations run only when ``--impls`` names them (measured no faster than ``fp8ops FP8``:
+docs/benchmarks/gpt.md)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-eager", action="store_true",
                         help="skip the eager builds (their graph variants go with them)")
     parser.add_argument("--impls", nargs="+", default=None, choices=sorted({i for i, _ in BUILDS}),
-                        help="only these implementations (default: all)")
+                        help="only these implementations (default: all but "
+                             + ", ".join(f'"{i}"' for i in sorted(ON_REQUEST)) + ")")
     parser.add_argument("--profile", action="store_true",
                         help="print the top CUDA kernels of each build's step (torch.profiler)")
 
@@ -95,6 +99,14 @@ def _one_build(impl: str, build: str, size: dict[str, int], steps: int, profile:
     rows.append({"impl": impl, "mode": "graph" if build == "eager" else f"{build} + graph",
                  "peak_mib": torch.cuda.max_memory_allocated() / 2**20, **r})
     return rows
+
+
+def _builds(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (impl, build) pairs the options select: those named by ``--impls``, else all but
+    :data:`ON_REQUEST`; less torchao with ``--no-torchao`` and the eager builds with ``--no-eager``."""
+    return [b for b in BUILDS if not (args.no_torchao and b[0] == "torchao")
+            and not (args.no_eager and b[1] == "eager")
+            and (b[0] in args.impls if args.impls is not None else b[0] not in ON_REQUEST)]
 
 
 def _ratios(rows: list[dict[str, Any]], hidden: int) -> dict[str, Any]:
@@ -128,8 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time every build of every size; print the tables and the targets; write gpt.json and gpt.png."""
     table = QUICK if args.quick else {h: SIZES[h] for h in (args.hidden or sorted(SIZES))}
     steps = 3 if args.quick else args.steps
-    builds = [b for b in BUILDS if not (args.no_torchao and b[0] == "torchao")
-              and not (args.no_eager and b[1] == "eager") and (args.impls is None or b[0] in args.impls)]
+    builds = _builds(args)
     progress = Progress(len(table) * len(builds), prefix="gpt")
     rows: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
