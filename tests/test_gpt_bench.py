@@ -92,3 +92,12 @@ def test_the_fused_build_runs_only_when_named():
     assert default == {"torch", "fp8ops FP8", "fp8ops FP8, FP8 head"}
     named = gpt._builds(parser.parse_args(["--no-eager", "--impls", "torch", bench_step.FUSED_ADAMW]))
     assert named == [("torch", "compile"), (bench_step.FUSED_ADAMW, "compile")]
+
+
+def test_gpt_loss_names_a_wrong_number_of_weight_caches():
+    from fp8ops.testing import composition
+
+    gpt, params = composition.make_model("cpu", layers=2, hidden=32, heads=4, seq=8, batch=2, vocab=64)
+    with pytest.raises(ValueError, match=r"gpt_loss: weight_caches must be a list .* per layer \(2\), got 1 entries"):
+        composition.gpt_loss(params, None, None, gpt.tokens[0], gpt.targets[0], model=gpt, recipe=None,
+                             dtype=torch.float32, weight_caches=[None])

@@ -137,6 +137,11 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
     from fp8ops.norm import layer_norm
     from fp8ops.transformer_layer import transformer_layer
 
+    if weight_caches is not None and (not isinstance(weight_caches, (list, tuple))
+                                      or len(weight_caches) != len(params["layers"])):
+        got = f"{len(weight_caches)} entries" if isinstance(weight_caches, (list, tuple)) else type(weight_caches).__name__
+        raise ValueError(f"gpt_loss: weight_caches must be a list with one weight_cache dict (or None) per layer "
+                         f"({len(params['layers'])}), got {got}")
     x = F.embedding(tokens, params["tok"]) + params["pos"][: tokens.shape[1]]  # (B, S, H)
     x = x.to(dtype).transpose(0, 1)  # (S, B, H)
     new_states = []
