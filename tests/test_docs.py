@@ -248,3 +248,12 @@ def test_bench_commands_in_docs_are_accepted() -> None:
             except SystemExit:
                 bad.append(f"{where}: python -m fp8ops.bench {shlex.join(argv)}")
     assert not bad, "these benchmark commands in the docs are not accepted by the command line:\n" + "\n".join(bad)
+
+
+def test_bench_help_is_plain_text() -> None:
+    """Each suite's help is its docstring's first sentence, without reST roles or literals."""
+    from fp8ops.bench.__main__ import build_parser
+
+    text = build_parser().format_help()
+    assert "step" in text and "fp8ops.graph_step" in text
+    assert ":func:" not in text and "``" not in text

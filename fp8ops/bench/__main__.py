@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         # the docstring's first sentence, which may wrap over several lines
         summary = " ".join((module.__doc__ or name).strip().split("\n\n")[0].split())
+        summary = re.sub(r":\w+:`([^`]+)`", r"\1", summary).replace("``", "")  # plain text: no reST roles
         p = sub.add_parser(name, parents=[shared], help=summary, description=summary)
         module.add_arguments(p)
     from . import report
