@@ -2,7 +2,10 @@
 by side: every CUDA kernel of a profiled step grouped by name (per step, two steps profiled), each
 group's share, and totals by kind (GEMMs, attention, norms, activation, casts, optimizer, the rest).
 
-    python scripts/gpt_kernel_diff.py [--hidden 512] [--rows 60] [--json OUT.json]
+    python scripts/gpt_kernel_diff.py [--hidden 512] [--rows 60] [--json OUT.json] [--impls A B]
+
+``--impls``: the builds to compare (default ``torch`` and ``"fp8ops FP8"``; e.g. ``"fp8ops FP8"``
+and ``"fp8ops FP8 + fused AdamW"`` for what the fused optimizer removes and adds).
 
 The models are those of ``python -m fp8ops.bench gpt`` (seq 1024, 8 sequences, vocabulary 50304);
 both compiled (the loss, ``fullgraph=True`` for fp8ops), eager launch order.
@@ -18,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fp8ops.bench.gpt import SIZES, _size
-from fp8ops.bench.step import _variant
+from fp8ops.bench.step import FUSED_ADAMW, _variant
 
 KINDS = [
     ("gemm", r"nvjet|gemm|cutlass|sm90_xmma|_scaled_mm"),
@@ -60,11 +63,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512, choices=sorted(SIZES))
     ap.add_argument("--rows", type=int, default=60)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--impls", nargs="+", default=["torch", "fp8ops FP8"],
+                    choices=["torch", "fp8ops FP8", "fp8ops FP8, FP8 head", FUSED_ADAMW])
     args = ap.parse_args()
     layers, heads = SIZES[args.hidden]
     size = _size(args.hidden, layers, heads, 50304, False)
     result = {}
-    for impl in ("torch", "fp8ops FP8"):
+    for impl in args.impls:
         ks = step_kernels(impl, size)
         result[impl] = ks
         total = sum(t for _, t in ks.values())
