@@ -7,6 +7,7 @@ normally and the interpreter tests are skipped.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -22,3 +23,19 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is only needed by property_tests/
     pass
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """The graphs that ``torch.compile`` builds while the test runs (a list, filled as they are
+    compiled): every ``torch.compile`` call gets a backend that records each graph and runs it as
+    traced, so that counting costs no Inductor compile."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counting}))
+    return graphs

@@ -9,8 +9,7 @@
 #
 #   GPT_HIDDEN="4096 2048"   bench gpt sizes, in order (default "4096 2048")
 #   GPT_ARGS="..."           bench gpt arguments, split at spaces (default: the eager builds and the
-#                            FP8-head variant left out: --no-eager --impls torch torchao "fp8ops FP8"
-#                            "fp8ops FP8 + fused AdamW")
+#                            FP8-head variant left out: --no-eager --impls torch torchao "fp8ops FP8")
 #   TESTS=0                  skip the GPU tests
 #   AB_HIDDEN=512            the GPT size of the compile-time A/B (0: skip it)
 #   BUDGET_S=560             the whole script's time limit
@@ -59,7 +58,7 @@ for h in ${GPT_HIDDEN:-4096 2048}; do
     if [ -n "${GPT_ARGS+set}" ]; then
         read -ra args <<< "$GPT_ARGS"
     else
-        args=(--no-eager --impls torch torchao "fp8ops FP8" "fp8ops FP8 + fused AdamW")
+        args=(--no-eager --impls torch torchao "fp8ops FP8")
     fi
     # the JSON only (the plot stays behind: the files that come back are few)
     timeout --kill-after=10 "$t" "$PY" -m fp8ops.bench gpt --hidden "$h" --out "/tmp/gpt_$h" "${args[@]}" \

@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fp8ops
+from fp8ops._transformer_checks import WEIGHT_ROLES
 from fp8ops.bench import step as bench_step
 
 SIZE = {"layers": 2, "hidden": 32, "heads": 4, "seq": 8, "batch": 2, "vocab": 64}
@@ -44,8 +45,7 @@ def test_fused_adamw_build_hands_on_the_cast_of_the_current_weight(monkeypatch):
     for i, per_layer in enumerate(caches):
         assert sorted(per_layer) == ["fc1.weight", "fc2.weight", "proj.weight", "qkv.weight"]
         for key, cache in per_layer.items():
-            skey, role = {"qkv.weight": ("qkv", "weight"), "proj.weight": ("proj", "weight"),
-                          "fc1.weight": ("mlp", "fc1_weight"), "fc2.weight": ("mlp", "fc2_weight")}[key]
+            skey, role = WEIGHT_ROLES[key]
             rs = getattr(carry[i][skey], role)
             assert rs.calibrated
             want, _ = fp8ops.quantize_weight(cache.weight, rs, recipe=recipe)
@@ -103,17 +103,10 @@ def test_gpt_loss_names_a_wrong_number_of_weight_caches():
                              dtype=torch.float32, weight_caches=[None])
 
 
-def test_fused_adamw_build_compiles_the_loss_once_and_trains_as_eager(monkeypatch):
+def test_fused_adamw_build_compiles_the_loss_once_and_trains_as_eager(compiled_graphs):
     """Compiled (``fullgraph=True``), the build traces its weight caches as inputs: one graph for
     the calibrated states (the first step runs eagerly), and the eager build's losses."""
-    compiled = []
-
-    def counting(gm, example_inputs):
-        compiled.append(gm)
-        return gm.forward
-
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counting}))
+    compiled = compiled_graphs
     _, _, eager = _run(bench_step.FUSED_ADAMW, 4)
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -58,20 +58,13 @@ def test_layer_bench_step_updates_the_state_it_carries(recipe):
 
 
 @pytest.mark.parametrize("eager_first, graphs", [(True, 1), (False, 2)], ids=["eager_first", "compiled_first"])
-def test_bench_step_compiles_the_loss_once_after_an_eager_first_step(monkeypatch, eager_first, graphs):
+def test_bench_step_compiles_the_loss_once_after_an_eager_first_step(compiled_graphs, eager_first, graphs):
     """The step suites' fp8ops compile build (``fp8ops.bench.step._variant``) runs its first step,
     over uncalibrated states, eagerly: the loss is then compiled once, for calibrated states, instead
     of once before and once after the flip."""
     from fp8ops.bench import step as bench_step
 
-    compiled = []
-
-    def counting(gm, example_inputs):
-        compiled.append(gm)
-        return gm.forward
-
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counting}))
+    compiled = compiled_graphs
     torch._dynamo.reset()
     size = {"hidden": H, "ffn": FFN, "heads": HEADS, "seq": S, "batch": B}
     step, carry, batch = bench_step._variant("seed", "fp8ops FP8", "compile", size, eager_first=eager_first,

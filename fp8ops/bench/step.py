@@ -106,9 +106,6 @@ def _optimizer(params: list[torch.Tensor], device: str = "cuda") -> torch.optim.
 
 FUSED_ADAMW = "fp8ops FP8 + fused AdamW"
 """The gpt build whose layers' GEMM weights are stepped by :func:`fp8ops.adamw_quantize_`."""
-_GEMM_WEIGHTS = (("qkv.weight", "qkv", "weight"), ("proj.weight", "proj", "weight"),
-                 ("fc1.weight", "mlp", "fc1_weight"), ("fc2.weight", "mlp", "fc2_weight"))
-"""A layer's GEMM weights: (parameter key, its state's key, its role in that state)."""
 
 
 def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], states: list[Any], recipe: Any,
@@ -122,12 +119,16 @@ def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], state
     a forward from ``states`` would take, and ``stepped`` is (the parameters, torch's optimizer, the
     weights stepped by the fused one), for tests."""
     import fp8ops
+    from fp8ops._transformer_checks import WEIGHT_ROLES
 
     lr = torch.full((), LR, device=device)
     fused = []  # (layer, parameter key, state key, role, weight, exp_avg, exp_avg_sq, step count, FP8 buffers)
     states = [dict(s) for s in states]
     for i, lp in enumerate(params["layers"]):
-        for key, skey, role in _GEMM_WEIGHTS:
+        if "qkv.weight" not in lp:  # separate q, k, v weights share one state role: one cast each would not do
+            raise ValueError("_fused_adamw_step: the layers need fused QKV weights (fuse_qkv_params=True)")
+        for key in (k for k in WEIGHT_ROLES if k in lp):  # the GEMM weights: key -> (state key, role)
+            skey, role = WEIGHT_ROLES[key]
             w = lp[key]
             cache, rs = fp8ops.quantize_weight(w, getattr(states[i][skey], role), recipe=recipe)
             states[i][skey] = states[i][skey].replace(**{role: rs})
