@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
            "OpSpec", "analysis_key", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs", "install_analysis_memo",
-           "merge_config", "memoized_analysis", "next_pow2", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
+           "merge_config", "memoized_analysis", "next_pow2", "tma_store_in_eager", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -40,12 +40,19 @@ class OpSpec(NamedTuple):
     its Triton kernels (:func:`inline_in_graphs`): the launcher called with ``traced=True``
     (:func:`traced_kernel`), whose allocations and launches are made through
     ``torch.library.wrap_triton`` (:func:`graph_kernel`), with a fresh zeroed amax word per launch
-    and no host tensor maps."""
+    and no host tensor maps.
+
+    ``opaque_when``, where given, takes the op's arguments and says whether a call stays one opaque
+    node of a compiled graph even so: the calls whose CUDA kernel would store its transposed FP8
+    copy through a host tensor map (:func:`tma_store_in_eager`), which a traced launch cannot
+    (torch's tracing of ``wrap_triton`` takes no TMA descriptors), and which saves more device time
+    on large outputs than the opaque call costs the host."""
 
     schema: str
     cuda: Callable[..., Any]
     fake: Callable[..., Any]
     traced: Callable[..., Any] | None = None
+    opaque_when: Callable[..., bool] | None = None
 
 
 INLINE_IN_GRAPHS: bool | frozenset[str] = True
@@ -69,22 +76,25 @@ def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 
         torch.library.register_torch_dispatch(f"fp8ops::{name}", FunctionalTensorMode,
-                                              inline_in_graphs(spec.traced, name), lib=_LIB)
+                                              inline_in_graphs(spec.traced, name, spec.opaque_when), lib=_LIB)
     packet = getattr(torch.ops.fp8ops, name)
     setattr(OPS, name, EagerOp(packet, spec.cuda))
     return packet
 
 
-def inline_in_graphs(traced: Callable[..., Any], name: str = "") -> Callable[..., Any]:
+def inline_in_graphs(traced: Callable[..., Any], name: str = "",
+                     opaque_when: Callable[..., bool] | None = None) -> Callable[..., Any]:
     """The rule by which an op's call on CUDA tensors is replaced, while ``torch.compile`` (AOT
     autograd) functionalizes a graph, by ``traced``: its Triton kernels, allocations and zero fills
     become nodes of the graph, which Inductor launches from its own code (allocations from the
     graph's buffers, its launcher) instead of calling the op's Python kernel, as it does for
-    ``torch.library.triton_op``. Calls on CPU tensors, under ``torch.export`` and with
-    :data:`INLINE_IN_GRAPHS` off (or not naming the op ``name``) stay one opaque node."""
+    ``torch.library.triton_op``. Calls on CPU tensors, under ``torch.export``, with
+    :data:`INLINE_IN_GRAPHS` off (or not naming the op ``name``) and those for which
+    ``opaque_when(*args, **kwargs)`` is true (:class:`OpSpec`) stay one opaque node."""
 
     def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _inlined(name) and _on_cuda(args) and _traceable_types(types):
+        if (_inlined(name) and _on_cuda(args) and _traceable_types(types)
+                and not (opaque_when is not None and opaque_when(*args, **kwargs))):
             from torch.export._trace import custom_triton_ops_decomposition_disabled
 
             if not custom_triton_ops_decomposition_disabled():
@@ -427,6 +437,25 @@ def tma_store_wanted(out: torch.Tensor, config: dict[str, Any] | None) -> bool:
     if want is None:
         want = out.numel() >= TMA_STORE_MIN_ELEMENTS
     return bool(want) and tma_store_ok(out)
+
+
+def tma_store_in_eager(x: torch.Tensor, shape: tuple[Any, ...]) -> bool:
+    """Whether an eager launch on ``x``'s device would store a freshly allocated transposed FP8
+    output of ``shape`` (rows, cols) through a tensor map with the default configuration
+    (:func:`tma_store_wanted`): static sizes of at least :data:`TMA_STORE_MIN_ELEMENTS` elements,
+    rows of a multiple of 16 bytes, a CUDA device of compute capability 9.0 or newer, not the
+    interpreter. Decided from shapes alone (``x`` may be a fake tensor): the eager launch checks
+    the real output again and stores through pointers where it cannot."""
+    if len(shape) != 2 or not all(type(d) is int for d in shape) or x.device.type != "cuda":
+        return False
+    rows, cols = shape
+    if rows * cols < TMA_STORE_MIN_ELEMENTS or cols % 16 or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    ok = _TMA_DEVICES.get(index)
+    if ok is None:
+        ok = _TMA_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
 
 
 def transposed_store(qt: torch.Tensor, tma: bool, block_rows: int, block_cols: int) -> Any:

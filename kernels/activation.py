@@ -77,6 +77,7 @@ from ._library import (
     fast_launch,
     graph_kernel,
     merge_config,
+    tma_store_in_eager,
     tma_store_wanted,
     traced_kernel,
     transposed_store,
@@ -668,6 +669,20 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1) else t.contiguous()
 
 
+def _act_fwd_opaque(h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose,  # type: ignore[no-untyped-def]
+                    h_inv=None, hp_dtype=None) -> bool:
+    # the call whose eager launch stores q^T through a tensor map stays opaque in compiled graphs
+    return bool(transpose) and out_dtype is not None and tma_store_in_eager(h, (_width(h, act), h.shape[0]))
+
+
+def _act_bwd_opaque(da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias,  # type: ignore[no-untyped-def]
+                    h_inv=None, hp_dtype=None) -> bool:
+    # as _act_fwd_opaque; a gated tile must not cross halves (act_bwd_launch)
+    gated_split = act in GATED and _width(h, act) % _BWD_CFG["BLOCK_N"]
+    return (bool(transpose) and out_dtype is not None and not gated_split
+            and tma_store_in_eager(h, (h.shape[1], h.shape[0])))
+
+
 act_fwd = OpSpec(
     "act_fwd(Tensor h, str act, bool store_y, Tensor? scale, Tensor? amax_in, int margin, bool power_2, "
     "ScalarType? out_dtype, bool store_q, bool transpose, Tensor? h_inv=None, ScalarType? hp_dtype=None) "
@@ -675,6 +690,7 @@ act_fwd = OpSpec(
     cuda=contiguous_args(act_fwd_launch, 1, _unit),
     fake=_act_fwd_fake,
     traced=traced_kernel(act_fwd_launch, 1, _unit),
+    opaque_when=_act_fwd_opaque,
 )
 """``fp8ops::act_fwd``: activation + FP8 cast, ``(y, q, q_t, amax, inv_scale)``; see :func:`act_fwd_launch`."""
 
@@ -693,6 +709,7 @@ act_bwd = OpSpec(
     cuda=contiguous_args(act_bwd_launch, 2, _unit),
     fake=_act_bwd_fake,
     traced=traced_kernel(act_bwd_launch, 2, _unit),
+    opaque_when=_act_bwd_opaque,
 )
 """``fp8ops::act_bwd``: activation gradient + FP8 cast + bias gradient,
 ``(dh, q, q_t, amax, inv_scale, dbias)``; see :func:`act_bwd_launch`."""

@@ -32,14 +32,14 @@ import triton
 import triton.language as tl
 
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale, grouped_tile
-from ._library import AMAX_CHAIN, OpSpec, cdiv, fast_launch, merge_config
+from ._library import AMAX_CHAIN, OpSpec, cdiv, fast_launch, merge_config, tma_store_wanted, transposed_store
 
 __all__ = ["adamw_cast_transpose", "adamw_cast_transpose_launch"]
 
 # 12288 x 4096 bf16 on an H100 (scripts/adamw_cast_check.py --sweep), µs: 32 x 128 with 4 warps 322,
 # 64 x 64 / 4 324, 32 x 256 / 8 348, 128 x 64 / 8 357, 16 x 256 / 4 409, 64 x 128 / 8 427, 64 x 128 / 4
 # 494, 128 x 128 / 8 496; torch's fused AdamW alone took 329 and with the library's cast 417.
-_CFG = {"BLOCK_M": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4}
+_CFG = {"BLOCK_M": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "TMA": False}
 
 
 @fast_launch
@@ -51,6 +51,7 @@ def _adamw_cast_transpose_kernel(
     v_ptr,  # (N, K) second moment, contiguous: read and written
     q_ptr,  # (N, K) fp8 out
     qt_ptr,  # (K, N) fp8 out: the transposed copy
+    qt_desc,  # TMA descriptor of qt with (BLOCK_K, BLOCK_M) tiles (TMA_T), else unused
     scale_ptr,  # () fp32 scale of the cast
     inv_ptr,  # () fp32 out: 1 / scale
     amax_ptr,  # () fp32 out, zero-initialised: max |w| after the step
@@ -64,6 +65,7 @@ def _adamw_cast_transpose_kernel(
     eps,
     weight_decay,
     FP8_MAX: tl.constexpr,
+    TMA_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -102,7 +104,10 @@ def _adamw_cast_transpose_kernel(
     ws = tl.where(mask, w_out.to(tl.float32), 0.0)
     q = cast_fp8(ws, scale, q_ptr, FP8_MAX=FP8_MAX)
     tl.store(q_ptr + offs, q, mask=mask)
-    tl.store(qt_ptr + rk[:, None] * N + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    if TMA_T:  # the tensor map clips the tile at the edges
+        qt_desc.store([pid_k * BLOCK_K, pid_m * BLOCK_M], tl.trans(q))
+    else:
+        tl.store(qt_ptr + rk[:, None] * N + rm[None, :], tl.trans(q), mask=tl.trans(mask))
     atomic_amax(amax_ptr, tl.max(tl.max(abs_bits(ws), axis=1), axis=0))
     clear_next_amax(amax_next_ptr, pid)
 
@@ -136,11 +141,13 @@ def adamw_cast_transpose_launch(
     N, K = w.shape
     fp8_max = torch.finfo(q.dtype).max
     grid = (max(1, cdiv(N, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_K"])),)
+    tma = tma_store_wanted(q_t, {"TMA": cfg["TMA"]})
+    desc = transposed_store(q_t, tma, cfg["BLOCK_K"], cfg["BLOCK_M"])
     with AMAX_CHAIN.output(w.device) as (amax, amax_next):
         _adamw_cast_transpose_kernel[grid](
-            w, g, m, v, q, q_t, scale, inv, amax, amax_next, step, lr, N, K,
+            w, g, m, v, q, q_t, desc, scale, inv, amax, amax_next, step, lr, N, K,
             float(beta1), float(beta2), float(eps), float(weight_decay),
-            FP8_MAX=fp8_max, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+            FP8_MAX=fp8_max, TMA_T=tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"],
         )
     return amax

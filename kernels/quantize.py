@@ -62,6 +62,7 @@ from ._library import (
     fast_launch,
     graph_kernel,
     merge_config,
+    tma_store_in_eager,
     tma_store_wanted,
     traced_kernel,
     transposed_store,
@@ -551,11 +552,17 @@ cast = OpSpec(
 )
 """``fp8ops::cast``: saturating FP8 cast + amax, ``(q, amax, inv_scale)``; see :func:`cast_launch`."""
 
+def _cast_transpose_opaque(x, scale, amax_in, margin, power_2, out_dtype) -> bool:  # type: ignore[no-untyped-def]
+    # the call whose eager launch stores q^T through a tensor map stays opaque in compiled graphs
+    return x.dim() == 2 and tma_store_in_eager(x, (x.shape[1], x.shape[0]))
+
+
 cast_transpose = OpSpec(
     f"cast_transpose({_CAST_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)",
     cuda=contiguous_args(cast_transpose_launch),
     fake=_cast_transpose_fake,
     traced=traced_kernel(cast_transpose_launch),
+    opaque_when=_cast_transpose_opaque,
 )
 """``fp8ops::cast_transpose``: cast + transposed copy + amax, ``(q, q_t, amax, inv_scale)``."""
 
@@ -564,6 +571,7 @@ cast_transpose_dbias = OpSpec(
     cuda=contiguous_args(cast_transpose_dbias_launch),
     fake=_cast_transpose_dbias_fake,
     traced=traced_kernel(cast_transpose_dbias_launch),
+    opaque_when=_cast_transpose_opaque,
 )
 """``fp8ops::cast_transpose_dbias``: :data:`cast_transpose` plus the column sums of x (float32),
 ``(q, q_t, amax, inv_scale, dbias)``: an output gradient's bias gradient from the same pass."""

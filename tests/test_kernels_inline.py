@@ -197,3 +197,94 @@ def test_compiled_step_inlined_equals_opaque(fresh_graphs: None, op: str, recipe
     assert len(results[True]) == len(results[False])
     for i, (a, b) in enumerate(zip(results[True], results[False])):
         assert torch.equal(a, b), f"{op}: result {i} differs"
+
+
+class _Mode:
+    """A stand-in for FunctionalTensorMode: the rule either enters it to run the traced kernel or
+    hands the call back to it (the opaque node)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def __torch_dispatch__(self, op: Any, types: Any, args: Any, kwargs: Any) -> str:
+        return "opaque"
+
+
+def _fake_cuda(*shape: int) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hopper device 0 as the TMA checks see it, on any machine."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setitem(_library._TMA_DEVICES, 0, True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_rule_leaves_calls_opaque_where_opaque_when_says(sm90: None) -> None:
+    h = _fake_cuda(64, 32)
+    for opaque, want in ((True, "opaque"), (False, "traced")):
+        rule = _library.inline_in_graphs(lambda *a, **k: "traced", "cast", lambda *a, **k: opaque)
+        assert rule(_Mode(), None, [type(h)], (h,), {}) == want
+
+
+def test_calls_with_a_large_transposed_copy_stay_opaque(sm90: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fp8ops.kernels import activation as KA
+    from fp8ops.kernels import quantize as KQ
+
+    big, small, odd = _fake_cuda(8192, 2048), _fake_cuda(300, 200), _fake_cuda(8200, 2048)  # 2**24 elements
+    fwd = KA.act_fwd.opaque_when
+    assert fwd(big, "gelu", False, None, None, 0, False, E4M3, True, True)
+    assert not fwd(big, "gelu", False, None, None, 0, False, E4M3, True, False)  # no transposed copy
+    assert not fwd(big, "gelu", True, None, None, 0, False, None, False, False)  # no FP8 output
+    assert not fwd(big, "swiglu", False, None, None, 0, False, E4M3, True, True)  # (1024, 8192): below 2**24
+    assert not fwd(small, "gelu", False, None, None, 0, False, E4M3, True, True)
+    assert not fwd(odd, "gelu", False, None, None, 0, False, E4M3, True, True)  # q^T rows of 8200 bytes
+    bwd = KA.act_bwd.opaque_when
+    assert bwd(big, big, "gelu", False, None, None, 0, False, E5M2, True, True)
+    assert bwd(_fake_cuda(8192, 2048), _fake_cuda(8192, 4096), "swiglu", False, None, None, 0, False, E5M2, True, False)
+    assert not bwd(_fake_cuda(8192, 2080), _fake_cuda(8192, 4160), "swiglu", False, None, None, 0, False, E5M2,
+                   True, False)  # a tile would cross from one half into the other: pointer stores
+    assert not bwd(big, big, "gelu", True, None, None, 0, False, None, False, True)
+    for spec in (KQ.cast_transpose, KQ.cast_transpose_dbias):
+        assert spec.opaque_when(big, None, None, 0, False, E4M3)
+        assert not spec.opaque_when(small, None, None, 0, False, E4M3)
+        assert not spec.opaque_when(odd, None, None, 0, False, E4M3)  # q^T (2048, 8200)
+    monkeypatch.setitem(_library._TMA_DEVICES, 0, False)  # before Hopper: no tensor maps, so inlined
+    assert not KQ.cast_transpose.opaque_when(big, None, None, 0, False, E4M3)
+    monkeypatch.setitem(_library._TMA_DEVICES, 0, True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not KQ.cast_transpose.opaque_when(big, None, None, 0, False, E4M3)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["cast_transpose", "act_fwd", "act_bwd"])
+def test_compiled_call_with_a_large_transposed_copy_stays_opaque(fresh_graphs: None, op: str) -> None:
+    # at 2**24 elements the eager launch stores q^T through a tensor map, so the compiled graph
+    # calls the op; bytes as eager's
+    torch.manual_seed(0)
+    x = torch.randn(8192, 2048, device="cuda").to(torch.bfloat16)
+    scale = torch.tensor(3.0, device="cuda")
+    if op == "cast_transpose":
+        args: tuple[Any, ...] = (x, scale, None, 0, False, E4M3)
+    elif op == "act_fwd":
+        args = (x, "gelu", False, scale, None, 0, False, E4M3, True, True)
+    else:
+        args = (torch.randn_like(x), x, "gelu", False, scale, None, 0, False, E5M2, True, True)
+    packet = getattr(torch.ops.fp8ops, op).default
+    big = _library.tma_store_in_eager(x, (2048, 8192))
+    with torch.no_grad():
+        want = packet(*args)
+        got, code = _compiled_code(lambda *a: packet(*a), *args)
+    assert (f"torch.ops.fp8ops.{op}.default" in code) == big
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(_bits(a), _bits(b)), f"{op}: output {i} differs"

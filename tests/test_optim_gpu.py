@@ -83,3 +83,29 @@ def test_graph_replays_equal_eager_steps():
         runs.append((w.clone(), m.clone(), v.clone(), value.data.clone(), value.data_t.clone(), st.pending_amax.clone()))
     for a, b in zip(*runs):
         assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b)
+
+
+@pytest.mark.parametrize("shape", [(1008, 3000), (4096, 4096)])
+def test_transposed_copy_through_a_tensor_map_equals_pointer_stores(shape):
+    # the TMA store (default from 2**24 elements) against pointer stores, from the same values; the
+    # first shape's edge tiles are partial in both dimensions (the tensor map clips them)
+    from fp8ops.kernels import _library
+    from fp8ops.kernels.optim import adamw_cast_transpose_launch
+
+    N, K = shape
+    w, (g, m, _) = _weights(N, K, seed=2)
+    m = m * 0.1
+    v = m.float().square().bfloat16()
+    step, lr, scale = (torch.full((), x, device="cuda") for x in (1.0, 1e-3, 512.0))
+    outs = {}
+    for tma in (False, True):
+        ws = (w.clone(), g, m.clone(), v.clone())
+        q = torch.empty(N, K, dtype=torch.float8_e4m3fn, device="cuda")
+        qt = torch.empty(K, N, dtype=torch.float8_e4m3fn, device="cuda")
+        inv = torch.empty((), device="cuda")
+        amax = adamw_cast_transpose_launch(*ws, step, lr, scale, q, qt, inv, *BETAS, EPS, WD, config={"TMA": tma})
+        outs[tma] = (ws[0], ws[2], ws[3], q.view(torch.uint8), qt.view(torch.uint8), amax, inv)
+    assert _library.tma_store_wanted(torch.empty(K, N, dtype=torch.float8_e4m3fn, device="cuda"), {"TMA": True})
+    for i, (a, b) in enumerate(zip(outs[True], outs[False], strict=True)):
+        assert torch.equal(a, b), f"output {i} differs"
+    assert torch.equal(outs[True][4], outs[True][3].t().contiguous())
