@@ -24,9 +24,9 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
+__all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPAQUE_IN_GRAPHS_MIN_ELEMENTS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
            "OpSpec", "analysis_key", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs", "install_analysis_memo",
-           "merge_config", "memoized_analysis", "next_pow2", "tma_store_in_eager", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
+           "merge_config", "memoized_analysis", "next_pow2", "opaque_for_tma_store", "tma_store_in_eager", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -44,9 +44,9 @@ class OpSpec(NamedTuple):
 
     ``opaque_when``, where given, takes the op's arguments and says whether a call stays one opaque
     node of a compiled graph even so: the calls whose CUDA kernel would store its transposed FP8
-    copy through a host tensor map (:func:`tma_store_in_eager`), which a traced launch cannot
-    (torch's tracing of ``wrap_triton`` takes no TMA descriptors), and which saves more device time
-    on large outputs than the opaque call costs the host."""
+    copy through a host tensor map, which a traced launch cannot (torch's tracing of ``wrap_triton``
+    takes no TMA descriptors), on outputs large enough for the tensor map to save more than the
+    opaque call costs (:func:`opaque_for_tma_store`)."""
 
     schema: str
     cuda: Callable[..., Any]
@@ -456,6 +456,27 @@ def tma_store_in_eager(x: torch.Tensor, shape: tuple[Any, ...]) -> bool:
     if ok is None:
         ok = _TMA_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return ok
+
+
+OPAQUE_IN_GRAPHS_MIN_ELEMENTS = 1 << 26
+"""The size of a transposed FP8 output from which an op with a traced CUDA kernel stays opaque in
+compiled graphs when its eager launch would store that output through a tensor map
+(:func:`opaque_for_tma_store`).
+
+On an H200, compiled GPT steps (``python -m fp8ops.bench gpt``, compile + graph) with the GELU's
+operands opaque from 2**24 elements: 61.23 ms against 63.17 at hidden 4096 (GELU outputs of 2**27
+elements; the GELU forward 197.6 against 291.6 µs a call, its backward 294.1 against 330.2 µs) and
+35.71 against 36.67 ms at 2048 (2**26), but 14.65 against 14.64 ms at 768 (25.2M) and 6.82 against
+6.53 ms at 512 (2**24), where the opaque calls' extra kernels cost as much as the tensor map saves
+(``docs/benchmarks/gpt.md``)."""
+
+
+def opaque_for_tma_store(x: torch.Tensor, shape: tuple[Any, ...]) -> bool:
+    """Whether a call on ``x`` that writes a transposed FP8 output of ``shape`` stays opaque in a
+    compiled graph: from :data:`OPAQUE_IN_GRAPHS_MIN_ELEMENTS` elements, where the eager launch
+    stores it through a tensor map (:func:`tma_store_in_eager`)."""
+    return (len(shape) == 2 and all(type(d) is int for d in shape)
+            and shape[0] * shape[1] >= OPAQUE_IN_GRAPHS_MIN_ELEMENTS and tma_store_in_eager(x, shape))
 
 
 def transposed_store(qt: torch.Tensor, tma: bool, block_rows: int, block_cols: int) -> Any:

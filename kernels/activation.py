@@ -77,7 +77,7 @@ from ._library import (
     fast_launch,
     graph_kernel,
     merge_config,
-    tma_store_in_eager,
+    opaque_for_tma_store,
     tma_store_wanted,
     traced_kernel,
     transposed_store,
@@ -672,7 +672,7 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 def _act_fwd_opaque(h, act, store_y, scale, amax_in, margin, power_2, out_dtype, store_q, transpose,  # type: ignore[no-untyped-def]
                     h_inv=None, hp_dtype=None) -> bool:
     # the call whose eager launch stores q^T through a tensor map stays opaque in compiled graphs
-    return bool(transpose) and out_dtype is not None and tma_store_in_eager(h, (_width(h, act), h.shape[0]))
+    return bool(transpose) and out_dtype is not None and opaque_for_tma_store(h, (_width(h, act), h.shape[0]))
 
 
 def _act_bwd_opaque(da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias,  # type: ignore[no-untyped-def]
@@ -680,7 +680,7 @@ def _act_bwd_opaque(da, h, act, store_dh, scale, amax_in, margin, power_2, out_d
     # as _act_fwd_opaque; a gated tile must not cross halves (act_bwd_launch)
     gated_split = act in GATED and _width(h, act) % _BWD_CFG["BLOCK_N"]
     return (bool(transpose) and out_dtype is not None and not gated_split
-            and tma_store_in_eager(h, (h.shape[1], h.shape[0])))
+            and opaque_for_tma_store(h, (h.shape[1], h.shape[0])))
 
 
 act_fwd = OpSpec(

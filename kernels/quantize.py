@@ -62,7 +62,7 @@ from ._library import (
     fast_launch,
     graph_kernel,
     merge_config,
-    tma_store_in_eager,
+    opaque_for_tma_store,
     tma_store_wanted,
     traced_kernel,
     transposed_store,
@@ -554,7 +554,7 @@ cast = OpSpec(
 
 def _cast_transpose_opaque(x, scale, amax_in, margin, power_2, out_dtype) -> bool:  # type: ignore[no-untyped-def]
     # the call whose eager launch stores q^T through a tensor map stays opaque in compiled graphs
-    return x.dim() == 2 and tma_store_in_eager(x, (x.shape[1], x.shape[0]))
+    return x.dim() == 2 and opaque_for_tma_store(x, (x.shape[1], x.shape[0]))
 
 
 cast_transpose = OpSpec(

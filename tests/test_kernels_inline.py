@@ -239,24 +239,31 @@ def test_calls_with_a_large_transposed_copy_stay_opaque(sm90: None, monkeypatch:
     from fp8ops.kernels import activation as KA
     from fp8ops.kernels import quantize as KQ
 
-    big, small, odd = _fake_cuda(8192, 2048), _fake_cuda(300, 200), _fake_cuda(8200, 2048)  # 2**24 elements
+    assert _library.OPAQUE_IN_GRAPHS_MIN_ELEMENTS == 1 << 26
+    big, small, odd = _fake_cuda(8192, 8192), _fake_cuda(300, 200), _fake_cuda(8200, 8192)  # 2**26 elements
+    mid = _fake_cuda(8192, 2048)  # stored through a tensor map in eager calls, but inlined: below 2**26
+    assert _library.tma_store_in_eager(mid, (2048, 8192))
     fwd = KA.act_fwd.opaque_when
     assert fwd(big, "gelu", False, None, None, 0, False, E4M3, True, True)
+    assert not fwd(mid, "gelu", False, None, None, 0, False, E4M3, True, True)
     assert not fwd(big, "gelu", False, None, None, 0, False, E4M3, True, False)  # no transposed copy
     assert not fwd(big, "gelu", True, None, None, 0, False, None, False, False)  # no FP8 output
-    assert not fwd(big, "swiglu", False, None, None, 0, False, E4M3, True, True)  # (1024, 8192): below 2**24
+    assert not fwd(big, "swiglu", False, None, None, 0, False, E4M3, True, True)  # q^T (4096, 8192)
+    assert fwd(_fake_cuda(8192, 16384), "swiglu", False, None, None, 0, False, E4M3, True, True)
     assert not fwd(small, "gelu", False, None, None, 0, False, E4M3, True, True)
     assert not fwd(odd, "gelu", False, None, None, 0, False, E4M3, True, True)  # q^T rows of 8200 bytes
     bwd = KA.act_bwd.opaque_when
     assert bwd(big, big, "gelu", False, None, None, 0, False, E5M2, True, True)
-    assert bwd(_fake_cuda(8192, 2048), _fake_cuda(8192, 4096), "swiglu", False, None, None, 0, False, E5M2, True, False)
-    assert not bwd(_fake_cuda(8192, 2080), _fake_cuda(8192, 4160), "swiglu", False, None, None, 0, False, E5M2,
+    assert not bwd(mid, mid, "gelu", False, None, None, 0, False, E5M2, True, True)
+    assert bwd(big, _fake_cuda(8192, 16384), "swiglu", False, None, None, 0, False, E5M2, True, False)
+    assert not bwd(_fake_cuda(8192, 8224), _fake_cuda(8192, 16448), "swiglu", False, None, None, 0, False, E5M2,
                    True, False)  # a tile would cross from one half into the other: pointer stores
     assert not bwd(big, big, "gelu", True, None, None, 0, False, None, False, True)
     for spec in (KQ.cast_transpose, KQ.cast_transpose_dbias):
         assert spec.opaque_when(big, None, None, 0, False, E4M3)
+        assert not spec.opaque_when(mid, None, None, 0, False, E4M3)
         assert not spec.opaque_when(small, None, None, 0, False, E4M3)
-        assert not spec.opaque_when(odd, None, None, 0, False, E4M3)  # q^T (2048, 8200)
+        assert not spec.opaque_when(odd, None, None, 0, False, E4M3)  # q^T (8192, 8200)
     monkeypatch.setitem(_library._TMA_DEVICES, 0, False)  # before Hopper: no tensor maps, so inlined
     assert not KQ.cast_transpose.opaque_when(big, None, None, 0, False, E4M3)
     monkeypatch.setitem(_library._TMA_DEVICES, 0, True)
@@ -268,10 +275,10 @@ def test_calls_with_a_large_transposed_copy_stay_opaque(sm90: None, monkeypatch:
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["cast_transpose", "act_fwd", "act_bwd"])
 def test_compiled_call_with_a_large_transposed_copy_stays_opaque(fresh_graphs: None, op: str) -> None:
-    # at 2**24 elements the eager launch stores q^T through a tensor map, so the compiled graph
+    # at 2**26 elements the eager launch stores q^T through a tensor map, so the compiled graph
     # calls the op; bytes as eager's
     torch.manual_seed(0)
-    x = torch.randn(8192, 2048, device="cuda").to(torch.bfloat16)
+    x = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
     scale = torch.tensor(3.0, device="cuda")
     if op == "cast_transpose":
         args: tuple[Any, ...] = (x, scale, None, 0, False, E4M3)
@@ -280,7 +287,7 @@ def test_compiled_call_with_a_large_transposed_copy_stays_opaque(fresh_graphs: N
     else:
         args = (torch.randn_like(x), x, "gelu", False, scale, None, 0, False, E5M2, True, True)
     packet = getattr(torch.ops.fp8ops, op).default
-    big = _library.tma_store_in_eager(x, (2048, 8192))
+    big = _library.opaque_for_tma_store(x, (8192, 8192))
     with torch.no_grad():
         want = packet(*args)
         got, code = _compiled_code(lambda *a: packet(*a), *args)
