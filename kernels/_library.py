@@ -405,6 +405,15 @@ def merge_config(default: dict[str, Any], override: dict[str, Any] | None, *, na
 _TMA_DEVICES: dict[int, bool] = {}
 
 
+def _tma_device(device: torch.device) -> bool:
+    """Whether a CUDA device has tensor maps (compute capability 9.0 or newer), cached per index."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _TMA_DEVICES.get(index)
+    if ok is None:
+        ok = _TMA_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
+
+
 def tma_store_ok(out: torch.Tensor) -> bool:
     """Whether a kernel can write the 2-D FP8 output ``out`` (contiguous, freshly allocated) with TMA
     stores: a CUDA device of compute capability 9.0 or newer, not the interpreter, a non-empty
@@ -413,11 +422,7 @@ def tma_store_ok(out: torch.Tensor) -> bool:
         return False
     if out.stride(0) * out.element_size() % 16 or out.data_ptr() % 16 or out.stride(1) != 1:
         return False
-    index = out.device.index if out.device.index is not None else torch.cuda.current_device()
-    ok = _TMA_DEVICES.get(index)
-    if ok is None:
-        ok = _TMA_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return ok
+    return _tma_device(out.device)
 
 
 TMA_STORE_MIN_ELEMENTS = 1 << 24
@@ -451,11 +456,7 @@ def tma_store_in_eager(x: torch.Tensor, shape: tuple[Any, ...]) -> bool:
     rows, cols = shape
     if rows * cols < TMA_STORE_MIN_ELEMENTS or cols % 16 or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    ok = _TMA_DEVICES.get(index)
-    if ok is None:
-        ok = _TMA_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return ok
+    return _tma_device(x.device)
 
 
 OPAQUE_IN_GRAPHS_MIN_ELEMENTS = 1 << 26
