@@ -464,20 +464,20 @@ OPAQUE_IN_GRAPHS_MIN_ELEMENTS = 1 << 26
 compiled graphs when its eager launch would store that output through a tensor map
 (:func:`opaque_for_tma_store`).
 
-On an H200, compiled GPT steps (``python -m fp8ops.bench gpt``, compile + graph) with the GELU's
-operands opaque from 2**24 elements: 61.23 ms against 63.17 at hidden 4096 (GELU outputs of 2**27
+On an H200, GPT steps of ``python -m fp8ops.bench gpt`` (each size's fastest mode) with the rule
+from 2**24 elements: 61.23 ms against 63.17 earlier that day at hidden 4096 (GELU outputs of 2**27
 elements; the GELU forward 197.6 against 291.6 µs a call, its backward 294.1 against 330.2 µs) and
-35.71 against 36.67 ms at 2048 (2**26), but 14.65 against 14.64 ms at 768 (25.2M) and 6.82 against
-6.53 ms at 512 (2**24), where the opaque calls' extra kernels cost as much as the tensor map saves
-(``docs/benchmarks/gpt.md``)."""
+35.71 against 36.67 ms at 2048 (2**26); but 14.65 ms at 768 (25.2M), as before, and 6.82 against
+6.53 ms (an older tree's run) at 512 (2**24), with 23 more kernels a step
+(``docs/benchmarks/gpt.md``). So the rule starts above those two sizes."""
 
 
 def opaque_for_tma_store(x: torch.Tensor, shape: tuple[Any, ...]) -> bool:
     """Whether a call on ``x`` that writes a transposed FP8 output of ``shape`` stays opaque in a
     compiled graph: from :data:`OPAQUE_IN_GRAPHS_MIN_ELEMENTS` elements, where the eager launch
     stores it through a tensor map (:func:`tma_store_in_eager`)."""
-    return (len(shape) == 2 and all(type(d) is int for d in shape)
-            and shape[0] * shape[1] >= OPAQUE_IN_GRAPHS_MIN_ELEMENTS and tma_store_in_eager(x, shape))
+    # tma_store_in_eager first: it refuses symbolic sizes, which a comparison here would guard on
+    return tma_store_in_eager(x, shape) and shape[0] * shape[1] >= OPAQUE_IN_GRAPHS_MIN_ELEMENTS
 
 
 def transposed_store(qt: torch.Tensor, tma: bool, block_rows: int, block_cols: int) -> Any:

@@ -371,6 +371,11 @@ _FWD_CFG_TMA = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "TMA
 _BWD_CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "TMA": True}
 
 
+def _halves_split(gated: bool, F: int, cfg: dict[str, Any]) -> bool:
+    # a gated backward tile must not cross from one half into the other: pointer stores then
+    return bool(gated and F % cfg["BLOCK_N"])
+
+
 def _check_act(name: str, act: str) -> tuple[str, bool]:
     if act not in ACTIVATIONS:
         raise ValueError(f"{name}: act must be one of {', '.join(ACTIVATIONS)}; got {act!r}")
@@ -593,7 +598,7 @@ def act_bwd_launch(
     q = _output((M, C), qdt, dev, has_fp8)
     qt = _output((C, M), qdt, dev, transpose)
     # TMA store of q^T (see _FWD_CFG_TMA); a gated tile must not cross from one half into the other
-    tma = transpose and not traced and tma_store_wanted(qt, config) and not (gated and F % cfg["BLOCK_N"])
+    tma = transpose and not traced and tma_store_wanted(qt, config) and not _halves_split(gated, F, cfg)
     num_m, num_n = _tiles(M, F, cfg)
     part = torch.empty((num_m, C), dtype=torch.float32, device=dev) if dbias else cast["scale_ptr"]
     desc = transposed_store(qt, tma, cfg["BLOCK_N"], cfg["BLOCK_M"])
@@ -677,9 +682,8 @@ def _act_fwd_opaque(h, act, store_y, scale, amax_in, margin, power_2, out_dtype,
 
 def _act_bwd_opaque(da, h, act, store_dh, scale, amax_in, margin, power_2, out_dtype, transpose, dbias,  # type: ignore[no-untyped-def]
                     h_inv=None, hp_dtype=None) -> bool:
-    # as _act_fwd_opaque; a gated tile must not cross halves (act_bwd_launch)
-    gated_split = act in GATED and _width(h, act) % _BWD_CFG["BLOCK_N"]
-    return (bool(transpose) and out_dtype is not None and not gated_split
+    # as _act_fwd_opaque, where act_bwd_launch would take the tensor map
+    return (bool(transpose) and out_dtype is not None and not _halves_split(act in GATED, _width(h, act), _BWD_CFG)
             and opaque_for_tma_store(h, (h.shape[1], h.shape[0])))
 
 
