@@ -69,7 +69,7 @@ def test_fp8_head_mode_matches_eager(mode: str, recipe: str) -> None:
           f"bounds grad {e['grad_tol']:.2e} loss {e['loss_tol']:.2e}")
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "current"])  # row-wise scaling writes no transposed copy
 @pytest.mark.parametrize("mode", ["compile", "fullgraph", "reduce-overhead"])
 def test_compiled_opaque_tensor_map_calls_match_eager(mode: str, recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model with the casts and activations that write a transposed FP8 copy kept opaque in the
