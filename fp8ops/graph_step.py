@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from .kernels._library import AMAX_CHAIN
+from .kernels._library import AMAX_CHAIN, opaque_in_graphs
 
 __all__ = ["GraphStep", "graph_step"]
 
@@ -223,7 +223,8 @@ class GraphStep:
         if entry.eager_reason is not None:
             return self._call_fn(carry, args)
         versions = [a._version if isinstance(a, Tensor) else None for a in arg_leaves]
-        (new_carry, out), synced = _watching_syncs(lambda: self._call_fn(carry, args))
+        with opaque_in_graphs():  # a graph compiled here will be captured: library ops as opaque calls
+            (new_carry, out), synced = _watching_syncs(lambda: self._call_fn(carry, args))
         if synced:  # a call that synchronized would fail under capture: warm up again
             entry.synced += 1
             if entry.synced >= 3 and not entry.warned:
@@ -251,7 +252,8 @@ class GraphStep:
         entry.static_args = [a if ref else _static_copy(a) for a, ref in zip(arg_leaves, entry.by_reference)]
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph), AMAX_CHAIN.capturing(torch.device("cuda")) as amax_words:
+            with (torch.cuda.graph(graph), AMAX_CHAIN.capturing(torch.device("cuda")) as amax_words,
+                  opaque_in_graphs()):
                 # the amax words of the captured kernels are zeroed by the kernel before them, in the graph
                 entry.amax_words = amax_words  # the last one, zeroed at every replay, lives with the graph
                 new_carry, out = self._call_fn(pytree.tree_unflatten(entry.static_carry, carry_spec),

@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPAQUE_IN_GRAPHS_MIN_ELEMENTS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
            "OpSpec", "analysis_key", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs", "install_analysis_memo",
-           "merge_config", "memoized_analysis", "next_pow2", "opaque_for_tma_store", "tma_store_in_eager", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
+           "merge_config", "memoized_analysis", "next_pow2", "opaque_for_tma_store", "opaque_in_graphs", "tma_store_in_eager", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -89,8 +89,9 @@ def inline_in_graphs(traced: Callable[..., Any], name: str = "",
     become nodes of the graph, which Inductor launches from its own code (allocations from the
     graph's buffers, its launcher) instead of calling the op's Python kernel, as it does for
     ``torch.library.triton_op``. Calls on CPU tensors, under ``torch.export``, with
-    :data:`INLINE_IN_GRAPHS` off (or not naming the op ``name``) and those for which
-    ``opaque_when(*args, **kwargs)`` is true (:class:`OpSpec`) stay one opaque node."""
+    :data:`INLINE_IN_GRAPHS` off (or not naming the op ``name``), inside :func:`opaque_in_graphs`
+    and those for which ``opaque_when(*args, **kwargs)`` is true (:class:`OpSpec`) stay one opaque
+    node."""
 
     def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if (_inlined(name) and _on_cuda(args) and _traceable_types(types)
@@ -106,7 +107,32 @@ def inline_in_graphs(traced: Callable[..., Any], name: str = "",
     return rule
 
 
+_OPAQUE_HERE = threading.local()
+
+
+@contextlib.contextmanager
+def opaque_in_graphs() -> Iterator[None]:
+    """Within the block, graphs that ``torch.compile`` traces in this thread keep every library op
+    one opaque call (as with :data:`INLINE_IN_GRAPHS` off); graphs traced before or elsewhere are
+    unchanged.
+
+    For steps that will be captured in a CUDA graph (``fp8ops.graph_step`` traces its warm-up and
+    capture calls in this block): there a replay costs the host nothing per op, and the ops' own
+    launches chain their amax words (:class:`AmaxChain`), where a graph that launches the kernels
+    itself zeroes each word with a fill kernel. On an H200, graphed GPT steps of ``bench gpt``:
+    6.44-6.53 against 6.93 ms at hidden 512 (337 against 481 kernels), 36.42 against 36.78 ms at
+    2048 (``scripts/gpt_ab_check.py --switch inline``, ``docs/benchmarks/gpt.md``)."""
+    before = getattr(_OPAQUE_HERE, "on", False)
+    _OPAQUE_HERE.on = True
+    try:
+        yield
+    finally:
+        _OPAQUE_HERE.on = before
+
+
 def _inlined(name: str) -> bool:
+    if getattr(_OPAQUE_HERE, "on", False):
+        return False
     on = INLINE_IN_GRAPHS
     return on if isinstance(on, bool) else name in on
 

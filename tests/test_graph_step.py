@@ -69,3 +69,32 @@ def test_static_copies_keep_the_arguments_strides() -> None:
     c = _static_copy(expanded)
     assert c.is_contiguous() and torch.equal(c, expanded)
     assert _static_copy(3) == 3 and _static_copy(None) is None
+
+
+def test_warm_up_calls_trace_compiled_graphs_with_opaque_library_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up call that may be followed by a capture runs inside kernels._library.opaque_in_graphs
+    (a graph compiled there keeps the library ops opaque calls, whose launches chain their amax
+    words in the capture); a call that will never be captured (here: on a CPU) does not."""
+    import importlib
+
+    from fp8ops.kernels import _library
+
+    G = importlib.import_module("fp8ops.graph_step")  # the module (fp8ops.graph_step is the function)
+
+    seen: list[bool] = []
+
+    def step(c: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(_library._inlined("cast"))
+        return c + x.sum(), x.mean()
+
+    fp8ops.graph_step(step)(torch.zeros(()), torch.ones(3))  # CPU tensors: never captured
+    assert seen == [True]
+    # as if on a GPU: the calls would be captured once warmed up
+    monkeypatch.setattr(G.GraphStep, "_eager_reason", staticmethod(lambda leaves: None))
+    monkeypatch.setattr(G, "_watching_syncs", lambda fn: (fn(), False))
+    fn = fp8ops.graph_step(step, warmup=3)
+    c = torch.zeros(())
+    for _ in range(2):
+        c, _ = fn(c, torch.ones(3))
+    assert seen == [True, False, False] and fn.stats["eager"] == 2
+    assert _library._inlined("cast")  # restored after each call

@@ -233,3 +233,57 @@ def test_compiled_step_with_strided_arguments_is_captured() -> None:
     assert fn.stats == {"eager": 1, "captures": 1, "replays": 4}
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_graphs_compiled_in_its_calls_keep_library_ops_opaque(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loss compiled during graph_step's warm-up calls calls the library ops (their launches are
+    captured, with chained amax words); compiled outside it, the same loss launches their kernels
+    from Inductor's code. The captured step trains as the uncaptured one."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # each build traced anew
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    r = fp8ops.DelayedScaling()
+    x = torch.randn(4, 16, 32, device="cuda").to(torch.bfloat16)
+
+    def run(graphed: bool) -> tuple[str, list[float]]:
+        torch._dynamo.reset()
+        w = (torch.randn(64, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 0.2
+             ).requires_grad_()
+        opt = torch.optim.SGD([w], lr=0.1)
+
+        def loss_of(st: fp8ops.LinearState, p: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, fp8ops.LinearState]:
+            y, st = fp8ops.fp8_linear(xb, w.to(torch.bfloat16), None, st, recipe=r, grad_probe=p)
+            return y.float().square().mean(), st
+
+        compiled = torch.compile(loss_of, fullgraph=True)
+
+        def step(st: fp8ops.LinearState, xb: torch.Tensor) -> tuple[fp8ops.LinearState, torch.Tensor]:
+            opt.zero_grad(set_to_none=True)
+            p = fp8ops.make_probes(st)
+            loss, st = compiled(st, p, xb)
+            loss.backward()
+            opt.step()
+            return fp8ops.update(st, recipe=r, grad_amax=p.grad), loss.detach()
+
+        fn = fp8ops.graph_step(step) if graphed else step
+        st, losses = fp8ops.LinearState.init(r, device="cuda"), []
+
+        def loop() -> None:
+            nonlocal st
+            for i in range(x.shape[0]):
+                st, loss = fn(st, x[i])
+                losses.append(float(loss))
+
+        _, codes = run_and_get_code(loop)
+        if graphed:
+            assert fn.stats["replays"] >= 1, fn.stats
+        return "\n".join(codes), losses
+
+    plain_code, plain = run(False)
+    graphed_code, graphed = run(True)
+    assert "torch.ops.fp8ops.cast_transpose" in graphed_code
+    assert "torch.ops.fp8ops.cast_transpose" not in plain_code
+    assert graphed == pytest.approx(plain, rel=1e-5, abs=0.0), (graphed, plain)

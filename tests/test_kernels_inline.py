@@ -295,3 +295,24 @@ def test_compiled_call_with_a_large_transposed_copy_stays_opaque(fresh_graphs: N
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(_bits(a), _bits(b)), f"{op}: output {i} differs"
+
+
+def test_opaque_in_graphs_keeps_calls_opaque_in_its_block_and_thread(sm90: None) -> None:
+    import threading
+
+    h = _fake_cuda(64, 32)
+    rule = _library.inline_in_graphs(lambda *a, **k: "traced", "cast")
+    other: list[Any] = []
+    worker = threading.Thread(target=lambda: other.append(rule(_Mode(), None, [type(h)], (h,), {})))
+    assert rule(_Mode(), None, [type(h)], (h,), {}) == "traced"
+    with pytest.raises(RuntimeError, match="inside"):
+        with _library.opaque_in_graphs():
+            assert rule(_Mode(), None, [type(h)], (h,), {}) == "opaque"
+            with _library.opaque_in_graphs():  # nested: still opaque after the inner block
+                pass
+            assert rule(_Mode(), None, [type(h)], (h,), {}) == "opaque"
+            worker.start()  # another thread traces as before
+            worker.join()
+            raise RuntimeError("inside")
+    assert other == ["traced"]
+    assert rule(_Mode(), None, [type(h)], (h,), {}) == "traced"  # restored, also after an exception
