@@ -121,11 +121,18 @@ def opaque_in_graphs() -> Iterator[None]:
     launches chain their amax words (:class:`AmaxChain`), where a graph that launches the kernels
     itself zeroes each word with a fill kernel. On an H200, graphed GPT steps of ``bench gpt``:
     6.44-6.53 against 6.93 ms at hidden 512 (337 against 481 kernels), 36.42 against 36.78 ms at
-    2048 (``scripts/gpt_ab_check.py --switch inline``, ``docs/benchmarks/gpt.md``)."""
+    2048 (``scripts/gpt_ab_check.py --switch inline``, ``docs/benchmarks/gpt.md``).
+
+    AOT autograd's cache is off in the block: it keys a graph by what Dynamo traced, before this
+    choice is made, so it would hand back a graph with the kernels inside (and keep one without
+    them for later compiles elsewhere). Inductor's own cache keys the graph after the choice."""
+    from torch._functorch import config as functorch_config
+
     before = getattr(_OPAQUE_HERE, "on", False)
     _OPAQUE_HERE.on = True
     try:
-        yield
+        with functorch_config.patch(enable_autograd_cache=False):
+            yield
     finally:
         _OPAQUE_HERE.on = before
 

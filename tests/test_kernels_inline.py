@@ -300,6 +300,8 @@ def test_compiled_call_with_a_large_transposed_copy_stays_opaque(fresh_graphs: N
 def test_opaque_in_graphs_keeps_calls_opaque_in_its_block_and_thread(sm90: None) -> None:
     import threading
 
+    from torch._functorch import config as functorch_config
+
     h = _fake_cuda(64, 32)
     rule = _library.inline_in_graphs(lambda *a, **k: "traced", "cast")
     other: list[Any] = []
@@ -308,6 +310,7 @@ def test_opaque_in_graphs_keeps_calls_opaque_in_its_block_and_thread(sm90: None)
     with pytest.raises(RuntimeError, match="inside"):
         with _library.opaque_in_graphs():
             assert rule(_Mode(), None, [type(h)], (h,), {}) == "opaque"
+            assert not functorch_config.enable_autograd_cache  # its key is Dynamo's graph, before the rule
             with _library.opaque_in_graphs():  # nested: still opaque after the inner block
                 pass
             assert rule(_Mode(), None, [type(h)], (h,), {}) == "opaque"
@@ -316,3 +319,4 @@ def test_opaque_in_graphs_keeps_calls_opaque_in_its_block_and_thread(sm90: None)
             raise RuntimeError("inside")
     assert other == ["traced"]
     assert rule(_Mode(), None, [type(h)], (h,), {}) == "traced"  # restored, also after an exception
+    assert functorch_config.enable_autograd_cache
