@@ -123,9 +123,12 @@ def opaque_in_graphs() -> Iterator[None]:
     6.44-6.53 against 6.93 ms at hidden 512 (337 against 481 kernels), 36.42 against 36.78 ms at
     2048 (``scripts/gpt_ab_check.py --switch inline``, ``docs/benchmarks/gpt.md``).
 
-    AOT autograd's cache is off in the block: it keys a graph by what Dynamo traced, before this
-    choice is made, so it would hand back a graph with the kernels inside (and keep one without
-    them for later compiles elsewhere). Inductor's own cache keys the graph after the choice."""
+    AOT autograd's cache is off in the block. Where it applies (to graphs with autograd Functions
+    only when ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions`` is on), it
+    keys a graph by what Dynamo traced, before this choice is made, so it could hand back a graph
+    with the kernels inside (or keep one without them for later compiles elsewhere). Inductor's own
+    cache keys the graph after the choice. A function compiled before the block keeps its graph:
+    Dynamo does not guard on this setting."""
     from torch._functorch import config as functorch_config
 
     before = getattr(_OPAQUE_HERE, "on", False)
