@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import contextlib
 import warnings
 
 import torch
@@ -223,7 +224,9 @@ class GraphStep:
         if entry.eager_reason is not None:
             return self._call_fn(carry, args)
         versions = [a._version if isinstance(a, Tensor) else None for a in arg_leaves]
-        with opaque_in_graphs():  # a graph compiled here will be captured: library ops as opaque calls
+        # a graph compiled here is for the capture: the library ops as opaque calls (not once the
+        # signature has given up on capturing, below)
+        with opaque_in_graphs() if not entry.warned else contextlib.nullcontext():
             (new_carry, out), synced = _watching_syncs(lambda: self._call_fn(carry, args))
         if synced:  # a call that synchronized would fail under capture: warm up again
             entry.synced += 1

@@ -98,3 +98,12 @@ def test_warm_up_calls_trace_compiled_graphs_with_opaque_library_ops(monkeypatch
         c, _ = fn(c, torch.ones(3))
     assert seen == [True, False, False] and fn.stats["eager"] == 2
     assert _library._inlined("cast")  # restored after each call
+    # a step that synchronizes on every call: once graph_step has given up on capturing it, its
+    # calls trace as any other
+    seen.clear()
+    monkeypatch.setattr(G, "_watching_syncs", lambda fn: (fn(), True))
+    fn = fp8ops.graph_step(step)
+    with pytest.warns(UserWarning, match="keeps running eagerly"):
+        for _ in range(4):
+            c, _ = fn(c, torch.ones(3))
+    assert seen == [False, False, False, True]
