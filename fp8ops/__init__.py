@@ -30,6 +30,7 @@ from .formats import E4M3_MAX, E5M2_MAX, Format, Role
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .fp8_linear import LinearState, WeightCache, fp8_linear, quantize_weight
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
+from .linear_cross_entropy import linear_cross_entropy
 from .norm import layer_norm, rms_norm
 from .quantize import Float8Value, dequantize, quantize
 from .recipes import CurrentScaling, DelayedScaling, GemmSpec, Recipe, compute_scale
@@ -94,6 +95,7 @@ __all__ = [
     "init_transformer_state",
     "layer_norm",
     "layernorm_linear",
+    "linear_cross_entropy",
     "load_state_dict",
     "make_probes",
     "mask_mod",

@@ -155,6 +155,42 @@ def test_compiled_vmap_still_runs() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# The GPT with its head and loss through linear_cross_entropy (make_model(fused_loss=True))
+
+
+@pytest.mark.parametrize("recipe,dtype", [("none", "float32"), ("delayed", "float32"), ("delayed", "bfloat16")])
+def test_fused_loss_trains_as_the_matmul_head(recipe: str, dtype: str) -> None:
+    """The same model and data: every first-step gradient of the fused head and loss is the matmul
+    head's with F.cross_entropy, to float32 reassociation, and in bfloat16 the same bits (the
+    batch's 32 tokens make the mean's scale a power of two, so rounding the logits' gradient before
+    or after it rounds the same values); the loss curves agree to float32 reassociation, which FP8
+    rounding amplifies over the 8 steps."""
+    plain = C.eager_result(recipe, DTYPES[dtype], "cpu")
+    fused = C.eager_result(recipe, DTYPES[dtype], "cpu", fused_loss=True)
+    e = C.compare(plain, fused)
+    if dtype == "bfloat16":
+        for k, g in plain.grads.items():
+            assert torch.equal(fused.grads[k], g), f"{recipe} bfloat16: gradient of parameter {k} differs"
+    assert e["grad"] < 1e-5, e
+    assert e["loss"] < (1e-6 if recipe == "none" and dtype == "float32" else 1e-3), e
+
+
+@pytest.mark.parametrize("mode", ["fullgraph", "func.grad", "graph_step.fullgraph"])
+def test_fused_loss_mode_is_bitwise_eager(mode: str) -> None:
+    want = C.eager_result("delayed", torch.float32, "cpu", fused_loss=True)
+    got = C.train(mode, recipe=C.make_recipe("delayed"), dtype=torch.float32, device="cpu", backend="aot_eager",
+                  fused_loss=True)
+    assert got.losses == want.losses, (mode, got.losses, want.losses)
+    for k, g in want.grads.items():
+        assert torch.equal(got.grads[k], g), f"{mode}: gradient of parameter {k} differs"
+
+
+def test_fused_loss_and_fp8_head_exclude_each_other() -> None:
+    with pytest.raises(ValueError, match="make_model: fused_loss fuses the high-precision head"):
+        C.make_model("cpu", fp8_head=True, fused_loss=True)
+
+
+# ------------------------------------------------------------------------------------------------
 # The GPT with its tied output head through fp8_linear (make_model(fp8_head=True))
 
 

@@ -103,3 +103,18 @@ def test_compiled_opaque_tensor_map_calls_match_eager(mode: str, recipe: str, mo
     e = C.check_compiled(got, recipe, torch.bfloat16, "cuda", what=f"opaque tensor-map calls {mode} {recipe}")
     print(f"\ncomposition opaque TMA {mode:16s} {recipe:8s} {len(kept)} opaque decisions, grad {e['grad']:.2e} "
           f"loss {e['loss']:.2e} | bounds grad {e['grad_tol']:.2e} loss {e['loss_tol']:.2e}")
+
+
+@pytest.mark.parametrize("mode", ["fullgraph", "reduce-overhead"])
+@pytest.mark.parametrize("recipe", ["none", "delayed"])
+def test_fused_loss_mode_matches_eager(mode: str, recipe: str) -> None:
+    """The GPT with its head and loss through linear_cross_entropy, bf16: compiled within
+    check_compiled's bounds of its eager run; eager within a bf16 rounding of the matmul head's
+    (the batch's 32 tokens make the mean's scale a power of two)."""
+    got = C.train(mode, recipe=C.make_recipe(recipe), dtype=torch.bfloat16, device="cuda", fused_loss=True)
+    e = C.check_compiled(got, recipe, torch.bfloat16, "cuda", what=f"fused loss {mode} {recipe}", fused_loss=True)
+    plain = C.compare(C.eager_result(recipe, torch.bfloat16, "cuda"),
+                      C.eager_result(recipe, torch.bfloat16, "cuda", fused_loss=True))
+    assert plain["grad"] < 1e-2 and plain["loss"] < 1e-3, plain
+    print(f"\ncomposition fused loss {mode:16s} {recipe:8s} grad {e['grad']:.2e} loss {e['loss']:.2e} | "
+          f"bounds grad {e['grad_tol']:.2e} loss {e['loss_tol']:.2e}; against the matmul head {plain['grad']:.2e}")

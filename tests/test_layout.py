@@ -151,6 +151,7 @@ OPS = {
     "fused_ln_mlp": "fused_ln_mlp",
     "layer_norm": "norm",
     "layernorm_linear": "layernorm_linear",
+    "linear_cross_entropy": "linear_cross_entropy",
     "quantize": "quantize",
     "rms_norm": "norm",
     "transformer_layer": "transformer_layer",

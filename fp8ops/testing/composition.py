@@ -79,18 +79,21 @@ class Model:
     tokens: Tensor  # (steps, B, S) int64
     targets: Tensor  # (steps, B, S) int64
     fp8_head: bool = False  # the tied head through fp8_linear (FP8 GEMMs under a recipe; state last)
+    fused_loss: bool = False  # the bf16 head and its loss through fp8ops.linear_cross_entropy
 
 
 def make_model(device: torch.device | str, *, layers: int = 2, hidden: int = 32, heads: int = 4, seq: int = 16,
                batch: int = 2, vocab: int = 64, steps: int = 8, seed: int = 0,
-               fp8_head: bool = False) -> tuple[Model, dict[str, Any]]:
+               fp8_head: bool = False, fused_loss: bool = False) -> tuple[Model, dict[str, Any]]:
     """A :class:`Model` and its float32 master parameters (leaves, ``requires_grad=False``).
 
     Built on the CPU from one generator (the same values on every device), then moved. The data
     is a fixed random token stream, one batch per step; the targets are the tokens shifted by one.
     ``fp8_head``: the output head (tied to the token embedding) runs through
     :func:`fp8ops.fp8_linear`, its GEMMs in FP8 under a recipe, with a state of its own after the
-    layers' (:func:`init_states`); otherwise it is a matmul in the compute dtype.
+    layers' (:func:`init_states`); otherwise it is a matmul in the compute dtype, followed by
+    ``F.cross_entropy``, or with ``fused_loss`` (not with ``fp8_head``) the head and the loss in one
+    :func:`fp8ops.linear_cross_entropy`.
     """
     from fp8ops.transformer_layer import TransformerConfig, init_transformer_params
 
@@ -105,7 +108,11 @@ def make_model(device: torch.device | str, *, layers: int = 2, hidden: int = 32,
         "lnf.bias": 0.1 * torch.randn(hidden, generator=g),
     }
     stream = torch.randint(0, vocab, (steps, batch, seq + 1), generator=g)
-    model = Model(config, vocab, seq, layers, stream[..., :-1].to(device), stream[..., 1:].to(device), fp8_head)
+    if fp8_head and fused_loss:
+        raise ValueError("make_model: fused_loss fuses the high-precision head with its loss; it does not apply "
+                         "with fp8_head=True")
+    model = Model(config, vocab, seq, layers, stream[..., :-1].to(device), stream[..., 1:].to(device), fp8_head,
+                  fused_loss)
     return model, pytree.tree_map(lambda t: t.to(device), params)
 
 
@@ -175,6 +182,11 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
                                 recipe=recipe if head_recipe is None else head_recipe, grad_probe=pr)
         new_states.append(hs)
         targets = targets.t()
+    elif model.fused_loss:  # x (S, B, H) against the targets in the same (S, B) order
+        from fp8ops.linear_cross_entropy import linear_cross_entropy
+
+        loss = linear_cross_entropy(x, head, targets.t())
+        return loss, (new_states if states is not None else None)
     else:
         logits = x.transpose(0, 1) @ head.t()  # (B, S, V)
     loss = F.cross_entropy(logits.float().reshape(-1, model.vocab), targets.reshape(-1))
@@ -215,7 +227,7 @@ def _grads(params: list[Tensor]) -> dict[str, Tensor]:
 def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | str, steps: int = 8,
           lr: float = 1e-2, backend: str = "inductor", model: Model | None = None,
           params: dict[str, Any] | None = None, capturable: bool | None = None,
-          fp8_head: bool = False) -> StepResult:
+          fp8_head: bool = False, fused_loss: bool = False) -> StepResult:
     """Train the model for ``steps`` AdamW steps in ``mode``; see the module docstring.
 
     Args:
@@ -227,7 +239,7 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
         lr: AdamW learning rate.
         backend: torch.compile backend of the compiled modes ("inductor", "aot_eager", ...).
         model, params: from :func:`make_model` (default: ``make_model(device, steps=steps,
-            fp8_head=fp8_head)``).
+            fp8_head=fp8_head, fused_loss=fused_loss)``).
         capturable: AdamW's ``capturable`` flag; default True for the graph modes on CUDA, else
             False.
 
@@ -239,7 +251,7 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
     if mode not in MODES:
         raise ValueError(f"train: mode must be one of {MODES}, got {mode!r}")
     if model is None or params is None:
-        model, params = make_model(device, steps=steps, fp8_head=fp8_head)
+        model, params = make_model(device, steps=steps, fp8_head=fp8_head, fused_loss=fused_loss)
     if model.tokens.shape[0] < steps:
         raise ValueError(f"train: the model's data holds {model.tokens.shape[0]} steps, asked for {steps}")
     leaves, spec = pytree.tree_flatten(params)
@@ -361,13 +373,13 @@ _EAGER: dict[tuple[str, str, str], StepResult] = {}
 
 
 def eager_result(recipe: str, dtype: torch.dtype, device: str, *, capturable: bool = False,
-                 fp8_head: bool = False) -> StepResult:
+                 fp8_head: bool = False, fused_loss: bool = False) -> StepResult:
     """:func:`train` in eager mode for a recipe name (see :func:`make_recipe`), computed once per
-    (recipe, dtype, device, capturable, fp8_head) in a process."""
-    key = (recipe, str(dtype), device, capturable, fp8_head)
+    (recipe, dtype, device, capturable, fp8_head, fused_loss) in a process."""
+    key = (recipe, str(dtype), device, capturable, fp8_head, fused_loss)
     if key not in _EAGER:
         _EAGER[key] = train("eager", recipe=make_recipe(recipe), dtype=dtype, device=device, capturable=capturable,
-                            fp8_head=fp8_head)
+                            fp8_head=fp8_head, fused_loss=fused_loss)
     return _EAGER[key]
 
 
@@ -376,7 +388,7 @@ FP32_GRAD_TOL, FP32_LOSS_TOL = 1e-4, 1e-5
 
 
 def check_compiled(got: StepResult, recipe: str, dtype: torch.dtype, device: str, *, what: str,
-                   capturable: bool = False, fp8_head: bool = False) -> dict[str, Any]:
+                   capturable: bool = False, fp8_head: bool = False, fused_loss: bool = False) -> dict[str, Any]:
     """Assert that a compiled run ``got`` stays on eager's numbers; return the errors.
 
     Float32: :data:`FP32_GRAD_TOL` / :data:`FP32_LOSS_TOL`. Bfloat16: the fused casts of a compiler
@@ -385,12 +397,13 @@ def check_compiled(got: StepResult, recipe: str, dtype: torch.dtype, device: str
     for the same recipe; and the compiled run must be no farther from eager float32 than 1.5 times
     eager bfloat16 is (no bias).
     """
-    want = eager_result(recipe, dtype, device, capturable=capturable, fp8_head=fp8_head)
+    want = eager_result(recipe, dtype, device, capturable=capturable, fp8_head=fp8_head, fused_loss=fused_loss)
     e = compare(want, got)
     if dtype == torch.float32:
         grad_tol, loss_tol = FP32_GRAD_TOL, FP32_LOSS_TOL
     else:
-        ref = eager_result(recipe, torch.float32, device, capturable=capturable, fp8_head=fp8_head)
+        ref = eager_result(recipe, torch.float32, device, capturable=capturable, fp8_head=fp8_head,
+                           fused_loss=fused_loss)
         noise = compare(ref, want)
         grad_tol, loss_tol = 2 * noise["grad"], 2 * noise["loss"]
         own = compare(ref, got)["grad"]
