@@ -114,9 +114,11 @@ def _check(logits: torch.Tensor, target: torch.Tensor) -> None:
                          f"{logits.dtype} of shape {tuple(logits.shape)}")
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError(f"{where}: logits must have a unit column stride, got strides {logits.stride()}")
-    if target.dim() != 1 or target.dtype not in _TARGET_DTYPES or target.shape[0] != logits.shape[0]:
-        raise ValueError(f"{where}: target must be a 1-D int64/int32 tensor of the logits' {logits.shape[0]} rows, "
-                         f"got {target.dtype} of shape {tuple(target.shape)}")
+    if (target.dim() != 1 or target.dtype not in _TARGET_DTYPES or target.shape[0] != logits.shape[0]
+            or (target.shape[0] > 1 and target.stride(0) != 1)):
+        raise ValueError(f"{where}: target must be a 1-D int64/int32 tensor of the logits' {logits.shape[0]} rows "
+                         f"with a unit stride, got {target.dtype} of shape {tuple(target.shape)} and strides "
+                         f"{target.stride()}")
     if target.device != logits.device:
         raise ValueError(f"{where}: target is on {target.device}, the logits on {logits.device}")
 
@@ -158,15 +160,18 @@ def _linear_cross_entropy_fwd_fake(logits, target, ignore_index):  # type: ignor
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
-    # the kernel takes any row stride but needs a unit column stride
-    return t if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1) else t.contiguous()
+    # the kernel takes any row stride of the logits but needs a unit column stride, and reads the
+    # targets with a unit stride
+    if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1):
+        return t
+    return t if t.dim() == 1 and (t.stride(0) == 1 or t.shape[0] <= 1) else t.contiguous()
 
 
 linear_cross_entropy_fwd = OpSpec(
     "linear_cross_entropy_fwd(Tensor logits, Tensor target, int ignore_index) -> (Tensor, Tensor)",
-    cuda=contiguous_args(linear_cross_entropy_fwd_launch, 1, _unit),
+    cuda=contiguous_args(linear_cross_entropy_fwd_launch, 2, _unit),
     fake=_linear_cross_entropy_fwd_fake,
-    traced=traced_kernel(linear_cross_entropy_fwd_launch, 1, _unit),
+    traced=traced_kernel(linear_cross_entropy_fwd_launch, 2, _unit),
 )
 """``fp8ops::linear_cross_entropy_fwd``: per-row cross-entropy and its gradient by the logits,
 ``(loss, d)``; see :func:`linear_cross_entropy_fwd_launch`."""

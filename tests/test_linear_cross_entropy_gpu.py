@@ -52,12 +52,13 @@ def test_kernel_matches_the_cpu_kernel(dtype: torch.dtype, V: int) -> None:
     rl, rd = R.linear_cross_entropy_fwd(z.cpu(), t.cpu(), -100)
     torch.testing.assert_close(loss.cpu(), rl, rtol=2e-6, atol=2e-6)
     assert d.dtype == dtype and loss[3].item() == 0.0 and d[3].abs().sum().item() == 0
-    # the same float32 value rounds to the same bits; CUDA's and the CPU's exp may differ by an ulp
-    # of float32, which moves a bf16 rounding in rare cases
-    same = (d.cpu().float() == rd.float()).float().mean().item()
-    assert same > 0.999, f"only {same:.5f} of the gradient's values round as the CPU kernel's"
-    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2e-6
-    torch.testing.assert_close(d.cpu().float(), rd.float(), rtol=ulp, atol=1e-7)
+    if dtype == torch.bfloat16:
+        # the same float32 value rounds to the same bits; CUDA's and the CPU's exp and log differ by
+        # float32 ulps, which move a bf16 rounding in rare cases, by one ulp (2**-7 relative at most)
+        same = (d.cpu().float() == rd.float()).float().mean().item()
+        assert same > 0.999, f"only {same:.5f} of the gradient's values round as the CPU kernel's"
+    rtol = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(d.cpu().float(), rd.float(), rtol=rtol, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

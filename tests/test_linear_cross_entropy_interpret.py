@@ -62,3 +62,12 @@ def test_strided_rows_special_values_and_bad_targets() -> None:
 def test_empty_batch() -> None:
     loss, d = K.linear_cross_entropy_fwd_launch(torch.empty(0, 9), torch.empty(0, dtype=torch.long), -100)
     assert loss.shape == (0,) and d.shape == (0, 9)
+
+
+def test_strided_targets_through_the_op() -> None:
+    z, t = _case(6, 20, torch.float32, seed=3)
+    t2 = torch.stack([t, t.flip(0)], 1)[:, 0]  # a 1-D view with stride 2
+    with pytest.raises(ValueError, match="with a unit stride"):
+        K.linear_cross_entropy_fwd_launch(z, t2, -100)
+    got = K.linear_cross_entropy_fwd_launch(z, t2.contiguous(), -100, config={"BLOCK_V": 16, "num_warps": 1})
+    torch.testing.assert_close(got[0], R.linear_cross_entropy_fwd(z, t, -100)[0], rtol=1e-5, atol=1e-5)
