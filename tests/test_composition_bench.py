@@ -90,7 +90,7 @@ def test_the_fused_build_runs_only_when_named():
     gpt.add_arguments(parser)
     default = {i for i, _ in gpt._builds(parser.parse_args(["--no-torchao"]))}
     assert default == {"torch", "fp8ops FP8", "fp8ops FP8, FP8 head"}
-    assert bench_step.TORCH_LOSS not in default
+    assert bench_step.FUSED_LOSS not in default
     named = gpt._builds(parser.parse_args(["--no-eager", "--impls", "torch", bench_step.FUSED_ADAMW]))
     assert named == [("torch", "compile"), (bench_step.FUSED_ADAMW, "compile")]
 
@@ -145,8 +145,8 @@ def test_fused_adamw_build_casts_no_weight_in_its_step():
     assert counts["fp8ops FP8"] - counts[bench_step.FUSED_ADAMW] == 4 * SIZE["layers"], counts
 
 
-def test_torch_loss_build_trains_as_the_fused_loss_build(monkeypatch):
-    """The fp8ops builds take the head and the loss through linear_cross_entropy; the torch-loss
+def test_fused_loss_build_trains_as_the_plain_build(monkeypatch):
+    """The fused-loss build takes the head and the loss through linear_cross_entropy; the plain
     build, through a matmul and F.cross_entropy: the same losses to float32 reassociation, and only
     the former calls the fused op."""
     import importlib
@@ -155,17 +155,17 @@ def test_torch_loss_build_trains_as_the_fused_loss_build(monkeypatch):
     calls = []
     real = lce._LinearCrossEntropy.forward
     monkeypatch.setattr(lce._LinearCrossEntropy, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
-    _, _, fused = _run("fp8ops FP8", 3)
-    n_fused = len(calls)
-    _, _, plain = _run(bench_step.TORCH_LOSS, 3)
-    assert n_fused == 3 and len(calls) == n_fused
+    _, _, plain = _run("fp8ops FP8", 3)
+    assert not calls
+    _, _, fused = _run(bench_step.FUSED_LOSS, 3)
+    assert len(calls) == 3
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=1e-3, atol=0)
 
 
-def test_ratios_report_the_torch_loss_build_beside():
+def test_ratios_report_the_fused_loss_build_beside():
     from fp8ops.bench.gpt import _ratios
 
     rows = [{"impl": "torch", "mode": "compile", "ms": 80.0}, {"impl": "fp8ops FP8", "mode": "compile", "ms": 60.0},
-            {"impl": bench_step.TORCH_LOSS, "mode": "compile + graph", "ms": 64.0}]
+            {"impl": bench_step.FUSED_LOSS, "mode": "compile + graph", "ms": 64.0}]
     r = _ratios(rows, 2048)
-    assert r["fp8_over_bf16"] == 60.0 / 80.0 and r["torch_loss_over_bf16"] == 64.0 / 80.0
+    assert r["fp8_over_bf16"] == 60.0 / 80.0 and r["fused_loss_over_bf16"] == 64.0 / 80.0

@@ -105,9 +105,9 @@ def _optimizer(params: list[torch.Tensor], device: str = "cuda") -> torch.optim.
 
 
 FUSED_ADAMW = "fp8ops FP8 + fused AdamW"
-TORCH_LOSS = "fp8ops FP8, torch loss"
-"""The ``fp8ops FP8`` GPT with its head as a matmul and torch's ``F.cross_entropy`` (the other fp8ops
-GPT builds take the head and the loss in one :func:`fp8ops.linear_cross_entropy`)."""
+FUSED_LOSS = "fp8ops FP8, fused loss"
+"""The ``fp8ops FP8`` GPT with its head and loss in one :func:`fp8ops.linear_cross_entropy` (the other
+fp8ops GPT builds: the head as a matmul and torch's ``F.cross_entropy``, as the torch model)."""
 """The gpt build whose layers' GEMM weights are stepped by :func:`fp8ops.adamw_quantize_`."""
 
 
@@ -176,8 +176,8 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
              device: str = "cuda") -> tuple[Callable[..., Any], Any, tuple[Any, ...]]:
     """``(step, carry, batch)`` of ``model`` ("gpt2": a GPT of ``size``; "seed": the seed layer) for
     ``impl`` ("torch", "torchao" (gpt2 only), "fp8ops bf16", "fp8ops FP8", "fp8ops FP8, FP8 head" (gpt2
-    only: the tied output head through ``fp8_linear`` too), :data:`TORCH_LOSS` (gpt2 only: the head and
-    its loss as in the torch model, not through ``linear_cross_entropy``), :data:`FUSED_ADAMW` (gpt2 only: the
+    only: the tied output head through ``fp8_linear`` too), :data:`FUSED_LOSS` (gpt2 only: the head and
+    its loss through ``linear_cross_entropy``), :data:`FUSED_ADAMW` (gpt2 only: the
     layers' GEMM weights stepped by :func:`fp8ops.adamw_quantize_`, :func:`_fused_adamw_step`)); ``mode`` starting with
     "compile" compiles the model (torch) or the loss (fp8ops, ``fullgraph=True``); ``eager_first``:
     an fp8ops step's first call, over uncalibrated states, runs the loss eagerly (it is then compiled
@@ -212,7 +212,7 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
 
         fp8_head = impl == "fp8ops FP8, FP8 head"
         gpt, params = composition.make_model(device, layers=L, hidden=H, heads=heads, seq=S, batch=B, vocab=V,
-                                             steps=1, fp8_head=fp8_head, fused_loss=not fp8_head and impl != TORCH_LOSS)
+                                             steps=1, fp8_head=fp8_head, fused_loss=impl == FUSED_LOSS)
         params = pytree.tree_map(lambda t: t.bfloat16().requires_grad_(), params)
         states = composition.init_states(gpt, recipe, device)
 
