@@ -67,13 +67,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 _LinearCrossEntropy.forward.__signature__ = inspect.signature(_LinearCrossEntropy.forward)  # type: ignore[attr-defined]
 
 
-def _check(x: Any, weight: Any, target: Any, ignore_index: Any, where: str) -> None:
+def _check(x: Any, weight: Any, target: Any, ignore_index: Any, where: str, *, same_dtype: bool) -> None:
     check_float_tensor(x, "x", where, min_dim=1)
     check_float_tensor(weight, "weight", where)
     if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"{where}: weight must be 2-D (V, K) with V >= 1 and K = x.shape[-1] = {x.shape[-1]}, "
                          f"got shape {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
+    if same_dtype and weight.dtype != x.dtype:
         raise ValueError(f"{where}: weight must have x's dtype {x.dtype}, got {weight.dtype}")
     if not isinstance(target, Tensor):
         raise TypeError(f"{where}: target must be a torch.Tensor of class indices, got {type(target).__name__}")
@@ -143,8 +143,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, *, ignore_in
         "Liger Kernel: Efficient Triton Kernels for LLM Training" (2024).
     """
     where = "linear_cross_entropy"
-    _check(x, weight, target, ignore_index, where)
-    ac = autocast_dtype(x.device.type)
+    ac = autocast_dtype(x.device.type) if isinstance(x, Tensor) else None
+    _check(x, weight, target, ignore_index, where, same_dtype=ac is None)  # autocast casts both
     if ac is not None:
         # torch.autocast: the head's GEMM as F.linear computes it there; the casts stay outside the
         # Function so that the gradients reach the originals in their dtype

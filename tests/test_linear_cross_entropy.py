@@ -227,6 +227,9 @@ def test_autocast_computes_as_f_linear_does() -> None:
     want, wdx, wdw = _grads(linear_cross_entropy, x.bfloat16(), w.bfloat16(), t)
     torch.testing.assert_close(loss, want, rtol=0, atol=0)
     torch.testing.assert_close(xl.grad, wdx.float(), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed dtypes, as F.linear takes them there
+        mixed = linear_cross_entropy(x, w.bfloat16(), t)
+    torch.testing.assert_close(mixed, want, rtol=0, atol=0)
 
 
 def test_compiled_fullgraph_matches_eager() -> None:

@@ -105,10 +105,10 @@ def _optimizer(params: list[torch.Tensor], device: str = "cuda") -> torch.optim.
 
 
 FUSED_ADAMW = "fp8ops FP8 + fused AdamW"
+"""The gpt build whose layers' GEMM weights are stepped by :func:`fp8ops.adamw_quantize_`."""
 FUSED_LOSS = "fp8ops FP8, fused loss"
 """The ``fp8ops FP8`` GPT with its head and loss in one :func:`fp8ops.linear_cross_entropy` (the other
 fp8ops GPT builds: the head as a matmul and torch's ``F.cross_entropy``, as the torch model)."""
-"""The gpt build whose layers' GEMM weights are stepped by :func:`fp8ops.adamw_quantize_`."""
 
 
 def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], states: list[Any], recipe: Any,
