@@ -25,7 +25,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPAQUE_IN_GRAPHS_MIN_ELEMENTS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
-           "OpSpec", "analysis_key", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inline_in_graphs", "install_analysis_memo",
+           "OpSpec", "analysis_key", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inductor_fallbacks", "inline_in_graphs", "install_analysis_memo",
            "merge_config", "memoized_analysis", "next_pow2", "opaque_for_tma_store", "opaque_in_graphs", "tma_store_in_eager", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
@@ -71,7 +71,7 @@ def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
     _LIB.define(spec.schema, tags=(torch.Tag.pt2_compliant_tag,))
     _LIB.impl(name, spec.cuda, "CUDA")
     _LIB.impl(name, cpu, "CPU")
-    torch.library.register_fake(f"fp8ops::{name}", spec.fake, lib=_LIB)
+    torch.library.register_fake(f"fp8ops::{name}", _fallbacks_first(spec.fake), lib=_LIB)
     if spec.traced is not None:
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 
@@ -79,7 +79,57 @@ def define(spec: OpSpec, *, cpu: Callable[..., Any]) -> Any:
                                               inline_in_graphs(spec.traced, name, spec.opaque_when), lib=_LIB)
     packet = getattr(torch.ops.fp8ops, name)
     setattr(OPS, name, EagerOp(packet, spec.cuda))
+    _DEFINED.append(packet.default)
+    if _FALLBACKS_MADE.is_set():  # an op defined after the first trace
+        _make_fallbacks([packet.default])
     return packet
+
+
+_DEFINED: list[Any] = []  # the op overloads define() made, for inductor_fallbacks
+_FALLBACKS_MADE = threading.Event()
+
+
+def inductor_fallbacks() -> None:
+    """Give Inductor its fallback lowering (one opaque call) of every library op beforehand, the
+    lowering it would otherwise make on first meeting the op in a graph.
+
+    Inductor makes that fallback for an op it has no lowering for when it first lowers a call of
+    it, and torch 2.11 formats the call's arguments for a log line there whether the log is on or
+    not (``call_function`` in ``torch/_inductor/graph.py``; later versions format it lazily). The
+    string of an Inductor IR node holds its inputs' strings, so for an argument made at the end of
+    a deep graph it grows exponentially with the depth: ``linear_cross_entropy_fwd``, first met at
+    the end of a GPT's forward, kept the compile of bench gpt's graphed step (library ops opaque)
+    in that string for minutes, until the run's time limit (stack dumps of
+    ``scripts/bench_watch.py``, one H200, torch 2.11). The fallbacks made here take the layout
+    constraint Inductor's own fallback of a custom op takes (from the op's tags). Runs once, from
+    the first call of a library op's fake kernel (a compile or export trace); a torch without these
+    internals keeps its own behaviour."""
+    if not _FALLBACKS_MADE.is_set():
+        _FALLBACKS_MADE.set()
+        _make_fallbacks(_DEFINED)
+
+
+def _make_fallbacks(ops: list[Any]) -> None:
+    try:
+        from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:  # another torch: Inductor makes its fallbacks as it meets the ops
+        return
+    for op in ops:
+        if op not in lowerings:
+            make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)))
+
+
+def _fallbacks_first(fake: Callable[..., Any]) -> Callable[..., Any]:
+    """``fake``, calling :func:`inductor_fallbacks` on its first call."""
+
+    @functools.wraps(fake)
+    def first(*args: Any, **kwargs: Any) -> Any:
+        if not _FALLBACKS_MADE.is_set():
+            inductor_fallbacks()
+        return fake(*args, **kwargs)
+
+    return first
 
 
 def inline_in_graphs(traced: Callable[..., Any], name: str = "",
