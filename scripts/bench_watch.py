@@ -36,16 +36,27 @@ def main() -> int:
 
     done = threading.Event()
 
-    def watch() -> None:
-        me = threading.get_ident()
-        names = {}
-        while not done.wait(args.every):
-            names.update({t.ident: t.name for t in threading.enumerate()})
-            parts = [f"\n=== t = {time.monotonic() - t0:.0f} s\n"]
-            for ident, frame in sys._current_frames().items():
+    def dump(me: int) -> str:
+        # the frames are referenced only inside this call: a frame held past its function's return
+        # keeps its locals alive (a loss, its autograd graph), and an AccumulateGrad node kept so
+        # from one step, made on the default stream, makes a CUDA-graph capture of a later backward
+        # wait on that stream, which ends the capture (seen with a watcher that kept its last frame
+        # until the next dump)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = [f"\n=== t = {time.monotonic() - t0:.0f} s\n"]
+        frames = sys._current_frames()
+        try:
+            for ident, frame in frames.items():
                 if ident != me:
                     parts.append(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)))
-            out.write("".join(parts))
+        finally:
+            del frame, frames
+        return "".join(parts)
+
+    def watch() -> None:
+        me = threading.get_ident()
+        while not done.wait(args.every):
+            out.write(dump(me))
 
     threading.Thread(target=watch, daemon=True).start()
     from fp8ops.bench.__main__ import main as bench_main

@@ -275,11 +275,6 @@ def _inputs(B: int, H: int, Hkv: int, S: int, D: int, n: int) -> list[tuple[torc
     return sets
 
 
-def _fresh_leaves(sets: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
-    """The input sets with new leaf tensors over the same storage (no copy)."""
-    return [tuple(t.detach().requires_grad_(t.requires_grad) for t in s) for s in sets]
-
-
 def _time(fn: Any, sets: list[tuple[torch.Tensor, ...]], samples: int, notes: list[str], label: str) -> common.Timing:
     return common.time_cuda(fn, sets, samples=samples, on_fallback=lambda m: notes.append(f"{label}: {m}"))
 
@@ -416,8 +411,7 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
         for si, S in enumerate(seqlens):
             B = max(1, tokens // S)
             sets = _inputs(B, H, Hkv, S, D, 2)
-            row_sets: list[tuple[torch.Tensor, ...]] = []
-            fwd_sets: list[tuple[torch.Tensor, ...]] = []
+            fwd_sets = [s[:3] for s in sets]
             for variant in variants:
                 causal = variant in CAUSAL_VARIANTS
                 docs = _documents(S, seed=S) if variant == "document" else None
@@ -437,12 +431,6 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
                     if name not in makers:
                         continue
                     label = f"{name} {variant} d={D} S={S}"
-                    # leaves of this row's own (the same storage): an AccumulateGrad node that an
-                    # earlier row left alive, made on another stream, makes the backward wait on
-                    # that stream, which ends a capture (one H200: the causal rows' after the
-                    # unmasked ones, and every backward capture after that one)
-                    row_sets = _fresh_leaves(sets)
-                    fwd_sets = [s[:3] for s in row_sets]
                     try:
                         fn = makers[name]()
                         if si == 0 and name != "fp8ops (deterministic)":
@@ -461,7 +449,7 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
                         _skip(progress, notes, f"{label}: {_brief(exc)}")
                         continue
                     try:  # a backward that fails (an unsupported head dim, say) keeps the forward's row
-                        fb: common.Timing | None = _time(_fwd_bwd(fn), row_sets, samples, notes, label)
+                        fb: common.Timing | None = _time(_fwd_bwd(fn), sets, samples, notes, label)
                     except Exception as exc:
                         _skip(progress, notes, f"{label} backward: {_brief(exc)}")
                         fb = None
@@ -478,7 +466,7 @@ def _run_dense(args: argparse.Namespace, head_dims: list[int], seqlens: list[int
                         "fwd_bwd_timing": None if fb is None else fb.as_dict(),
                     })
                 del ref
-            del sets, row_sets, fwd_sets
+            del sets, fwd_sets
             torch.cuda.empty_cache()
     _add_ratios(rows)
     return rows
