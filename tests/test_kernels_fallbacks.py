@@ -77,3 +77,15 @@ def test_every_library_op_has_its_fallback_after_a_trace() -> None:
     missing = [str(op) for op in _library._DEFINED if op not in lowerings]
     assert not missing, missing
     torch.testing.assert_close(loss, fp8ops.linear_cross_entropy(x, w, t))
+
+
+def test_an_op_defined_after_the_first_trace_gets_its_fallback_at_once() -> None:
+    from torch._inductor.lowering import lowerings
+
+    _library.inductor_fallbacks()
+    spec = _library.OpSpec("fallbacks_test_defined_late(Tensor x) -> Tensor", cuda=lambda x: x.clone(),
+                           fake=lambda x: torch.empty_like(x))
+    packet = _library.define(spec, cpu=lambda x: x + 1)
+    assert packet.default in lowerings
+    x = torch.randn(3)
+    torch.testing.assert_close(torch.compile(packet, fullgraph=True)(x), x + 1)
