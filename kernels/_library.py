@@ -128,8 +128,7 @@ def _fallbacks_first(fake: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fake)
     def first(*args: Any, **kwargs: Any) -> Any:
-        if not _FALLBACKS_MADE.is_set():
-            inductor_fallbacks()
+        inductor_fallbacks()
         return fake(*args, **kwargs)
 
     return first

@@ -44,7 +44,7 @@ def main() -> int:
         # until the next dump)
         names = {t.ident: t.name for t in threading.enumerate()}
         parts = [f"\n=== t = {time.monotonic() - t0:.0f} s\n"]
-        frames = sys._current_frames()
+        frames, frame = sys._current_frames(), None
         try:
             for ident, frame in frames.items():
                 if ident != me:

@@ -20,13 +20,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 [ -n "${COMPILE_THREADS:-}" ] && export TORCHINDUCTOR_COMPILE_THREADS=$COMPILE_THREADS
-if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-"$PY" -m pip install --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { tail /tmp/install.log; exit 1; }
-{ "$PY" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-  git rev-parse HEAD 2>/dev/null; } | tee "$OUT/run0.log"
+. scripts/_gpu_install.sh
+gpu_install /tmp/install.log "$OUT/run0.log" || exit 1
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm --format=csv -l 5 > "$OUT/smi.csv" 2>&1 &
 SMI=$!
 FAILED=0

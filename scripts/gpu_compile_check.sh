@@ -26,14 +26,8 @@ FAILED=0
 left() { echo $((BUDGET - (SECONDS - START))); }
 export PYTHONUNBUFFERED=1
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-"$PY" -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { echo "install failed"; exit 1; }
-"$PY" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
-    | tee "$OUT/versions.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/versions.txt"
+. scripts/_gpu_install.sh
+gpu_install "$OUT/install.log" "$OUT/versions.txt" || exit 1
 
 if [ "${TESTS:-1}" != 0 ]; then
     echo "== GPU tests of compiled graphs (t=$((SECONDS - START))s)"
