@@ -57,6 +57,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._dropout import _dropout_key, _dropout_keep
+
 try:  # Gluon (triton.experimental) with its Hopper dialect; absent on older Triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -198,7 +200,8 @@ if AVAILABLE:
         # L2 while its tiles run), the longest first under a causal-like band; its key tiles.
         (seq_q, seq_kv, group, n_heads, n_items, sched_ptr, q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch,
          o_rb, o_rh, o_cb, o_ch, stride_lb, stride_lh, stride_ls, kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,
-         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right) = d
+         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right,
+         seed_ptr, drop_thresh, drop_scale) = d
         n_m = seq_q // BLOCK_M
         pid = w % n_m
         if REVERSE:
@@ -227,12 +230,14 @@ if AVAILABLE:
                 HAS_SCORE_MOD: gl.constexpr, SCORE_REL: gl.constexpr, HAS_MASK_MOD: gl.constexpr,
                 BAND: gl.constexpr, REVERSE: gl.constexpr,
                 BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HALF: gl.constexpr,
-                BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+                BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                DROPOUT: gl.constexpr):
         (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
          k_empty, v_empty, slot_smem) = a
         (seq_q, seq_kv, group, n_heads, n_items, sched_ptr, q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch,
          o_rb, o_rh, o_cb, o_ch, stride_lb, stride_lh, stride_ls, kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,
-         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right) = d
+         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right,
+         seed_ptr, drop_thresh, drop_scale) = d
         lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
         w = gl.program_id(0)
         first = gl.num_programs(0)  # items handed out by the counter start after the programs' own
@@ -316,6 +321,13 @@ if AVAILABLE:
         return s2
 
     @gluon.jit
+    def _drop(p, drop_key, m0, k0, drop_thresh, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+        # Dropout of one tile's weights (rows m0.., keys k0..): the mask of kernels/_dropout.py
+        rows = gl.expand_dims(m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), 1)
+        cols = gl.expand_dims(k0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout)), 0)
+        return gl.where(_dropout_keep(drop_key, rows, cols, drop_thresh), p, 0.0)
+
+    @gluon.jit
     def _softmax(s2, m_i, l_i):
         # Online softmax step; a row with no visible key so far keeps m = -inf, l = 0.
         m_new = gl.maximum(m_i, gl.max(s2, 1))
@@ -329,12 +341,13 @@ if AVAILABLE:
                  MASK_FN: gl.constexpr, HAS_SCORE_MOD: gl.constexpr, SCORE_REL: gl.constexpr,
                  HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
                  SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, DROPOUT: gl.constexpr):
         (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
          k_empty, v_empty, slot_smem) = a
         (seq_q, seq_kv, group, n_heads, n_items, sched_ptr, q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch,
          o_rb, o_rh, o_cb, o_ch, stride_lb, stride_lh, stride_ls, kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,
-         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right) = d
+         stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right,
+         seed_ptr, drop_thresh, drop_scale) = d
         qk_scale = sm_scale * 1.4426950408889634
         dtype: gl.constexpr = q_desc.dtype
         k_width: gl.constexpr = 32 // dtype.primitive_bitwidth
@@ -357,6 +370,9 @@ if AVAILABLE:
             qb = i % Q_BUFS
             mh = m0 + half * HALF
             qh = q_smem.index(qb * 2 + half)
+            drop_key = b.to(gl.uint32)
+            if DROPOUT:
+                drop_key = _dropout_key(seed_ptr, b, h)
             rel2 = 0.0
             rel_c = 0.0
             rel_slope = 0.0
@@ -378,6 +394,8 @@ if AVAILABLE:
                              n_part, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD,
                              SCORE_REL, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N, s_layout)
                 p, alpha, m_i, l_i = _softmax(s2, m_i, l_i)
+                if DROPOUT:
+                    p = _drop(p, drop_key, mh, k0, drop_thresh, HALF, BLOCK_N, s_layout)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             for t in range(1, n):
                 g = kc + t
@@ -394,6 +412,8 @@ if AVAILABLE:
                              n_part, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD,
                              SCORE_REL, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N, s_layout)
                 p, alpha, m_i, l_i = _softmax(s2, m_i, l_i)
+                if DROPOUT:
+                    p = _drop(p, drop_key, mh, kt, drop_thresh, HALF, BLOCK_N, s_layout)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(v_empty.index(ps), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -410,7 +430,10 @@ if AVAILABLE:
             # engine has read it.
             seen = l_i > 0.0
             l_safe = gl.where(seen, l_i, 1.0)
-            out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+            l_out = l_safe
+            if DROPOUT:  # the kept weights scaled by 1 / (1 - p); the LSE is the one before dropout
+                l_out = l_safe / drop_scale
+            out = acc / gl.expand_dims(gl.convert_layout(l_out, row_o), 1)
             lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
             if SCORE_REL:  # the bias's row part: -slope * (q - mh) + c
                 lse += rel_c - rel_slope * gl.arange(0, HALF, layout=row_s).to(gl.float32)
@@ -436,20 +459,20 @@ if AVAILABLE:
                     HAS_SCORE_MOD: gl.constexpr, SCORE_REL: gl.constexpr, HAS_MASK_MOD: gl.constexpr,
                     BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
                     SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                    STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+                    STAGES: gl.constexpr, Q_BUFS: gl.constexpr, DROPOUT: gl.constexpr):
         _consume(0, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, SCORE_REL,
                  HAS_MASK_MOD,
-                 BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF, BLOCK_N, HEAD_D, STAGES, Q_BUFS)
+                 BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF, BLOCK_N, HEAD_D, STAGES, Q_BUFS, DROPOUT)
 
     @gluon.jit
     def _consumer_1(a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN: gl.constexpr, MASK_FN: gl.constexpr,
                     HAS_SCORE_MOD: gl.constexpr, SCORE_REL: gl.constexpr, HAS_MASK_MOD: gl.constexpr,
                     BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr,
                     SPARSE_KV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                    STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+                    STAGES: gl.constexpr, Q_BUFS: gl.constexpr, DROPOUT: gl.constexpr):
         _consume(1, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, SCORE_REL,
                  HAS_MASK_MOD,
-                 BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF, BLOCK_N, HEAD_D, STAGES, Q_BUFS)
+                 BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF, BLOCK_N, HEAD_D, STAGES, Q_BUFS, DROPOUT)
 
     @gluon.jit
     def _hopper_fwd_kernel(
@@ -457,6 +480,7 @@ if AVAILABLE:
         lse_ptr,  # (B, Hq, Sq) fp32
         sched_ptr,  # int32 zero: the counter that hands out work items after each program's first
         seq_q, seq_kv, group, n_heads, n_items, sm_scale, win_left, win_right,
+        seed_ptr, drop_thresh, drop_scale,  # dropout (DROPOUT): the () int64 seed, the threshold, 1 / (1 - p)
         q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch, o_rb, o_rh, o_cb, o_ch,
         stride_lb, stride_lh, stride_ls,
         kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,  # block-mask lists (BLOCK_SPARSE), as in kernels/attention.py
@@ -466,6 +490,7 @@ if AVAILABLE:
         HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr, REVERSE: gl.constexpr, BLOCK_SPARSE: gl.constexpr,
         SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
         STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr,
+        DROPOUT: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -491,27 +516,28 @@ if AVAILABLE:
              k_empty, v_empty, slot_smem)
         d = (seq_q, seq_kv, group, n_heads, n_items, sched_ptr, q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch,
              o_rb, o_rh, o_cb, o_ch, stride_lb, stride_lh, stride_ls, kvn_ptr, kvi_ptr, fkvn_ptr, fkvi_ptr,
-             stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right)
+             stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, sm_scale, win_left, win_right,
+             seed_ptr, drop_thresh, drop_scale)
         if NEW_WS:
             gl.warp_specialize([
                 (_consumer_0, (a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD,
                                SCORE_REL, HAS_MASK_MOD, BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF,
-                               BLOCK_N, HEAD_D, STAGES, Q_BUFS)),
+                               BLOCK_N, HEAD_D, STAGES, Q_BUFS, DROPOUT)),
                 (_consumer_1, (a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD,
                                SCORE_REL, HAS_MASK_MOD, BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF,
-                               BLOCK_N, HEAD_D, STAGES, Q_BUFS)),
+                               BLOCK_N, HEAD_D, STAGES, Q_BUFS, DROPOUT)),
                 (_loader, (a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD,
                            SCORE_REL, HAS_MASK_MOD, BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF,
-                           BLOCK_N, HEAD_D, STAGES, Q_BUFS)),
+                           BLOCK_N, HEAD_D, STAGES, Q_BUFS, DROPOUT)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize(
                 (a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, SCORE_REL,
                  HAS_MASK_MOD, BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF, BLOCK_N, HEAD_D, STAGES,
-                 Q_BUFS), _consumer_0,
+                 Q_BUFS, DROPOUT), _consumer_0,
                 (a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD, SCORE_REL,
                  HAS_MASK_MOD, BAND, REVERSE, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, HALF, BLOCK_N, HEAD_D, STAGES,
-                 Q_BUFS),
+                 Q_BUFS, DROPOUT),
                 [_consumer_1, _loader], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -573,13 +599,13 @@ def _view2d(t: torch.Tensor, rows: int) -> _View2d | None:
     return _View2d(desc, coef[0][0], coef[1][0], coef[0][1], coef[1][1])
 
 
-def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
-                     descale: bool, sparse_q: int | None, sparse_kv: int | None, short_rows: bool = False,
+def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, descale: bool,
+                     sparse_q: int | None, sparse_kv: int | None, short_rows: bool = False,
                      mods: bool = False) -> bool:
     """Whether :func:`hopper_fwd` can run this problem and should (shape, feature and measured-speed
     checks; no launch). ``short_rows``: the rows see at most ``attention.SHORT_ROW_KEYS`` keys on
     average; ``mods``: a score_mod or mask_mod is in use."""
-    if not AVAILABLE or varlen or dropout or descale or torch.compiler.is_compiling():
+    if not AVAILABLE or varlen or descale or torch.compiler.is_compiling():
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
@@ -603,12 +629,14 @@ def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
                sm_scale: float, window: tuple[int | None, int | None], score_fn: Any, mask_fn: Any,
                has_score_mod: bool, has_mask_mod: bool, score_buffers: tuple[Any, ...],
                mask_buffers: tuple[Any, ...], sparse: tuple[Any, ...] | None, sparse_q: int, sparse_kv: int,
-               score_rel: bool = False) -> bool:
+               score_rel: bool = False, dropout: tuple[torch.Tensor, int, float] | None = None) -> bool:
     """Launch the Hopper forward into ``out`` and ``lse`` if every tensor has a descriptor view;
     return whether it ran. ``sparse``: the portable kernel's 10 block-mask arguments, or None. The
     persistent grid takes one program per SM and a zeroed int32 work counter per launch.
     ``score_rel``: the score mod is a relative bias ``score + slope * (kv - q) + c`` with slope and c
-    per (b, h) (``codegen.relative_bias``), added per key column, its row part folded into the LSE."""
+    per (b, h) (``codegen.relative_bias``), added per key column, its row part folded into the LSE.
+    ``dropout``: the () int64 seed tensor, the threshold of ``kernels/_dropout.py`` and 1 / (1 - p),
+    or None."""
     cfg = hopper_config(q.shape[3])
     views = (_view2d(q, BLOCK_M // 2), _view2d(k, cfg.block_n), _view2d(v, cfg.block_n),
              _view2d(out, BLOCK_M // 2))
@@ -625,6 +653,7 @@ def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         qv.desc, kv.desc, vv.desc, ov.desc, lse, sched,
         S, k.shape[2], H // k.shape[1], H, n_items, float(sm_scale),
         _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),
+        *(dropout if dropout is not None else (sched, 0, 1.0)),
         *qv[1:], *kv[1:], *ov[1:], *lse.stride(), *sp,
         # slots a mod does not use get a placeholder pointer (partitions take no None arguments)
         *(lse if t is None else t for t in (*score_buffers, *mask_buffers)),
@@ -632,7 +661,8 @@ def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         HAS_MASK_MOD=has_mask_mod, BAND=left is not None or right is not None, REVERSE=right is not None,
         BLOCK_SPARSE=sparse is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, HEAD_D=D,
-        STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=_NEW_WS, num_warps=4, maxnreg=168,
+        STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=_NEW_WS, DROPOUT=dropout is not None,
+        num_warps=4, maxnreg=168,
     )
     return True
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ._attention_hopper import AVAILABLE, _view2d
+from ._dropout import _dropout_key, _dropout_keep
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -107,13 +108,14 @@ if AVAILABLE:
                     SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
                     SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
-                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    DROPOUT: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
          ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-         sm_scale, win_left, win_right) = d
+         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale) = d
         for c in gl.static_range(2):
             mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             _tma_load(k_desc, [k_row + c * HALF, k_col], kv_bar.index(c), k_smem.index(c))
@@ -159,13 +161,14 @@ if AVAILABLE:
                      SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
                      SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                      BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
-                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    DROPOUT: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
          ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-         sm_scale, win_left, win_right) = d
+         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale) = d
         dtype: gl.constexpr = q_desc.dtype
         k_width: gl.constexpr = 32 // dtype.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -195,6 +198,9 @@ if AVAILABLE:
                 b, h, n0, seq_q, win_right, win_left, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
                 stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
                 BAND, BLOCK_SPARSE, SPARSE_KV, SPARSE_Q, 2 * HALF, BLOCK_M)
+            drop_key = b.to(gl.uint32)
+            if DROPOUT:
+                drop_key = _dropout_key(seed_ptr, b, h)
             key2 = 0.0
             if SCORE_MODE == 3:  # the bias's key part, slope * (kv - n0), per key row
                 rel2, c2 = _relative_bias2(SCORE_FN, sm_scale, b, h, st0, st1, st2, st3)
@@ -234,8 +240,16 @@ if AVAILABLE:
                         s2 = gl.where(MASK_FN(b, h, gl.expand_dims(m0 + qoff, 0), keys, mt0, mt1, mt2, mt3), s2,
                                       float("-inf"))
                 pT = gl.exp2(s2 - gl.expand_dims(lse_smem.index(st).load(col_layout), 0))
-                dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_smem.index(st), dv, is_async=True)
-                dpT = warpgroup_mma_wait(1, deps=[dpT])  # S^T and dP^T done, dV may run
+                if DROPOUT:  # dV from the kept weights (scaled once at the end), dP^T through the mask
+                    keep = _dropout_keep(drop_key, gl.expand_dims(m0 + qoff, 0), keys, drop_thresh)
+                    dv = warpgroup_mma(gl.convert_layout(gl.where(keep, pT, 0.0).to(dtype), op_layout),
+                                       do_smem.index(st), dv, is_async=True)
+                    dpT = warpgroup_mma_wait(1, deps=[dpT])
+                    dpT = gl.where(keep, dpT * drop_scale, 0.0)
+                else:
+                    dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_smem.index(st), dv,
+                                       is_async=True)
+                    dpT = warpgroup_mma_wait(1, deps=[dpT])  # S^T and dP^T done, dV may run
                 dsT = pT * (dpT - gl.expand_dims(dl_smem.index(st).load(col_layout), 0))
                 # SCORE_MODE_NO_GRAD, an additive mod with no table gradient: its derivative is 1, and
                 # ds is already 0 wherever p is.
@@ -284,17 +298,20 @@ if AVAILABLE:
                       SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
                       SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                       BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
-                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    DROPOUT: gl.constexpr):
         dk, dv = _bwd_consume(c, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                               SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                              SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES)
+                              SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
         (b_, hk_, n0_, group_, seq_q_, k_row_, k_col_, q_rb_, q_rh_, q_cb_, q_ch_, g_rb_, g_rh_, g_cb_, g_ch_,
          lse_ptr_, delta_ptr_, stride_lb_, stride_lh_, stride_ls_, n_heads_,
          qn_ptr_, qi_ptr_, fqn_ptr_, fqi_ptr_, stride_nb_, stride_nh_, stride_nm_, stride_ib_, stride_ih_,
-         stride_im_, sm_scale, win_left_, win_right_) = d
+         stride_im_, sm_scale, win_left_, win_right_, seed_ptr_, drop_thresh_, drop_scale) = d
         _store_rows(dk_ptr + dk_off, stride_dks, c * HALF, dk * sm_scale, HALF, HEAD_D, acc_layout)
+        if DROPOUT:  # the kept weights' 1 / (1 - p), once
+            dv = dv * drop_scale
         _store_rows(dv_ptr + dv_off, stride_dvs, c * HALF, dv, HALF, HEAD_D, acc_layout)
 
     # One entry point per consumer (the half is a compile-time constant; see _attention_hopper); the
@@ -305,11 +322,12 @@ if AVAILABLE:
                         SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
                         SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
-                        BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                        BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    DROPOUT: gl.constexpr):
         _bwd_consumer(0, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
                       SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
-                      HEAD_D, STAGES)
+                      HEAD_D, STAGES, DROPOUT)
 
     @gluon.jit
     def _bwd_consumer_1(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
@@ -317,11 +335,12 @@ if AVAILABLE:
                         SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
                         SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
-                        BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                        BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    DROPOUT: gl.constexpr):
         _bwd_consumer(1, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
                       SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
-                      HEAD_D, STAGES)
+                      HEAD_D, STAGES, DROPOUT)
 
     @gluon.jit
     def _hopper_bwd_kernel(
@@ -330,6 +349,7 @@ if AVAILABLE:
         dq_desc,  # (B * Hq * Sq, D) fp32 zero-initialised dQ accumulator, (64, D / 2) tiles
         dk_ptr, dv_ptr,  # (B, Hkv, Skv, D) outputs, last dim contiguous
         seq_q, seq_kv, group, sm_scale, win_left, win_right,
+        seed_ptr, drop_thresh, drop_scale,  # dropout (DROPOUT): the () int64 seed, the threshold, 1 / (1 - p)
         q_rb, q_rh, q_cb, q_ch, k_rb, k_rh, k_cb, k_ch, g_rb, g_rh, g_cb, g_ch,
         stride_lb, stride_lh, stride_ls,
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
@@ -340,7 +360,7 @@ if AVAILABLE:
         SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr, DROPOUT: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_N // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -377,7 +397,7 @@ if AVAILABLE:
         d = (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
              lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
              qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-             sm_scale, win_left, win_right)
+             sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale)
         dk_off = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + n0.to(gl.int64) * stride_dks
         dv_off = b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + n0.to(gl.int64) * stride_dvs
         if NEW_WS:
@@ -385,24 +405,25 @@ if AVAILABLE:
                 (_bwd_consumer_0, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                    MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
-                                   BLOCK_M, HALF, HEAD_D, STAGES)),
+                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT)),
                 (_bwd_consumer_1, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                    MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
-                                   BLOCK_M, HALF, HEAD_D, STAGES)),
+                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT)),
                 (_bwd_loader, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                      st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                      MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
-                                     SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES)),
+                                     SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize(
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
                  mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), _bwd_consumer_0,
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT), _bwd_consumer_0,
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
                  mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES), [_bwd_consumer_1, _bwd_loader], [4, 1],
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT), [_bwd_consumer_1, _bwd_loader],
+                [4, 1],
                 [CONSUMER_REGS, 24])
 
 @functools.lru_cache(maxsize=None)
@@ -411,7 +432,7 @@ def _dq_layout(d: int) -> Any:
     return gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, d // 2], gl.float32)
 
 
-def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, dropout: bool,
+def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool,
                          sparse_q: int | None, sparse_kv: int | None) -> bool:
     """Whether :func:`hopper_bwd` can run this problem (shape and feature checks; no launch). Where
     it can, it measured faster than the portable kernels in every case measured (one H100, B=8,
@@ -420,7 +441,7 @@ def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
     10.08; d = 64 causal 28.4 / 35.2, ALiBi 30.3 / 48.1, document 6.78 / 8.08, window 9.78 / 11.78; at
     S = 1024, 2048 and 4096 too, but the document mask at S = 1024, at parity: 4.01 / 3.92), so the
     launcher runs it wherever it applies."""
-    if not AVAILABLE or varlen or dropout or torch.compiler.is_compiling():
+    if not AVAILABLE or varlen or torch.compiler.is_compiling():
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
@@ -439,7 +460,7 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                window: tuple[int | None, int | None], score_fn: Any, grad_fn: Any, mask_fn: Any,
                score_mode: int, has_mask_mod: bool, score_buffers: tuple[Any, ...],
                mask_buffers: tuple[Any, ...], score_grads: tuple[Any, ...], sparse_t: tuple[Any, ...] | None,
-               sparse_q: int, sparse_kv: int) -> bool:
+               sparse_q: int, sparse_kv: int, dropout: tuple[torch.Tensor, int, float] | None = None) -> bool:
     """Launch the Hopper backward into ``dq``, ``dk``, ``dv`` (``delta`` from the preprocess kernel);
     return whether it ran (q, k, v and do need descriptor views, dk and dv a contiguous last dim;
     nothing is allocated or written otherwise). dQ is summed in a float32 buffer, then cast into
@@ -469,6 +490,7 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         qv.desc, kv.desc, vv.desc, gv.desc, lse, delta, dq_desc, dk, dv,
         S, Skv, H // Hk, float(sm_scale),
         _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),
+        *(dropout if dropout is not None else (lse, 0, 1.0)),
         *qv[1:], *kv[1:], *gv[1:], *lse.stride(),
         *dk.stride()[:3], *dv.stride()[:3], *sp,
         # slots a mod does not use get a placeholder pointer (partitions take no None arguments)
@@ -476,7 +498,8 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         SCORE_FN=score_fn, GRAD_FN=grad_fn, MASK_FN=mask_fn, SCORE_MODE=score_mode,
         HAS_MASK_MOD=has_mask_mod, BAND=left is not None or right is not None, BLOCK_SPARSE=sparse_t is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
-        STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS, num_warps=4, maxnreg=168,
+        STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS, DROPOUT=dropout is not None, num_warps=4,
+        maxnreg=168,
     )
     dq.copy_(dqa)
     return True

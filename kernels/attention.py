@@ -88,6 +88,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._dropout import _dropout_keep, _dropout_key
 from ._library import cdiv, fast_launch, merge_config, next_pow2
 from ._attention_hopper import head_placement, hopper_fwd, hopper_supported
 from ._attention_hopper_bwd import (
@@ -295,41 +296,6 @@ MASK_MOD = _all_visible
 
 # ------------------------------------------------------------------------------------------------
 # Shared helpers
-
-
-@triton.jit
-def _mix32(x):
-    # A 32-bit xor-shift-multiply hash on uint32 (wrapping), as in fp8ops.reference.attention.
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    x = x ^ (x >> 16)
-    return x
-
-
-@triton.jit
-def _dropout_key(seed_ptr, b, h):
-    # The per-(batch, head) part of the dropout hash.
-    seed = tl.load(seed_ptr)
-    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    k0 = _mix32(lo ^ _mix32(hi))
-    k1 = _mix32(k0 + b.to(tl.uint32))
-    return _mix32(k1 + h.to(tl.uint32))
-
-
-@triton.jit
-def _dropout_keep(key, q_idx, kv_idx, drop_thresh):
-    # True where the weight of (q_idx, kv_idx) is kept; q_idx / kv_idx broadcast to the tile. The
-    # row's hash is a vector (one full mix per row); each element costs one xor, two multiplies and
-    # one xor-shift (a second full mix per element made the forward kernel 21 % slower at the seed
-    # layer's shape), and its top 31 bits are compared with the threshold.
-    r = _mix32(key + q_idx.to(tl.uint32)) ^ kv_idx.to(tl.uint32)
-    r = r * 0x21F0AAAD
-    r = r ^ (r >> 15)
-    r = r * 0x735A2D97
-    return (r >> 1).to(tl.int32) >= drop_thresh
 
 
 @triton.jit
@@ -1619,14 +1585,16 @@ def attention_fwd_launch(
         fns = (kernels.score_mod if has_score_mod else _identity_score_mod,
                kernels.mask_mod if has_mask_mod else _all_visible)
         if (None not in fns
-                and hopper_supported(q, k, v, varlen=vl, dropout=dropout_p > 0.0, descale=descale is not None,
+                and hopper_supported(q, k, v, varlen=vl, descale=descale is not None,
                                      sparse_q=bs.block_q if bs else None, sparse_kv=bs.block_kv if bs else None,
                                      short_rows=short, mods=has_score_mod or has_mask_mod)
                 and hopper_fwd(q, k, v, out, lse, sm_scale=sm_scale, window=window, score_fn=fns[0], mask_fn=fns[1],
                                has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, score_buffers=sm,
                                mask_buffers=mm, sparse=_sparse_args(bs) if bs else None,
                                sparse_q=bs.block_q if bs else 1, sparse_kv=bs.block_kv if bs else 1,
-                               score_rel=kernels.score_rel)):
+                               score_rel=kernels.score_rel,
+                               dropout=(dropout_seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p))
+                               if dropout_p > 0.0 else None)):
             return
     tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), interp)
     _launch(
@@ -1773,7 +1741,7 @@ def attention_bwd_launch(
     if auto and cfg["HOPPER"] and not set(config or ()) - {"HOPPER"} and _hopper_bwd(
             kernels, do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window,
             has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, sm=sm, mm=mm, gs=gs, bst=bst,
-            dropout=dropout_p > 0.0, varlen=prob.varlen):
+            dropout=drop if dropout_p > 0.0 else None, varlen=prob.varlen):
         return
     # Step 2: dK, dV (and dQ with atomics).
     atomic = dq_mode == "atomic"
@@ -1835,13 +1803,13 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
                 sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool,
                 has_mask_mod: bool,
                 sm: tuple[Any, ...], mm: tuple[Any, ...], gs: tuple[Any, ...], bst: BlockSparsity | None,
-                dropout: bool, varlen: bool) -> bool:
+                dropout: tuple[Any, int, float] | None, varlen: bool) -> bool:
     # The Hopper backward takes the mods as arguments: a mod in use whose function ``kernels`` does
     # not carry keeps this module's kernels (see AttentionKernels).
     fns = (kernels.score_mod if has_score_mod else _identity_score_mod,
            kernels.score_grad if has_score_mod else _identity_score_grad,
            kernels.mask_mod if has_mask_mod else _all_visible)
-    if None in fns or not hopper_bwd_supported(q, k, v, varlen=varlen, dropout=dropout,
+    if None in fns or not hopper_bwd_supported(q, k, v, varlen=varlen,
                                                sparse_q=bst.block_q if bst else None,
                                                sparse_kv=bst.block_kv if bst else None):
         return False
@@ -1850,7 +1818,7 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
                       score_mode=hopper_bwd_score_mode(kernels, has_score_mod), has_mask_mod=has_mask_mod,
                       score_buffers=sm, mask_buffers=mm, score_grads=gs,
                       sparse_t=_sparse_args(bst) if bst else None, sparse_q=bst.block_q if bst else 1,
-                      sparse_kv=bst.block_kv if bst else 1)
+                      sparse_kv=bst.block_kv if bst else 1, dropout=dropout)
 
 
 def flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *, causal: bool = False,

@@ -3,17 +3,21 @@
 The seed layer (hidden 4096, 32 heads of 128, seq 2048, batch 4, no mask) takes q, k and v as
 strided (S, B, h, d) views of its QKV projection. This script times, at that shape and layout,
 forward and forward+backward of ``fp8ops.attention(backend="triton")`` without dropout and with
-``dropout_p`` (a seed tensor), and of SDPA (cuDNN, flash) with and without dropout, then prints the
+``dropout_p`` (a seed tensor), with the Hopper kernels where they apply and with the portable ones
+(``fp8ops triton, portable``), and of SDPA (cuDNN, flash) with and without dropout, then prints the
 compiled Triton attention kernels' registers and spills and the device time per kernel of one
 Triton forward+backward with dropout (profiler).
 
     python scripts/attn_dropout_check.py [--p 0.1] [--seq 2048] [--batch 4] [--causal] [--contiguous]
-                                         [--dq-mode auto|separate|atomic] [--out DIR]
+                                         [--dq-mode auto|separate|atomic] [--graph] [--out DIR]
+
+``--graph`` times CUDA-graph replays (device time); without it, plain launches (host time included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -30,6 +34,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attn_tune import _compiled_kernels  # noqa: E402
 
 
+@contextlib.contextmanager
+def _no_hopper() -> Any:
+    from fp8ops.kernels import attention as K
+
+    saved = K.hopper_supported, K.hopper_bwd_supported
+    K.hopper_supported = K.hopper_bwd_supported = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        K.hopper_supported, K.hopper_bwd_supported = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--p", type=float, default=0.1)
@@ -42,6 +58,7 @@ def main() -> None:
                     help="contiguous (B, h, S, d) q, k, v (layout bhsd) instead of views of the QKV projection")
     ap.add_argument("--dq-mode", choices=("auto", "separate", "atomic"), default="auto",
                     help="the backward's dQ scheme for the fp8ops rows (auto: the library's choice)")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of plain launches")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.dq_mode != "auto":
@@ -61,8 +78,11 @@ def main() -> None:
             q, k, v = (t.permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3) for t in (q, k, v))
         return leaf, q, k, v
 
-    def ours(p: float, bwd: bool) -> Any:
+    def ours(p: float, bwd: bool, portable: bool = False) -> Any:
         def f() -> None:
+            if portable:  # the library's Hopper kernels refused: the portable ones run
+                with _no_hopper():
+                    return ours(p, bwd)()
             leaf, q, k, v = views()
             kw: dict[str, Any] = {"layout": "sbhd"}
             if args.contiguous:
@@ -87,6 +107,7 @@ def main() -> None:
     flops = 4 * B * h * S * S * d * (0.5 if args.causal else 1.0)
     rows = []
     cases = [("fp8ops triton", lambda p, b: ours(p, b)),
+             ("fp8ops triton, portable", lambda p, b: ours(p, b, portable=True)),
              ("SDPA cuDNN", lambda p, b: sdpa(p, b, SDPBackend.CUDNN_ATTENTION)),
              ("SDPA flash", lambda p, b: sdpa(p, b, SDPBackend.FLASH_ATTENTION))]
     for name, make in cases:
@@ -94,7 +115,7 @@ def main() -> None:
             row: dict[str, Any] = {"impl": name, "dropout_p": p}
             for bwd in (False, True):
                 try:
-                    t = common.time_cuda(make(p, bwd), [()], samples=15, use_graph=False)
+                    t = common.time_cuda(make(p, bwd), [()], samples=15, use_graph=args.graph)
                     row["fwd+bwd ms" if bwd else "fwd ms"] = round(t.median_us / 1e3, 3)
                 except Exception as exc:  # a backend that does not take this case
                     row["error"] = f"{type(exc).__name__}: {exc}"[:160]

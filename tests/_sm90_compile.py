@@ -54,10 +54,14 @@ VARIANTS = {
     "bwd_d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True, backward=True),
     "d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, types=_RUNS_TYPES),
     "bwd_d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, backward=True, types=_RUNS_TYPES),
+    "d128_none_dropout": dict(D=128, band=False, dropout=True),
+    "d64_causal_dropout": dict(D=64, dropout=True),
+    "bwd_d128_none_dropout": dict(D=128, band=False, backward=True, dropout=True),
+    "bwd_d64_causal_dropout": dict(D=64, backward=True, dropout=True),
 }
 
 
-def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1, types=None):
+def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1, types=None, dropout=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -69,7 +73,8 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
                   MASK_FN=mask or K._all_visible, SCORE_MODE=0 if score is None else score_mode,
                   HAS_MASK_MOD=mask is not None,
                   BAND=band, BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=HB.BWD_BLOCK_M,
-                  BLOCK_N=HB.BWD_BLOCK_N, HEAD_D=D, STAGES=HB.BWD_STAGES, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
+                  BLOCK_N=HB.BWD_BLOCK_N, HEAD_D=D, STAGES=HB.BWD_STAGES, CONSUMER_REGS=240, NEW_WS=H._NEW_WS,
+                  DROPOUT=dropout)
     kern = HB._hopper_bwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
@@ -81,8 +86,10 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
             sig[n] = desc(HB.BWD_BLOCK_N // 2)
         elif n == "dq_desc":
             sig[n] = f"tensordesc<fp32[{HB.BWD_BLOCK_M},{D // 2}],{HB._dq_layout(D)!r}>"
-        elif n == "sm_scale":
+        elif n in ("sm_scale", "drop_scale"):
             sig[n] = "fp32"
+        elif n == "seed_ptr":
+            sig[n] = "*i64"
         elif n in consts:
             sig[n], fixed[(i,)] = "constexpr", consts[n]
         elif n in ("dk_ptr", "dv_ptr"):
@@ -97,7 +104,7 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
                           options={"num_warps": 4, "maxnreg": 168})
 
 
-def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=False, types=None):
+def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=False, types=None, dropout=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -111,7 +118,8 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=Fa
                   HAS_SCORE_MOD=score is not None, SCORE_REL=rel, HAS_MASK_MOD=mask is not None, BAND=band,
                   REVERSE=band,
                   BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=H.BLOCK_M, BLOCK_N=cfg.block_n,
-                  HEAD_D=D, STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=H._NEW_WS)
+                  HEAD_D=D, STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=H._NEW_WS,
+                  DROPOUT=dropout)
     kern = H._hopper_fwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
@@ -121,8 +129,10 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=Fa
             sig[n] = desc(H.BLOCK_M // 2)
         elif n in ("k_desc", "v_desc"):
             sig[n] = desc(cfg.block_n)
-        elif n == "sm_scale":
+        elif n in ("sm_scale", "drop_scale"):
             sig[n] = "fp32"
+        elif n == "seed_ptr":
+            sig[n] = "*i64"
         elif n in consts:
             sig[n], fixed[(i,)] = "constexpr", consts[n]
         elif n.endswith("_ptr") or (n[:2] in ("st", "mt") and n[2:].isdigit()):

@@ -33,9 +33,10 @@ needs_gluon = pytest.mark.skipif(not H.AVAILABLE, reason="this Triton has no Glu
 # Compiled for sm_90 without a GPU
 
 VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_document_block_mask", "d128_alibi_relative",
-            "d128_document_runs"]
+            "d128_document_runs", "d128_none_dropout", "d64_causal_dropout"]
 BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_alibi_no_grad",
-                "bwd_d128_alibi_relative", "bwd_d128_document_block_mask", "bwd_d128_document_runs"]
+                "bwd_d128_alibi_relative", "bwd_d128_document_block_mask", "bwd_d128_document_runs",
+                "bwd_d128_none_dropout", "bwd_d64_causal_dropout"]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,13 @@ def test_compiles_for_sm90_into_the_warp_specialised_schedule(name, compiled):
     # block-mask list pointers: up to 40 bytes with Triton 3.6, 56 with 3.9)
     assert _stack_bytes(res) <= 64, f"{name}: the kernel spills to local memory: {res}"
     assert shared <= 227 * 1024, name
+    _assert_dropout_hash(ptx, name)
+
+
+def _assert_dropout_hash(ptx: str, name: str) -> None:
+    # the dropout variants hash every weight (kernels/_dropout.py's per-element multiplier 0x21F0AAAD);
+    # the others carry no trace of it
+    assert ("569420461" in ptx) == ("dropout" in name), name
 
 
 def _assert_register_budgets(ptx: str, name: str) -> None:
@@ -109,6 +117,7 @@ def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compi
     # the consumers spill a few values around the dV product (152 to 256 bytes with Triton 3.6 and
     # 3.9; 320 when the consumers added dQ with vector atomics)
     assert _stack_bytes(res) <= (32 if d == 64 else 288), f"{name}: spill stack {res}"
+    _assert_dropout_hash(ptx, name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,7 +163,7 @@ def test_views_the_descriptor_cannot_address_are_refused():
 
 def test_hopper_is_never_chosen_on_the_cpu():
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
-    assert not H.hopper_supported(q, q, q, varlen=False, dropout=False, descale=False, sparse_q=None, sparse_kv=None)
+    assert not H.hopper_supported(q, q, q, varlen=False, descale=False, sparse_q=None, sparse_kv=None)
 
 
 def test_config_hopper_key_and_portable_keys():

@@ -10,7 +10,7 @@ error(Hopper) <= 2 x error(portable) + slack). Covers head dims 64/128, bf16/fp1
 mask, GQA/MQA, cross-attention, the three layouts (a fused QKV projection's strided slices included),
 score_mods with and without captured-tensor gradients, a mask_mod on every tile, block masks, rows
 that see no key, and the problems that stay on the portable kernels (odd lengths, keys not in whole
-tiles, head dim 256, dropout), and the routing of default, deterministic and score_mod calls.
+tiles, head dim 256), dropout with the reference's mask, and the routing of default, deterministic and score_mod calls.
 """
 
 from __future__ import annotations
@@ -86,7 +86,13 @@ CASES = [
     ("odd_length_portable", lambda: _qkv(2, 4, 2, 777, 777, 128), "bhsd", dict(causal=True), False),
     ("keys_not_whole_tiles_portable", lambda: _qkv(1, 4, 4, 512, 576, 128), "bhsd", {}, False),
     ("d256_portable", lambda: _qkv(1, 4, 4, 512, 512, 256), "bhsd", dict(causal=True), False),
-    ("dropout_portable", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(causal=True, dropout=0.1), False),
+    # dropout: the reference's mask (a hash of seed, b, h, i, j) on P for dV and on dP
+    ("d128_causal_dropout", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(causal=True, dropout=0.1), True),
+    ("d128_none_dropout_fused_qkv", lambda: _fused_qkv(1024, 2, 8, 128, 3), "sbhd", dict(dropout=0.1), True),
+    ("d64_window_dropout_gqa", lambda: _qkv(1, 8, 2, 1024, 1024, 64), "bhsd", dict(window=(100, 37), dropout=0.3),
+     True),
+    ("d128_alibi_document_dropout", lambda: _qkv(1, 4, 4, 1024, 1024, 128), "bhsd",
+     dict(score_mod="alibi", block_mask="docs", dropout=0.2), True),
 ]
 
 
@@ -119,7 +125,7 @@ def _run(base, layout, opts, dq_mode, table):
         mm = _docs(Sq)
         kw.update(mask_mod=mm, block_mask=A.create_block_mask(mm, None, None, Sq, Skv, block_size=128))
     p = opts.get("dropout", 0.0)
-    seed = torch.tensor([1234], device=DEV) if p else None
+    seed = torch.tensor(1234, dtype=torch.int64, device=DEV) if p else None
     out, lse = A._attention_triton(q, k, v, scale=q4.shape[-1] ** -0.5, layout=layout, cu_q=None, cu_kv=None,
                                    max_q=None, max_kv=None, dropout_p=p, seed=seed, dq_mode=dq_mode,
                                    bwd_config={"HOPPER": 2}, **kw)
@@ -155,13 +161,12 @@ def test_hopper_backward_against_the_reference_and_the_portable_kernels(case, mo
     ran.clear()
     portable, _ = _run(base, layout, opts, "separate", table)
     assert not ran
-    if opts.get("dropout"):
-        return  # the reference draws no dropout mask: the routing is what this case checks
     leaves = [t.float().requires_grad_() for t in base]
     tab = table.clone().requires_grad_()
     score_mod = A.relative_position_bias(tab) if opts.get("score_mod") == "relative" else kw["score_mod"]
     ref_kw = dict(score_mod=score_mod, mask_mod=kw["mask_mod"], block_mask=kw["block_mask"],
-                  window=opts.get("window"), causal=opts.get("causal", False), layout=layout)
+                  window=opts.get("window"), causal=opts.get("causal", False), layout=layout,
+                  dropout_p=opts.get("dropout", 0.0), dropout_seed=1234 if opts.get("dropout") else None)
     (ro, rl), _ = R.attention(*leaves, return_lse=True, **ref_kw)
     g = torch.Generator(device=DEV).manual_seed(11)
     dout = torch.randn(ro.shape, generator=g, device=DEV)

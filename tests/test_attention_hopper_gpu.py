@@ -7,7 +7,7 @@ from the forward's output and LSE) are as close to the FP32 reference as the por
 within the error rule of DESIGN.md §5: error(Hopper) <= 2 x error(portable) + slack. Covers head dims
 64/128/256, bf16/fp16, causal, windows, no mask, GQA/MQA, cross-attention, the three layouts
 (a fused QKV projection's strided slices included), a score_mod, a mask_mod on every tile, block
-masks, rows that see no key, and the problems that stay on the portable kernel (odd lengths, a head
+masks, rows that see no key, dropout with the reference's mask, and the problems that stay on the portable kernel (odd lengths, a head
 dim of 96, short rows or mods at d = 64, a score_mod with per-score transcendental math).
 """
 
@@ -77,6 +77,14 @@ CASES = [
     ("rows_that_see_nothing", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(mask_mod="empty_rows"), True),
     ("odd_length_portable", lambda: _qkv(2, 4, 2, 777, 777, 128), "bhsd", dict(causal=True), False),
     ("d96_portable", lambda: _qkv(1, 4, 4, 512, 512, 96), "bhsd", dict(causal=True), False),
+    # dropout: the same mask as the reference's (a hash of seed, b, h, i, j) in every tile
+    ("d128_none_dropout_fused_qkv", lambda: _fused_qkv(1024, 2, 8, 128, 3), "sbhd", dict(dropout=0.1), True),
+    ("d128_causal_dropout_gqa", lambda: _qkv(2, 8, 2, 768, 768, 128), "bhsd", dict(causal=True, dropout=0.3), True),
+    ("d256_window_dropout", lambda: _qkv(1, 4, 4, 768, 768, 256), "bhsd", dict(window=(100, 37), dropout=0.1),
+     True),
+    ("d64_causal_dropout", lambda: _qkv(1, 4, 2, 4096, 4096, 64), "bhsd", dict(causal=True, dropout=0.1), True),
+    ("d128_alibi_document_dropout", lambda: _qkv(1, 4, 4, 1024, 1024, 128), "bhsd",
+     dict(score_mod="alibi", block_mask="docs", dropout=0.2), True),
 ]
 
 
@@ -102,8 +110,11 @@ def _run(base, layout, opts, fwd_config):
     if opts.get("block_mask") == "docs":
         mm = _docs(Sq)
         kw.update(mask_mod=mm, block_mask=A.create_block_mask(mm, None, None, Sq, Skv, block_size=128))
+    p = opts.get("dropout", 0.0)
     out, lse = A._attention_triton(q, k, v, scale=q4.shape[-1] ** -0.5, layout=layout, cu_q=None, cu_kv=None,
-                                   max_q=None, max_kv=None, dropout_p=0.0, seed=None, fwd_config=fwd_config, **kw)
+                                   max_q=None, max_kv=None, dropout_p=p,
+                                   seed=torch.tensor(1234, dtype=torch.int64, device=DEV) if p else None,
+                                   fwd_config=fwd_config, **kw)
     g = torch.Generator(device=DEV).manual_seed(11)
     dout = torch.randn(out.shape, generator=g, device=DEV)
     dlse = torch.randn(lse.shape, generator=g, device=DEV) * 0.1
@@ -131,7 +142,8 @@ def test_hopper_forward_against_the_reference_and_the_portable_kernel(case, monk
     # FP32 reference with the same mods, from the same inputs
     leaves = [t.float().requires_grad_() for t in base]
     ref_kw = dict(score_mod=kw["score_mod"], mask_mod=kw["mask_mod"], block_mask=kw["block_mask"],
-                  window=opts.get("window"), causal=opts.get("causal", False), layout=layout)
+                  window=opts.get("window"), causal=opts.get("causal", False), layout=layout,
+                  dropout_p=opts.get("dropout", 0.0), dropout_seed=1234 if opts.get("dropout") else None)
     (ro, rl), _ = R.attention(*leaves, return_lse=True, **ref_kw)
     g = torch.Generator(device=DEV).manual_seed(11)
     dout = torch.randn(ro.shape, generator=g, device=DEV)
@@ -149,9 +161,8 @@ def test_hopper_forward_against_the_reference_and_the_portable_kernel(case, monk
 
 def test_hopper_supported_refuses_what_it_cannot_run():
     q, k, v = _qkv(1, 4, 4, 512, 512, 128)
-    common = dict(varlen=False, dropout=False, descale=False, sparse_q=None, sparse_kv=None)
+    common = dict(varlen=False, descale=False, sparse_q=None, sparse_kv=None)
     assert H.hopper_supported(q, k, v, **common)
-    assert not H.hopper_supported(q, k, v, **{**common, "dropout": True})
     assert not H.hopper_supported(q, k, v, **{**common, "varlen": True})
     assert not H.hopper_supported(q, k, v, **{**common, "descale": True})
     assert not H.hopper_supported(q.float(), k.float(), v.float(), **common)

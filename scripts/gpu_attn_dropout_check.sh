@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Check the attention kernels' dropout on the GPU machine in one call: install fp8ops, run the GPU
+# tests of the attention kernels (Hopper forward and backward, portable kernels, the layer's
+# attention), then time attention with and without dropout at the seed layer's shape against SDPA
+# (scripts/attn_dropout_check.py, CUDA-graph replays), and optionally `bench layer`.
+#
+# Usage: bash scripts/gpu_attn_dropout_check.sh OUTDIR
+#
+#   TESTS=0          skip the tests
+#   LAYER=1          also run `python -m fp8ops.bench layer` (its JSON and PNG into OUTDIR)
+#   CHECK_ARGS="..." extra arguments of attn_dropout_check.py
+
+set -u -o pipefail
+[ $# -eq 1 ] || { echo "usage: bash scripts/gpu_attn_dropout_check.sh OUTDIR" >&2; exit 2; }
+mkdir -p "$1" && OUT=$(cd "$1" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+PY=${PYTHON:-python3}
+START=$SECONDS
+FAILED=0
+export PYTHONUNBUFFERED=1
+
+. scripts/_gpu_install.sh
+gpu_install "$OUT/install.log" "$OUT/versions.txt" || exit 1
+
+if [ "${TESTS:-1}" != 0 ]; then
+    echo "== attention GPU tests (t=$((SECONDS - START))s)"
+    workers=$(( $(nproc) > 16 ? 8 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
+    timeout --kill-after=10 "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider \
+        -n "$workers" --timeout 200 tests/test_attention_hopper_gpu.py tests/test_attention_hopper_bwd_gpu.py \
+        tests/test_attention_gpu.py tests/test_transformer_layer_gpu.py > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
+    tail -4 "$OUT/gpu_tests.log"
+fi
+
+echo "== attention dropout timing (t=$((SECONDS - START))s)"
+# shellcheck disable=SC2086
+timeout --kill-after=10 "${CHECK_LIMIT_S:-200}" "$PY" scripts/attn_dropout_check.py --graph --out "$OUT" \
+    ${CHECK_ARGS:-} > "$OUT/attn_dropout.txt" 2>&1 || FAILED=1
+grep -v '^{"name"' "$OUT/attn_dropout.txt" | head -40
+
+if [ "${LAYER:-0}" != 0 ]; then
+    echo "== bench layer (t=$((SECONDS - START))s)"
+    timeout --kill-after=10 "${LAYER_LIMIT_S:-300}" "$PY" -m fp8ops.bench layer --out "$OUT" \
+        > "$OUT/layer.txt" 2>&1 || FAILED=1
+    tail -30 "$OUT/layer.txt"
+fi
+echo "== done (t=$((SECONDS - START))s, failed=$FAILED)"
+exit $FAILED
