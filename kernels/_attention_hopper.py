@@ -37,8 +37,9 @@ What it covers (``hopper_supported`` / ``hopper_fwd``; the portable kernel runs 
 GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128, 256}, dense (B, H, S, D) views whose rows
 each head can address through a 2-D tensor descriptor (bhsd, bshd, sbhd and their GQA forms),
 sequence lengths that are multiples of the tiles (128 query rows, 64 or 128 keys), a band (causal /
-sliding window), a ``score_mod``, a ``mask_mod`` and block-mask lists; no packed sequences, dropout
-or FP8 descales. Mods are the same ``@triton.jit`` functions the portable kernels call. Where it was
+sliding window), a ``score_mod``, a ``mask_mod``, block-mask lists and dropout (the mask of
+``_dropout.py``, hashed per weight after the softmax step: the row sums see every weight, P V only
+the kept ones, and the output is scaled by 1 / (1 - p) once); no packed sequences or FP8 descales. Mods are the same ``@triton.jit`` functions the portable kernels call. Where it was
 measured slower the launcher keeps the portable kernel: at d = 64 for short rows, mods and block
 masks, and for score mods with transcendental math per score (``fp8ops.attention.codegen.tile_math``).
 Forward times, one H100, B=8, S=8192 (``docs/benchmarks/attention_hopper_h100.md``): d = 128 causal
@@ -601,11 +602,12 @@ def _view2d(t: torch.Tensor, rows: int) -> _View2d | None:
 
 def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, descale: bool,
                      sparse_q: int | None, sparse_kv: int | None, short_rows: bool = False,
-                     mods: bool = False) -> bool:
+                     mods: bool = False, traced: bool = False) -> bool:
     """Whether :func:`hopper_fwd` can run this problem and should (shape, feature and measured-speed
     checks; no launch). ``short_rows``: the rows see at most ``attention.SHORT_ROW_KEYS`` keys on
-    average; ``mods``: a score_mod or mask_mod is in use."""
-    if not AVAILABLE or varlen or descale or torch.compiler.is_compiling():
+    average; ``mods``: a score_mod or mask_mod is in use; ``traced``: asked while ``torch.compile``
+    traces a call that stays an opaque op (the launcher itself never runs the kernel while traced)."""
+    if not AVAILABLE or varlen or descale or (torch.compiler.is_compiling() and not traced):
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False

@@ -34,8 +34,10 @@ sm_90 GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128}, the same descript
 as the Hopper forward, query lengths that are multiples of 64 and key lengths multiples of 128, a
 band, a ``score_mod`` with its derivative (captured-tensor gradients scatter with atomics, as in the
 portable kernel; the derivative of an additive mod with no table that learns, 1, is not called), a
-``mask_mod`` and block-mask lists (blocks of a multiple of 64 query rows and 128
-keys); no packed sequences, dropout, or ``deterministic=True``.
+``mask_mod``, block-mask lists (blocks of a multiple of 64 query rows and 128 keys) and dropout (the
+forward's mask, hashed once per weight: dV from the kept weights, scaled by 1 / (1 - p) once at the
+end, and dP^T through the mask and the same scale before dS^T); no packed sequences or
+``deterministic=True``.
 
 References: Shah et al., "FlashAttention-3" (2024), section 3 and its backward (dQ accumulated in
 float32 through TMA reductions from the dK/dV kernel); Dao, "FlashAttention-2" (2023), algorithm 2.
@@ -433,15 +435,15 @@ def _dq_layout(d: int) -> Any:
 
 
 def hopper_bwd_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool,
-                         sparse_q: int | None, sparse_kv: int | None) -> bool:
+                         sparse_q: int | None, sparse_kv: int | None, traced: bool = False) -> bool:
     """Whether :func:`hopper_bwd` can run this problem (shape and feature checks; no launch). Where
     it can, it measured faster than the portable kernels in every case measured (one H100, B=8,
     S=8192, backward ms, Hopper / portable: d = 128 causal 21.9 / 31.3, no mask 40.2 / 56.7, ALiBi
     25.9 / 32.9 (22.6 since its derivative is skipped), document mask 6.07 / 6.82, window 1024 7.82 /
     10.08; d = 64 causal 28.4 / 35.2, ALiBi 30.3 / 48.1, document 6.78 / 8.08, window 9.78 / 11.78; at
     S = 1024, 2048 and 4096 too, but the document mask at S = 1024, at parity: 4.01 / 3.92), so the
-    launcher runs it wherever it applies."""
-    if not AVAILABLE or varlen or torch.compiler.is_compiling():
+    launcher runs it wherever it applies. ``traced``: as in ``hopper_supported``."""
+    if not AVAILABLE or varlen or (torch.compiler.is_compiling() and not traced):
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False

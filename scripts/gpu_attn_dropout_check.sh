@@ -6,9 +6,9 @@
 #
 # Usage: bash scripts/gpu_attn_dropout_check.sh OUTDIR
 #
-#   TESTS=0          skip the tests
+#   TESTS=0          skip the tests; TEST_ARGS="...": pytest's files and options instead of the default
 #   LAYER=1          also run `python -m fp8ops.bench layer` (its JSON and PNG into OUTDIR)
-#   CHECK_ARGS="..." extra arguments of attn_dropout_check.py
+#   CHECKS="a;b"     argument sets of attn_dropout_check.py, one run each (default: one run, its defaults)
 
 set -u -o pipefail
 [ $# -eq 1 ] || { echo "usage: bash scripts/gpu_attn_dropout_check.sh OUTDIR" >&2; exit 2; }
@@ -20,22 +20,30 @@ FAILED=0
 export PYTHONUNBUFFERED=1
 
 . scripts/_gpu_install.sh
-gpu_install "$OUT/install.log" "$OUT/versions.txt" || exit 1
+gpu_install /tmp/fp8ops_install.log "$OUT/versions.txt" || exit 1
 
 if [ "${TESTS:-1}" != 0 ]; then
     echo "== attention GPU tests (t=$((SECONDS - START))s)"
     workers=$(( $(nproc) > 16 ? 8 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
+    # shellcheck disable=SC2086
     timeout --kill-after=10 "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider \
-        -n "$workers" --timeout 200 tests/test_attention_hopper_gpu.py tests/test_attention_hopper_bwd_gpu.py \
-        tests/test_attention_gpu.py tests/test_transformer_layer_gpu.py > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
+        -n "$workers" --timeout 200 ${TEST_ARGS:-tests/test_attention_hopper_gpu.py tests/test_attention_hopper_bwd_gpu.py \
+        tests/test_attention_gpu.py tests/test_transformer_layer_gpu.py} > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
     tail -4 "$OUT/gpu_tests.log"
 fi
 
-echo "== attention dropout timing (t=$((SECONDS - START))s)"
-# shellcheck disable=SC2086
-timeout --kill-after=10 "${CHECK_LIMIT_S:-200}" "$PY" scripts/attn_dropout_check.py --graph --out "$OUT" \
-    ${CHECK_ARGS:-} > "$OUT/attn_dropout.txt" 2>&1 || FAILED=1
-grep -v '^{"name"' "$OUT/attn_dropout.txt" | head -40
+# one timing run per ';'-separated argument set of CHECKS (default: the seed layer's shape only),
+# each run's JSON in OUTDIR/check<i>/
+IFS=';' read -r -a checks <<< "${CHECKS:- }"
+i=0
+for check in "${checks[@]}"; do
+    echo "== attention dropout timing: ${check:-(defaults)} (t=$((SECONDS - START))s)"
+    # shellcheck disable=SC2086
+    timeout --kill-after=10 "${CHECK_LIMIT_S:-200}" "$PY" scripts/attn_dropout_check.py --graph \
+        --out "$OUT/check$i" $check >> "$OUT/attn_dropout.txt" 2>&1 || FAILED=1
+    i=$((i + 1))
+done
+grep '"impl"' "$OUT/attn_dropout.txt"
 
 if [ "${LAYER:-0}" != 0 ]; then
     echo "== bench layer (t=$((SECONDS - START))s)"
