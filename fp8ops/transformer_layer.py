@@ -59,7 +59,8 @@ from ._transformer_checks import (
     qkv_weight_cache,
 )
 from .activation import ACTIVATIONS, GATED
-from .attention import BlockMask, attention
+from .attention import BlockMask
+from .attention.op import _attention
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .fp8_linear import LinearState, WeightCache, fp8_linear
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
@@ -645,8 +646,10 @@ def transformer_layer(
             attn_kw = {"cu_seqlens_q": cu_seqlens, "max_seqlen_q": max_seqlen}
         else:
             attn_kw = {"layout": "sbhd"}
-        ctx, _ = attention(q, k, v, causal=cfg.causal, mask_mod=mask_mod, block_mask=block_mask,
-                           dropout_p=cfg.attention_dropout if training else 0.0, dropout_seed=dropout_seed, **attn_kw)
+        # qkv: where the fused kernels run, its gradient comes back as one tensor (no concatenation)
+        ctx, _ = _attention(q, k, v, causal=cfg.causal, mask_mod=mask_mod, block_mask=block_mask,
+                            dropout_p=cfg.attention_dropout if training else 0.0, dropout_seed=dropout_seed,
+                            qkv=qkv, **attn_kw)
         ctx = ctx.reshape(*lead, hq * d)
 
         # Step 4: the output projection, hidden dropout and the first residual.

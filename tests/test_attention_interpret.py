@@ -804,3 +804,85 @@ def test_document_mask_compiled_and_under_func_follows_ids_written_in_place(mode
         want = torch.autograd.grad(R.attention(q, k, v, mask_mod=mm, scale=0.25)[0].square().sum(), [q, k, v])
         for a, b in zip(run(), want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# One projection's head views: the gradient as one tensor
+
+
+def _packed_views(qkv, hq, hkv, d, layout):
+    lead = qkv.shape[:-1]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.reshape(*lead, hq, d), k.reshape(*lead, hkv, d), v.reshape(*lead, hkv, d)
+
+
+PACKED_QKV = [
+    # name, layout, hq, hkv, options
+    ("sbhd_gqa_causal", "sbhd", 4, 2, dict(right=0)),
+    ("sbhd_mha_dropout_window", "sbhd", 2, 2, dict(left=5, right=0, dropout_p=0.3)),
+    ("sbhd_mask_mod", "sbhd", 2, 1, dict(mask_mod=A.MaskMod(lambda b, h, i, j: (i + j) % 3 != 0))),
+    ("thd_gqa_causal", "thd", 4, 2, dict(right=0)),
+]
+
+
+@pytest.mark.parametrize("case", PACKED_QKV, ids=[c[0] for c in PACKED_QKV])
+def test_projection_views_give_one_gradient_equal_to_the_split_ones(case):
+    """With ``qkv`` the backward writes dq, dk and dv into one gradient of the projection; it equals
+    the gradient autograd makes from the three (its backward of the split: a concatenation), bit for
+    bit, and the forward is the same."""
+    _, layout, hq, hkv, opts = case
+    opts = dict(opts)
+    d, S, B = 16, 37, 2
+    g = torch.Generator().manual_seed(5)
+    if layout == "thd":
+        cu = torch.tensor([0, 11, 37, 50], dtype=torch.int32)
+        base = torch.randn(50, (hq + 2 * hkv) * d, generator=g)
+        varlen = dict(cu_q=cu, cu_kv=cu, max_q=26, max_kv=26)
+    else:
+        base = torch.randn(S, B, (hq + 2 * hkv) * d, generator=g)
+        varlen = dict(cu_q=None, cu_kv=None, max_q=None, max_kv=None)
+    p = opts.pop("dropout_p", 0.0)
+    kw = dict(score_mod=None, mask_mod=opts.pop("mask_mod", None), block_mask=None, scale=0.25,
+              left=opts.pop("left", None), right=opts.pop("right", None), layout=layout, dropout_p=p,
+              seed=torch.tensor(99) if p else None, fwd_config=FWD16, bwd_config=BWD16, **varlen)
+    results = []
+    for packed in (False, True):
+        qkv = base.clone().requires_grad_()
+        q, k, v = _packed_views(qkv, hq, hkv, d, layout)
+        out, lse = A._attention_triton(q, k, v, qkv=qkv if packed else None, **kw)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+        (out * dout).sum().add(lse.sum()).backward()
+        results.append((out.detach(), lse.detach(), qkv.grad))
+    for what, a, b in zip(("out", "lse", "dqkv"), *results):
+        assert torch.equal(a, b), what
+
+
+def test_projection_views_under_func_grad_and_vmap():
+    hq = hkv = 2
+    d = 16
+    base = torch.randn(19, 1, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(7))
+    kw = dict(score_mod=None, mask_mod=None, block_mask=None, scale=0.25, left=None, right=0, layout="sbhd",
+              cu_q=None, cu_kv=None, max_q=None, max_kv=None, dropout_p=0.0, seed=None, fwd_config=FWD16,
+              bwd_config=BWD16)
+
+    def loss(qkv, packed):
+        q, k, v = _packed_views(qkv, hq, hkv, d, "sbhd")
+        return A._attention_triton(q, k, v, qkv=qkv if packed else None, **kw)[0].square().sum()
+
+    torch.testing.assert_close(torch.func.grad(loss)(base, True), torch.func.grad(loss)(base, False), rtol=0, atol=0)
+    batch = torch.stack([base, base * 0.5])
+    vg = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))(batch, True)
+    for i in range(2):
+        torch.testing.assert_close(vg[i], torch.func.grad(loss)(batch[i], False), rtol=0, atol=0)
+
+
+def test_projection_views_are_checked():
+    op = importlib.import_module("fp8ops.attention.op")
+    qkv = torch.randn(8, 2, 3 * 2 * 16)
+    q, k, v = _packed_views(qkv, 2, 2, 16, "sbhd")
+    assert op._packed_qkv(qkv, q, k, v, False, False, "sbhd", "attention") is qkv
+    assert op._packed_qkv(qkv, q, k, v, False, False, "bshd", "attention") is None  # not this layout
+    with pytest.raises(ValueError, match="head views of qkv"):
+        op._packed_qkv(qkv, k, q, v, False, False, "sbhd", "attention")  # q and k swapped
+    with pytest.raises(ValueError, match="not the projection"):
+        op._packed_qkv(qkv[:, :, :80], q, k, v, False, False, "sbhd", "attention")

@@ -3,6 +3,7 @@ parity with the seed's BasicTransformerLayer (forward and every gradient, error 
 the FP8 error budget vs bf16, and masks / GQA / packed sequences through the fused kernels."""
 
 import copy
+import importlib
 
 import attrs
 import pytest
@@ -211,3 +212,47 @@ def test_compiled_layer_runs_the_attention_kernels_of_the_eager_layer(recipe):
         found[name] = _attention_kernels(lambda f=f: f(x, state).backward(dy))
     assert found["eager"], "no attention kernel found in the eager step's profile"
     assert found["compiled"] == found["eager"], found
+
+
+@pytest.mark.parametrize("form", ["dropout_seed", "packed_sequences"])
+def test_attention_gradient_into_the_qkv_projection_equals_the_split_ones(form, monkeypatch):
+    """Where the layer's attention runs the fused kernels, their backward writes dq, dk and dv into
+    one gradient of the QKV projection; the layer's output is the same bits as with three gradients
+    and autograd's backward of the split (a concatenation), and every gradient as close to it as two
+    such runs are to each other (the Hopper backward sums dQ in float32 in no fixed order)."""
+    op = importlib.import_module("fp8ops.attention.op")
+    cfg = TransformerConfig(hidden_size=1024, ffn_hidden_size=2048, num_attention_heads=8, num_gqa_groups=4,
+                            hidden_dropout=0.0, attention_dropout=0.1 if form == "dropout_seed" else 0.0,
+                            self_attn_mask_type="causal" if form == "dropout_seed" else "padding_causal")
+    params = {k: v.to(torch.bfloat16) for k, v in
+              init_transformer_params(cfg, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).items()}
+    g = torch.Generator(device="cuda").manual_seed(5)
+    if form == "dropout_seed":
+        x = torch.randn(512, 2, 1024, device="cuda", generator=g).bfloat16()
+        kw = dict(dropout_seed=torch.tensor(77, device="cuda"))
+    else:
+        x = torch.randn(700, 1024, device="cuda", generator=g).bfloat16()
+        kw = dict(cu_seqlens=torch.tensor([0, 128, 500, 700], dtype=torch.int32, device="cuda"), max_seqlen=372)
+    dy = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+    used, real = [], op._packed_qkv
+    results = []
+    for packed in (True, False, False):
+        def spy(qkv, *args, packed=packed):
+            if not packed:  # the layer's attention as three views with three gradients
+                return None
+            used.append(qkv is not None)
+            return real(qkv, *args)
+
+        monkeypatch.setattr(op, "_packed_qkv", spy)
+        ps = {k: v.clone().requires_grad_() for k, v in params.items()}
+        xx = x.clone().requires_grad_()
+        y, _ = transformer_layer(ps, xx, None, config=cfg, recipe=None, **kw)
+        y.backward(dy)
+        results.append({"y": y.detach(), "dx": xx.grad, **{k: p.grad for k, p in ps.items()}})
+    assert used == [True], used
+    mine, ref, again = results
+    assert torch.equal(mine["y"], ref["y"])
+    for name in mine:
+        floor = float((again[name].float() - ref[name].float()).abs().max())
+        err = float((mine[name].float() - ref[name].float()).abs().max())
+        assert err <= 2 * floor + 1e-3 * float(ref[name].float().abs().max()), (name, err, floor)

@@ -44,6 +44,29 @@ class _Static(NamedTuple):
     dq_mode: str
     fwd_config: tuple[tuple[str, int], ...] | None
     bwd_config: tuple[tuple[str, int], ...] | None
+    packed: tuple[int, int, int] | None = None  # (hq, hkv, d): q, k, v are head slices of one projection
+
+
+def _split_packed(qkv: Tensor, static: _Static) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the kernels take them ((B, H, S, D) views in sbhd, (T, H, D) packed) from one
+    projection output ``qkv`` (S, B, (hq + 2 hkv) d) or (T, (hq + 2 hkv) d), whose last dim holds
+    [q heads | k heads | v heads] (``static.packed``)."""
+    assert static.packed is not None
+    hq, hkv, d = static.packed
+    lead = qkv.shape[:-1]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(*lead, hq, d), k.reshape(*lead, hkv, d), v.reshape(*lead, hkv, d)
+    if static.layout == "thd":
+        return q, k, v
+    return _ref.to_bhsd(q, static.layout), _ref.to_bhsd(k, static.layout), _ref.to_bhsd(v, static.layout)
+
+
+def _packed_shape(q: Tensor, static: _Static) -> tuple[int, ...]:
+    # the projection's shape from q's kernel view: (S, B, W) in sbhd, (T, W) packed
+    assert static.packed is not None
+    hq, hkv, d = static.packed
+    width = (hq + 2 * hkv) * d
+    return (q.shape[0], width) if static.layout == "thd" else (q.shape[2], q.shape[0], width)
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,6 +250,59 @@ class _AttentionFunction(torch.autograd.Function):
         return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
 
 
+class _PackedAttentionFunction(torch.autograd.Function):
+    """:class:`_AttentionFunction` on one projection output ``qkv`` whose last dim holds the q, k and
+    v heads (``_Static.packed``): the same ops on its head views, and one gradient of ``qkv`` that
+    the backward op writes dq, dk and dv into (no concatenation of three gradients, which autograd's
+    backward of splitting ``qkv`` would add). Inputs: ``qkv``, then as :class:`_AttentionFunction`
+    from ``cu_q`` on."""
+
+    @staticmethod
+    def forward(qkv: Tensor, cu_q: Tensor | None, cu_kv: Tensor | None,  # type: ignore[override]
+                seed: Tensor | None, kvn: Any, kvi: Any, fkvn: Any, fkvi: Any, qn: Any, qi: Any, fqn: Any,
+                fqi: Any, static: _Static, *buffers: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v = _split_packed(qkv, static)
+        out, lse = OPS.attention_fwd(q, k, v, cu_q, cu_kv, seed, kvn, kvi, fkvn, fkvi,
+                                     list(buffers), _static_str(static))
+        return out, lse
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        qkv, cu_q, cu_kv, seed, *rest = inputs
+        bm, static, buffers = rest[:8], rest[8], rest[9:]
+        out, lse = output
+        ctx.static = static
+        ctx.n_buffers = len(buffers)
+        ctx.save_for_backward(qkv, out, lse, cu_q, cu_kv, seed, *bm, *buffers)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        static: _Static = ctx.static
+        qkv, out, lse, cu_q, cu_kv, seed, *rest = ctx.saved_tensors
+        bm, buffers = rest[:8], rest[8:]
+        with torch.no_grad():
+            if dout is None and dlse is None:
+                return (None,) * (13 + ctx.n_buffers)
+            if dout is None:
+                dout = torch.zeros_like(out)
+            if static.score_key is not None and not _SPECS[static.score_key].differentiable:
+                _SPECS[static.score_key].grad_jit(static.needs)  # raises, naming the mod
+            q, k, v = _split_packed(qkv, static)
+            grads = OPS.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed, *bm,
+                                      list(buffers), _static_str(static))
+        buf_grads = [g if _needs_slot(static, i) else None for i, g in enumerate(grads[1:])]
+        return (grads[0], None, None, None, *([None] * 8), None, *buf_grads)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        outs = []
+        for i in range(info.batch_size):
+            sample = [a if d is None or not isinstance(a, Tensor) else a.select(d, i) for a, d in zip(args, in_dims)]
+            outs.append(_PackedAttentionFunction.apply(*sample))
+        return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+
+
 def _needs_slot(static: _Static, slot: int) -> bool:
     return any(static.needs[j] for j, i in enumerate(static.score_slots) if i == slot)
 
@@ -257,9 +333,14 @@ def _attention_bwd_op(
         _kernel_for("score_grad", st.score_key, st.mask_key, st.needs),
         _kernel_for("score_rel", st.score_key, st.mask_key, st.needs),
     )
-    dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
-    dk = torch.zeros_like(k) if varlen else torch.empty_like(k)
-    dv = torch.zeros_like(v) if varlen else torch.empty_like(v)
+    if st.packed is not None:  # dq, dk, dv written into one gradient of the projection they came from
+        shape = _packed_shape(q, st)
+        dqkv = (torch.zeros if varlen else torch.empty)(shape, dtype=q.dtype, device=q.device)
+        dq, dk, dv = _split_packed(dqkv, st)
+    else:
+        dq = torch.zeros_like(q) if varlen else torch.empty_like(q)
+        dk = torch.zeros_like(k) if varlen else torch.empty_like(k)
+        dv = torch.zeros_like(v) if varlen else torch.empty_like(v)
     flat = [_flat(t) for t in buffers]
     grads = [torch.zeros(b.numel() if _needs_slot(st, i) else 0, dtype=torch.float32, device=q.device)
              for i, b in enumerate(buffers)]
@@ -273,14 +354,16 @@ def _attention_bwd_op(
         block_sparsity=bs, block_sparsity_t=bst, dropout_p=st.dropout_p, dropout_seed=seed,
         dq_mode=st.dq_mode, config=dict(st.bwd_config) if st.bwd_config else None,
     )
-    return [dq, dk, dv] + [g.view(b.shape).to(b.dtype) if g.numel() else g.to(b.dtype)
-                           for g, b in zip(grads, buffers)]
+    return ([dqkv] if st.packed is not None else [dq, dk, dv]) + [
+        g.view(b.shape).to(b.dtype) if g.numel() else g.to(b.dtype) for g, b in zip(grads, buffers)]
 
 
 def _attention_bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed,  # type: ignore[no-untyped-def]
                         kvn, kvi, fkvn, fkvi, qn, qi, fqn, fqi, buffers, static):
     st = _bwd_static(static)
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + [
+    first = ([q.new_empty(_packed_shape(q, st))] if st.packed is not None
+             else [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)])
+    return first + [
         torch.empty_like(b) if _needs_slot(st, i) else b.new_empty((0,)) for i, b in enumerate(buffers)]
 
 
@@ -325,9 +408,14 @@ def _attention_triton(
     cu_q: Tensor | None, cu_kv: Tensor | None, max_q: int | None, max_kv: int | None,
     dropout_p: float, seed: Tensor | None, dq_mode: str = "separate",
     fwd_config: dict[str, int] | None = None, bwd_config: dict[str, int] | None = None,
+    qkv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The fused path on tensors in ``layout`` (or packed with ``layout="thd"``): ``(out, lse)`` in
-    the same layout. Works on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests)."""
+    the same layout. Works on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+
+    ``qkv``: the projection output (S, B, W) in layout "sbhd" or (T, W) packed whose last dim is
+    [q heads | k heads | v heads], of which q, k and v are the head views; gradients then reach
+    ``qkv`` as one tensor (:class:`_PackedAttentionFunction`), and q, k, v get none."""
     varlen = layout == "thd"
     if varlen:
         q4, k4, v4 = q, k, v
@@ -360,10 +448,14 @@ def _attention_triton(
         sparse_block=block_mask.block_size if block_mask is not None else None, dq_mode=dq_mode,
         fwd_config=tuple(sorted(fwd_config.items())) if fwd_config else None,
         bwd_config=tuple(sorted(bwd_config.items())) if bwd_config else None,
+        packed=None if qkv is None else (q4.shape[1], k4.shape[1], q4.shape[-1]),
     )
     q4, k4, v4 = _distinct(q4, k4, v4)
     refuse_compiled_transform("attention", q4)
-    out4, lse3 = apply(_AttentionFunction, q4, k4, v4, cu_q, cu_kv, seed, *bm, static, *uniq)
+    if qkv is not None:
+        out4, lse3 = apply(_PackedAttentionFunction, qkv, cu_q, cu_kv, seed, *bm, static, *uniq)
+    else:
+        out4, lse3 = apply(_AttentionFunction, q4, k4, v4, cu_q, cu_kv, seed, *bm, static, *uniq)
     if varlen:
         return out4, lse3
     return _ref.from_bhsd(out4, layout), _ref.lse_from_bhs(lse3, layout)

@@ -182,20 +182,59 @@ def attention(
     References:
         Vaswani et al. (2017); Dao, "FlashAttention-2" (2023); Dong et al., "Flex Attention" (2024).
     """
+    return _attention(q, k, v, state, recipe=recipe, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                      causal=causal, window=window, scale=scale, layout=layout, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                      return_lse=return_lse, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                      deterministic=deterministic, backend=backend)
+
+
+def _attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Any = None,
+    *,
+    recipe: Any = None,
+    score_mod: ScoreMod | Callable[..., Tensor] | None = None,
+    mask_mod: MaskMod | Callable[..., Tensor] | None = None,
+    block_mask: BlockMask | None = None,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_kv: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    return_lse: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: int | Tensor | None = None,
+    deterministic: bool = False,
+    backend: str = "auto",
+    qkv: Tensor | None = None,
+) -> tuple[Any, None]:
+    """:func:`attention`, and for the library's layers ``qkv``: the projection output (S, B, W) in
+    layout "sbhd" or (T, W) with ``cu_seqlens_q``, whose last dim is [q heads | k heads | v heads]
+    and of which q, k and v are the head views. Where the fused kernels run, the gradient then
+    reaches ``qkv`` as one tensor that the backward writes dq, dk and dv into (no concatenation of
+    three gradients, as autograd's backward of the split would add), and q, k, v get none."""
     where = "attention"
     ac = autocast_dtype(q.device.type) if isinstance(q, Tensor) else None
     if ac is not None:
         # torch.autocast: q, k, v in the autocast dtype, as scaled_dot_product_attention takes them
         # there (cast outside the autograd Function: gradients reach them in their own dtype); then
         # the op with autocast off inside, so that the reference math is not cast again.
-        q, k, v = autocast_inputs(ac, q, k, v)
+        cast = autocast_inputs(ac, q, k, v)
+        same = all(a is b for a, b in zip(cast, (q, k, v)))  # still views of qkv
+        q, k, v = cast
         with torch.autocast(q.device.type, enabled=False):
-            return attention(
+            return _attention(
                 q, k, v, state, recipe=recipe, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                 causal=causal, window=window, scale=scale, layout=layout, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
                 return_lse=return_lse, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                deterministic=deterministic, backend=backend)
+                deterministic=deterministic, backend=backend, qkv=qkv if same else None)
     if state is not None or recipe is not None:
         raise NotImplementedError(
             f"{where}: FP8 attention (state/recipe) is not available yet; pass state=None and recipe=None "
@@ -377,7 +416,7 @@ def attention(
             left=left, right=right, layout=eff_layout, cu_q=cu_q if varlen else None,
             cu_kv=cu_kv if varlen else None, max_q=max_seqlen_q if varlen else None,
             max_kv=max_seqlen_kv if varlen else None, dropout_p=dropout_p, seed=seed,
-            dq_mode=_dq_mode(deterministic),
+            dq_mode=_dq_mode(deterministic), qkv=_packed_qkv(qkv, q, k, v, varlen, nested, eff_layout, where),
         )
     else:
         out, lse = _reference_path(q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
@@ -392,6 +431,27 @@ def attention(
         if njt_transposed:
             out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return ((out, lse) if return_lse else out), None
+
+
+def _packed_qkv(qkv: Tensor | None, q: Tensor, k: Tensor, v: Tensor, varlen: bool, nested: bool, layout: str,
+                where: str) -> Tensor | None:
+    """``qkv`` for the fused kernels where q, k and v are its [q | k | v] head views (layout "sbhd"
+    or packed sequences), else None; a ``qkv`` of which they are not raises (checked by address in
+    eager calls)."""
+    if qkv is None or nested or not (varlen or layout == "sbhd"):
+        return None
+    hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    lead = q.shape[:-2]
+    if (v.shape[-1] != d or tuple(qkv.shape) != (*lead, (hq + 2 * hkv) * d) or not qkv.is_contiguous()
+            or k.shape[:-2] != lead or v.shape[:-2] != lead):
+        raise ValueError(f"{where}: qkv of shape {tuple(qkv.shape)} is not the projection whose head views q, k, v "
+                         f"({tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}) are")
+    if not torch.compiler.is_compiling():
+        es, p0 = qkv.element_size(), qkv.data_ptr()
+        if (q.data_ptr(), k.data_ptr(), v.data_ptr()) != (p0, p0 + hq * d * es, p0 + (hq + hkv) * d * es) or any(
+                t.stride()[-2:] != (d, 1) or t.stride()[:-2] != qkv.stride()[:-1] for t in (q, k, v)):
+            raise ValueError(f"{where}: q, k, v are not the [q | k | v] head views of qkv")
+    return qkv
 
 
 def _sdpa_unsupported(q: Tensor, v: Tensor, *, nested: bool, varlen: bool, score_mod: Any, mask_mod: Any,
