@@ -25,10 +25,11 @@ gpu_install /tmp/fp8ops_install.log "$OUT/versions.txt" || exit 1
 if [ "${TESTS:-1}" != 0 ]; then
     echo "== attention GPU tests (t=$((SECONDS - START))s)"
     workers=$(( $(nproc) > 16 ? 8 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
-    # shellcheck disable=SC2086
+    # TEST_ARGS is split as the shell splits a command line (quotes group words)
+    eval "set -- ${TEST_ARGS:-tests/test_attention_hopper_gpu.py tests/test_attention_hopper_bwd_gpu.py \
+        tests/test_attention_gpu.py tests/test_transformer_layer_gpu.py}"
     timeout --kill-after=10 "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider \
-        -n "$workers" --timeout 200 ${TEST_ARGS:-tests/test_attention_hopper_gpu.py tests/test_attention_hopper_bwd_gpu.py \
-        tests/test_attention_gpu.py tests/test_transformer_layer_gpu.py} > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
+        -n "$workers" --timeout 200 "$@" > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
     tail -4 "$OUT/gpu_tests.log"
 fi
 
