@@ -59,12 +59,21 @@ def main() -> None:
     ap.add_argument("--dq-mode", choices=("auto", "separate", "atomic"), default="auto",
                     help="the backward's dQ scheme for the fp8ops rows (auto: the library's choice)")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of plain launches")
+    ap.add_argument("--mask-hash", choices=("default", "after", "before-wait"), default="default",
+                    help="where the Hopper kernels hash the dropout mask (kernels/_attention_hopper.DROPOUT_EARLY)")
+    ap.add_argument("--impls", nargs="+", default=None,
+                    help="implementations to time (default: all; fp8ops triton, fp8ops triton, portable, "
+                         "SDPA cuDNN, SDPA flash)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.dq_mode != "auto":
         from fp8ops.attention import op as attention_op
 
         attention_op._dq_mode = lambda *a, **k: args.dq_mode
+    if args.mask_hash != "default":
+        from fp8ops.kernels import _attention_hopper as H
+
+        H.DROPOUT_EARLY.update(band=args.mask_hash == "before-wait", dense=args.mask_hash == "before-wait")
     S, B, h, d = args.seq, args.batch, args.heads, args.head_dim
     torch.manual_seed(0)
     qkv = torch.randn(S, B, 3 * h * d, device="cuda", dtype=torch.bfloat16)
@@ -111,6 +120,8 @@ def main() -> None:
              ("SDPA cuDNN", lambda p, b: sdpa(p, b, SDPBackend.CUDNN_ATTENTION)),
              ("SDPA flash", lambda p, b: sdpa(p, b, SDPBackend.FLASH_ATTENTION))]
     for name, make in cases:
+        if args.impls is not None and name not in args.impls:
+            continue
         for p in (0.0, args.p):
             row: dict[str, Any] = {"impl": name, "dropout_p": p}
             for bwd in (False, True):

@@ -55,6 +55,18 @@ VARIANTS = {
     "d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, types=_RUNS_TYPES),
     "bwd_d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, backward=True, types=_RUNS_TYPES),
     "d128_none_dropout": dict(D=128, band=False, dropout=True),
+    "d128_causal": dict(D=128),
+    "d128_causal_dropout": dict(D=128, dropout=True),
+    "bwd_d128_causal_dropout": dict(D=128, backward=True, dropout=True),
+    # the two places of the mask's hash (DROPOUT 1: after the softmax step / scores; 2: before the wait)
+    "d128_none_dropout_after": dict(D=128, band=False, dropout=1),
+    "d128_none_dropout_before_wait": dict(D=128, band=False, dropout=2),
+    "d128_causal_dropout_after": dict(D=128, dropout=1),
+    "d128_causal_dropout_before_wait": dict(D=128, dropout=2),
+    "bwd_d128_none_dropout_after": dict(D=128, band=False, backward=True, dropout=1),
+    "bwd_d128_none_dropout_before_wait": dict(D=128, band=False, backward=True, dropout=2),
+    "bwd_d128_causal_dropout_after": dict(D=128, backward=True, dropout=1),
+    "bwd_d128_causal_dropout_before_wait": dict(D=128, backward=True, dropout=2),
     "d64_causal_dropout": dict(D=64, dropout=True),
     "bwd_d128_none_dropout": dict(D=128, band=False, backward=True, dropout=True),
     "bwd_d64_causal_dropout": dict(D=64, backward=True, dropout=True),
@@ -74,7 +86,7 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
                   HAS_MASK_MOD=mask is not None,
                   BAND=band, BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=HB.BWD_BLOCK_M,
                   BLOCK_N=HB.BWD_BLOCK_N, HEAD_D=D, STAGES=HB.BWD_STAGES, CONSUMER_REGS=240, NEW_WS=H._NEW_WS,
-                  DROPOUT=dropout)
+                  DROPOUT=H.dropout_mode(band) if dropout is True else int(dropout))
     kern = HB._hopper_bwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
@@ -119,7 +131,7 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=Fa
                   REVERSE=band,
                   BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=H.BLOCK_M, BLOCK_N=cfg.block_n,
                   HEAD_D=D, STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=H._NEW_WS,
-                  DROPOUT=dropout)
+                  DROPOUT=H.dropout_mode(band) if dropout is True else int(dropout))
     kern = H._hopper_fwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
@@ -152,6 +164,9 @@ def resources(kernel) -> str:
 
 
 def main(names: list[str]) -> int:
+    brief = bool(names) and names[0] == "--resources"  # one line per variant: registers and spill stack
+    if brief:
+        names = names[1:]
     if not H.AVAILABLE:
         print("this Triton has no Gluon warp specialisation")
         return 3
@@ -166,7 +181,11 @@ def main(names: list[str]) -> int:
             print(f"offline Gluon compilation unavailable: {e}")
             return 3
         facts[name] = {"ptx": kernel.asm["ptx"], "resources": resources(kernel), "shared": kernel.metadata.shared}
-    print(json.dumps(facts))
+        if brief:
+            print(name, " ".join(w for w in facts[name]["resources"].split() if w.startswith(("REG", "STACK"))),
+                  flush=True)
+    if not brief:
+        print(json.dumps(facts))
     return 0
 
 

@@ -208,9 +208,10 @@ def test_routing_of_default_and_deterministic_calls(monkeypatch):
 
 def test_auto_backend_runs_dropout_on_the_hopper_kernels_eager_and_compiled(monkeypatch):
     """With dropout and no explicit seed, ``backend="auto"`` runs the Hopper forward and backward
-    where both apply (a seed drawn from torch's generator: the same generator state gives the same
-    mask), in eager calls and in compiled graphs alike, and SDPA where they do not (d = 64 rows
-    that see few keys, whose forward stays on the portable kernel)."""
+    where both apply without a causal band (a seed drawn from torch's generator: the same
+    generator state gives the same mask), in eager calls and in compiled graphs alike, and SDPA
+    elsewhere (causal, and d = 64 rows that see few keys, whose forward stays on the portable
+    kernel)."""
     fwd, bwd = [], []
     real_f, real_b = K.hopper_fwd, K.hopper_bwd
     monkeypatch.setattr(K, "hopper_fwd", lambda *a, **kw: fwd.append(real_f(*a, **kw)) or fwd[-1])
@@ -236,6 +237,8 @@ def test_auto_backend_runs_dropout_on_the_hopper_kernels_eager_and_compiled(monk
     assert fwd == [True] and bwd == [True], (fwd, bwd)
     assert torch.isfinite(out).all()
     fwd.clear(), bwd.clear()
+    A.attention(q, k, v, layout="sbhd", dropout_p=0.1, causal=True)[0].float().sum().backward()
+    assert fwd == [] and bwd == [], (fwd, bwd)  # causal: cuDNN measured faster with dropout
     q, k, v = (t.detach().requires_grad_() for t in _fused_qkv(512, 2, 8, 64, 3))
     f(q, k, v).float().sum().backward()
     assert fwd == [] and bwd == [], (fwd, bwd)

@@ -886,3 +886,10 @@ def test_projection_views_are_checked():
         op._packed_qkv(qkv, k, q, v, False, False, "sbhd", "attention")  # q and k swapped
     with pytest.raises(ValueError, match="not the projection"):
         op._packed_qkv(qkv[:, :, :80], q, k, v, False, False, "sbhd", "attention")
+
+    def inside_grad(x):  # torch.func's tensors have no address: the shapes and strides are checked
+        qq, kk, vv = _packed_views(x, 2, 2, 16, "sbhd")
+        assert op._packed_qkv(x, qq, kk, vv, False, False, "sbhd", "attention") is x
+        return x.sum()
+
+    torch.func.grad(inside_grad)(qkv)

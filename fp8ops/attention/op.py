@@ -436,8 +436,9 @@ def _attention(
 def _packed_qkv(qkv: Tensor | None, q: Tensor, k: Tensor, v: Tensor, varlen: bool, nested: bool, layout: str,
                 where: str) -> Tensor | None:
     """``qkv`` for the fused kernels where q, k and v are its [q | k | v] head views (layout "sbhd"
-    or packed sequences), else None; a ``qkv`` of which they are not raises (checked by address in
-    eager calls)."""
+    or packed sequences), else None; a ``qkv`` of which they are not raises (checked by address
+    where the tensors have one: not while ``torch.compile`` traces or inside ``torch.func``
+    transforms, whose tensors have no storage)."""
     if qkv is None or nested or not (varlen or layout == "sbhd"):
         return None
     hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
@@ -446,12 +447,16 @@ def _packed_qkv(qkv: Tensor | None, q: Tensor, k: Tensor, v: Tensor, varlen: boo
             or k.shape[:-2] != lead or v.shape[:-2] != lead):
         raise ValueError(f"{where}: qkv of shape {tuple(qkv.shape)} is not the projection whose head views q, k, v "
                          f"({tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}) are")
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and all(_has_storage(t) for t in (qkv, q, k, v)):
         es, p0 = qkv.element_size(), qkv.data_ptr()
         if (q.data_ptr(), k.data_ptr(), v.data_ptr()) != (p0, p0 + hq * d * es, p0 + (hq + hkv) * d * es) or any(
                 t.stride()[-2:] != (d, 1) or t.stride()[:-2] != qkv.stride()[:-1] for t in (q, k, v)):
             raise ValueError(f"{where}: q, k, v are not the [q | k | v] head views of qkv")
     return qkv
+
+
+def _has_storage(t: Tensor) -> bool:
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _sdpa_unsupported(q: Tensor, v: Tensor, *, nested: bool, varlen: bool, score_mod: Any, mask_mod: Any,
@@ -476,12 +481,14 @@ def _hopper_dropout_faster(q: Tensor, k: Tensor, v: Tensor, layout: str, dropout
                            right: int | None) -> bool:
     """Whether ``backend="auto"`` runs a dense call with dropout (and no explicit seed: one is drawn
     from torch's generator) on the library's Hopper forward and backward instead of SDPA: on an
-    sm_90 GPU wherever both kernels apply (the same choice in eager calls and in compiled graphs,
-    where the attention ops stay opaque calls). With dropout 0.1 at the seed layer's shape
-    (H200, B=4, H=32, S=2048, d=128, views of the QKV projection, graph replays) they took 0.637 /
-    2.630 ms forward / forward+backward against cuDNN's 0.966 / 2.799 (without dropout cuDNN is
-    level or faster: 0.431 / 1.834 against 0.427 / 1.973, so SDPA keeps those calls)."""
-    if dropout_p <= 0.0 or not q.is_cuda:
+    sm_90 GPU wherever both kernels apply, without a causal band (the same choice in eager calls and
+    in compiled graphs, where the attention ops stay opaque calls). Dropout 0.1 at the seed layer's
+    shape (H200, B=4, S=2048, views of the QKV projection, graph replays), forward / forward+backward
+    ms, Hopper kernels against cuDNN: 32 heads of d=128 0.636 / 2.627 against 0.963 / 2.798, 64
+    heads of d=64 1.086 / 3.752 against 1.537 / 3.852, but causal 0.610 / 1.971 against 0.532 / 1.630
+    (without dropout cuDNN is level or faster: 0.424 / 1.964 against 0.419 / 1.818 at d = 128, so
+    SDPA keeps those calls)."""
+    if dropout_p <= 0.0 or not q.is_cuda or left is not None or right is not None:
         return False
     from ..kernels import attention as K
     from ..kernels._attention_hopper import _view2d
@@ -492,7 +499,9 @@ def _hopper_dropout_faster(q: Tensor, k: Tensor, v: Tensor, layout: str, dropout
             and K.hopper_bwd_supported(q4, k4, v4, **kw)):
         return False
     # the kernels' descriptor views (a traced call's fake tensors have no address: checked at the call)
-    return torch.compiler.is_compiling() or all(_view2d(t, 64) is not None for t in (q4, k4, v4))
+    if torch.compiler.is_compiling() or not all(_has_storage(t) for t in (q4, k4, v4)):
+        return True
+    return all(_view2d(t, 64) is not None for t in (q4, k4, v4))
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, dropout_p: float, gqa: bool) -> Tensor:
