@@ -112,17 +112,6 @@ def _sm_count(device: torch.device) -> int:
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 
-# Where the Hopper kernels hash a tile's dropout mask (constexpr DROPOUT): 1 after the tile's
-# softmax step (forward) or scores (backward), 2 before waiting for the tile's products, so that the
-# integer work overlaps the tensor cores at the cost of keeping the mask live across the wait.
-DROPOUT_AFTER, DROPOUT_BEFORE_WAIT = 1, 2
-DROPOUT_EARLY = {"band": False, "dense": True}  # per problem kind: hash before the wait
-
-
-def dropout_mode(band: bool) -> int:
-    """The DROPOUT constexpr of a Hopper launch with dropout (:data:`DROPOUT_EARLY`)."""
-    return DROPOUT_BEFORE_WAIT if DROPOUT_EARLY["band" if band else "dense"] else DROPOUT_AFTER
-
 
 if AVAILABLE:
     # TMA copies were renamed after Triton 3.6 (async_copy_* -> async_load / async_store).
@@ -399,19 +388,15 @@ if AVAILABLE:
                 st = kc % STAGES
                 mbarrier.wait(k_ready.index(st), (kc // STAGES) & 1)
                 s = warpgroup_mma(qh, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                k0 = _tile_start(0, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
-                if DROPOUT == 2:  # the tile's mask, hashed while the scores' product runs
-                    keep = _keep(drop_key, mh, k0, drop_thresh, HALF, BLOCK_N, s_layout)
                 s = warpgroup_mma_wait(0, deps=[s])
                 mbarrier.arrive(k_empty.index(st), count=1)
+                k0 = _tile_start(0, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
                 s2 = _scores(s, 0, k0, mh, b, h, sm_scale, qk_scale, rel2, win_left, win_right, lo_t, flo_t, fhi_t,
                              n_part, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD,
                              SCORE_REL, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N, s_layout)
                 p, alpha, m_i, l_i = _softmax(s2, m_i, l_i)
-                if DROPOUT == 1:
-                    keep = _keep(drop_key, mh, k0, drop_thresh, HALF, BLOCK_N, s_layout)
                 if DROPOUT:
-                    p = gl.where(keep, p, 0.0)
+                    p = gl.where(_keep(drop_key, mh, k0, drop_thresh, HALF, BLOCK_N, s_layout), p, 0.0)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             for t in range(1, n):
                 g = kc + t
@@ -421,19 +406,15 @@ if AVAILABLE:
                 mbarrier.wait(v_ready.index(ps), ((g - 1) // STAGES) & 1)
                 s = warpgroup_mma(qh, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_smem.index(ps), acc, is_async=True)
-                kt = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
-                if DROPOUT == 2:  # the tile's mask, hashed while the products run
-                    keep = _keep(drop_key, mh, kt, drop_thresh, HALF, BLOCK_N, s_layout)
                 s = warpgroup_mma_wait(1, deps=[s])  # S_t done, P V may still run
                 mbarrier.arrive(k_empty.index(st), count=1)
+                kt = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_KV, BLOCK_N)
                 s2 = _scores(s, t, kt, mh, b, h, sm_scale, qk_scale, rel2, win_left, win_right, lo_t, flo_t, fhi_t,
                              n_part, st0, st1, st2, st3, mt0, mt1, mt2, mt3, SCORE_FN, MASK_FN, HAS_SCORE_MOD,
                              SCORE_REL, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N, s_layout)
                 p, alpha, m_i, l_i = _softmax(s2, m_i, l_i)
-                if DROPOUT == 1:
-                    keep = _keep(drop_key, mh, kt, drop_thresh, HALF, BLOCK_N, s_layout)
                 if DROPOUT:
-                    p = gl.where(keep, p, 0.0)
+                    p = gl.where(_keep(drop_key, mh, kt, drop_thresh, HALF, BLOCK_N, s_layout), p, 0.0)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(v_empty.index(ps), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -683,7 +664,7 @@ def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         BLOCK_SPARSE=sparse is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, HEAD_D=D,
         STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=_NEW_WS,
-        DROPOUT=0 if dropout is None else dropout_mode(left is not None or right is not None),
+        DROPOUT=dropout is not None,
         num_warps=4, maxnreg=168,
     )
     return True

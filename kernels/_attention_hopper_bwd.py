@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ._attention_hopper import AVAILABLE, _view2d, dropout_mode
+from ._attention_hopper import AVAILABLE, _view2d
 from ._dropout import _dropout_key, _dropout_keep
 
 if AVAILABLE:
@@ -216,8 +216,6 @@ if AVAILABLE:
                 sT = warpgroup_mma(kc_, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(do_ready.index(st), ph)
                 dpT = warpgroup_mma(vc_, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if DROPOUT == 2:  # the tile's mask, hashed while the products run
-                    keep = _dropout_keep(drop_key, gl.expand_dims(m0 + qoff, 0), keys, drop_thresh)
                 sT = warpgroup_mma_wait(1, deps=[sT])
                 # P^T: scores in base 2 (score_mod in natural units), invisible entries -inf.
                 if SCORE_MODE == 3:
@@ -245,8 +243,7 @@ if AVAILABLE:
                                       float("-inf"))
                 pT = gl.exp2(s2 - gl.expand_dims(lse_smem.index(st).load(col_layout), 0))
                 if DROPOUT:  # dV from the kept weights (scaled once at the end), dP^T through the mask
-                    if DROPOUT == 1:
-                        keep = _dropout_keep(drop_key, gl.expand_dims(m0 + qoff, 0), keys, drop_thresh)
+                    keep = _dropout_keep(drop_key, gl.expand_dims(m0 + qoff, 0), keys, drop_thresh)
                     dv = warpgroup_mma(gl.convert_layout(gl.where(keep, pT, 0.0).to(dtype), op_layout),
                                        do_smem.index(st), dv, is_async=True)
                     dpT = warpgroup_mma_wait(1, deps=[dpT])
@@ -504,8 +501,7 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         HAS_MASK_MOD=has_mask_mod, BAND=left is not None or right is not None, BLOCK_SPARSE=sparse_t is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
         STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS,
-        DROPOUT=0 if dropout is None else dropout_mode(left is not None or right is not None), num_warps=4,
-        maxnreg=168,
+        DROPOUT=dropout is not None, num_warps=4, maxnreg=168,
     )
     dq.copy_(dqa)
     return True

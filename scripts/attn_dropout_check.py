@@ -59,8 +59,6 @@ def main() -> None:
     ap.add_argument("--dq-mode", choices=("auto", "separate", "atomic"), default="auto",
                     help="the backward's dQ scheme for the fp8ops rows (auto: the library's choice)")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of plain launches")
-    ap.add_argument("--mask-hash", choices=("default", "after", "before-wait"), default="default",
-                    help="where the Hopper kernels hash the dropout mask (kernels/_attention_hopper.DROPOUT_EARLY)")
     ap.add_argument("--impls", nargs="+", default=None,
                     help="implementations to time (default: all; fp8ops triton, fp8ops triton, portable, "
                          "SDPA cuDNN, SDPA flash)")
@@ -70,10 +68,6 @@ def main() -> None:
         from fp8ops.attention import op as attention_op
 
         attention_op._dq_mode = lambda *a, **k: args.dq_mode
-    if args.mask_hash != "default":
-        from fp8ops.kernels import _attention_hopper as H
-
-        H.DROPOUT_EARLY.update(band=args.mask_hash == "before-wait", dense=args.mask_hash == "before-wait")
     S, B, h, d = args.seq, args.batch, args.heads, args.head_dim
     torch.manual_seed(0)
     qkv = torch.randn(S, B, 3 * h * d, device="cuda", dtype=torch.bfloat16)

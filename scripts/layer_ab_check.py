@@ -1,13 +1,17 @@
 """A switch of fp8ops off and on, on the seed layer's full training steps of ``python -m fp8ops.bench
 layer`` (fp8ops delayed scaling, eager, dropout 0.1: fresh probes, forward, backward,
 ``fp8ops.update``), timed back to back: ``--switch fuse_dbias`` (:data:`fp8ops._operands.FUSE_DBIAS`,
-the bias gradients from the quantizing pass over dy instead of ``dy.sum(0)``).
+the bias gradients from the quantizing pass over dy instead of ``dy.sum(0)``), ``hopper_dropout``
+(:data:`fp8ops.attention.op.HOPPER_DROPOUT`: the attention with dropout on the Hopper kernels
+instead of cuDNN) or ``qkv_gradient`` (:data:`fp8ops.attention.op.QKV_GRADIENT`: one gradient of
+the QKV projection written by the attention backward instead of three concatenated).
 
 The two settings alternate over ``--rounds`` rounds (the order flips every round), each timing
 ``--steps`` steps after two untimed ones; prints µs per step of every round, the medians and
 their ratio, and the kernels of one step of each setting whose time differs.
 
-    python scripts/layer_ab_check.py [--switch fuse_dbias] [--rounds 6] [--steps 20] [--json OUT]
+    python scripts/layer_ab_check.py [--switch fuse_dbias|hopper_dropout|qkv_gradient] [--rounds 6]
+                                     [--steps 20] [--json OUT]
 
 Needs a CUDA GPU.
 """
@@ -23,11 +27,14 @@ import torch
 
 import fp8ops
 from fp8ops import _operands
+from fp8ops.attention import op as attention_op
 from fp8ops.bench.layer import SEED, _fp8ops_case
 from fp8ops.reference.transformer_layer import BasicTransformerLayer
 from fp8ops.transformer_layer import TransformerConfig
 
-SWITCHES = {"fuse_dbias": (_operands, "FUSE_DBIAS")}
+SWITCHES = {"fuse_dbias": (_operands, "FUSE_DBIAS"),
+            "hopper_dropout": (attention_op, "HOPPER_DROPOUT"),
+            "qkv_gradient": (attention_op, "QKV_GRADIENT")}
 
 
 def main() -> None:

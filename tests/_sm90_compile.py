@@ -58,15 +58,6 @@ VARIANTS = {
     "d128_causal": dict(D=128),
     "d128_causal_dropout": dict(D=128, dropout=True),
     "bwd_d128_causal_dropout": dict(D=128, backward=True, dropout=True),
-    # the two places of the mask's hash (DROPOUT 1: after the softmax step / scores; 2: before the wait)
-    "d128_none_dropout_after": dict(D=128, band=False, dropout=1),
-    "d128_none_dropout_before_wait": dict(D=128, band=False, dropout=2),
-    "d128_causal_dropout_after": dict(D=128, dropout=1),
-    "d128_causal_dropout_before_wait": dict(D=128, dropout=2),
-    "bwd_d128_none_dropout_after": dict(D=128, band=False, backward=True, dropout=1),
-    "bwd_d128_none_dropout_before_wait": dict(D=128, band=False, backward=True, dropout=2),
-    "bwd_d128_causal_dropout_after": dict(D=128, backward=True, dropout=1),
-    "bwd_d128_causal_dropout_before_wait": dict(D=128, backward=True, dropout=2),
     "d64_causal_dropout": dict(D=64, dropout=True),
     "bwd_d128_none_dropout": dict(D=128, band=False, backward=True, dropout=True),
     "bwd_d64_causal_dropout": dict(D=64, backward=True, dropout=True),
@@ -86,7 +77,7 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
                   HAS_MASK_MOD=mask is not None,
                   BAND=band, BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=HB.BWD_BLOCK_M,
                   BLOCK_N=HB.BWD_BLOCK_N, HEAD_D=D, STAGES=HB.BWD_STAGES, CONSUMER_REGS=240, NEW_WS=H._NEW_WS,
-                  DROPOUT=H.dropout_mode(band) if dropout is True else int(dropout))
+                  DROPOUT=dropout)
     kern = HB._hopper_bwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
@@ -131,7 +122,7 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=Fa
                   REVERSE=band,
                   BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=H.BLOCK_M, BLOCK_N=cfg.block_n,
                   HEAD_D=D, STAGES=cfg.stages, Q_BUFS=cfg.q_bufs, CONSUMER_REGS=240, NEW_WS=H._NEW_WS,
-                  DROPOUT=H.dropout_mode(band) if dropout is True else int(dropout))
+                  DROPOUT=dropout)
     kern = H._hopper_fwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):

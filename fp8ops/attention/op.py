@@ -53,6 +53,15 @@ def _as_mod(m: Any, cls: type, name: str, where: str, arity: int) -> Any:
     return m
 
 
+HOPPER_DROPOUT = True
+"""``backend="auto"`` runs dense calls with dropout on the Hopper kernels where they apply
+(:func:`_hopper_dropout_faster`); False keeps SDPA for them (for measurements and tests)."""
+
+QKV_GRADIENT = True
+"""A layer's attention on the fused kernels returns one gradient of its QKV projection
+(:func:`_packed_qkv`); False: three, concatenated by autograd (for measurements and tests)."""
+
+
 def _use_kernels(q: Tensor) -> bool:
     """Whether the fused Triton kernels run (CUDA tensors) or the reference math (anything else)."""
     return q.is_cuda
@@ -439,7 +448,7 @@ def _packed_qkv(qkv: Tensor | None, q: Tensor, k: Tensor, v: Tensor, varlen: boo
     or packed sequences), else None; a ``qkv`` of which they are not raises (checked by address
     where the tensors have one: not while ``torch.compile`` traces or inside ``torch.func``
     transforms, whose tensors have no storage)."""
-    if qkv is None or nested or not (varlen or layout == "sbhd"):
+    if qkv is None or nested or not (varlen or layout == "sbhd") or not QKV_GRADIENT:
         return None
     hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = q.shape[:-2]
@@ -488,7 +497,7 @@ def _hopper_dropout_faster(q: Tensor, k: Tensor, v: Tensor, layout: str, dropout
     heads of d=64 1.086 / 3.752 against 1.537 / 3.852, but causal 0.610 / 1.971 against 0.532 / 1.630
     (without dropout cuDNN is level or faster: 0.424 / 1.964 against 0.419 / 1.818 at d = 128, so
     SDPA keeps those calls)."""
-    if dropout_p <= 0.0 or not q.is_cuda or left is not None or right is not None:
+    if not HOPPER_DROPOUT or dropout_p <= 0.0 or not q.is_cuda or left is not None or right is not None:
         return False
     from ..kernels import attention as K
     from ..kernels._attention_hopper import _view2d
