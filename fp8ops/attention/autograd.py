@@ -196,6 +196,23 @@ _define(
 torch.library.register_vmap("fp8ops::attention_fwd", _attention_fwd_vmap)
 
 
+def _backward(static: _Static, dout: Tensor | None, dlse: Tensor | None, qkv: tuple[Tensor, Tensor, Tensor],
+              out: Tensor, lse: Tensor, cu_q: Tensor | None, cu_kv: Tensor | None, seed: Tensor | None,
+              bm: list[Any], buffers: list[Tensor]) -> list[Tensor] | None:
+    """The backward library op's gradients (None when neither output has one): ``[dq, dk, dv,
+    *buffer_grads]``, or ``[dqkv, *buffer_grads]`` with ``static.packed``."""
+    with torch.no_grad():
+        if dout is None and dlse is None:
+            return None
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if static.score_key is not None and not _SPECS[static.score_key].differentiable:
+            _SPECS[static.score_key].grad_jit(static.needs)  # raises, naming the mod
+        # A library op, so that torch.func transforms (grad, vmap of grad) see plain tensors.
+        return OPS.attention_bwd(dout, dlse, *qkv, out, lse, cu_q, cu_kv, seed, *bm, list(buffers),
+                                 _static_str(static))
+
+
 class _AttentionFunction(torch.autograd.Function):
     """Autograd glue of the Triton path. Inputs: q, k, v as (B, H, S, D) views (or packed (T, H, D)),
     cu_seqlens, dropout seed, the 8 block-mask tensors, the static config, the unique captured
@@ -225,17 +242,9 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         static: _Static = ctx.static
         q, k, v, out, lse, cu_q, cu_kv, seed, *rest = ctx.saved_tensors
-        bm, buffers = rest[:8], rest[8:]
-        with torch.no_grad():
-            if dout is None and dlse is None:
-                return (None,) * (15 + ctx.n_buffers)
-            if dout is None:
-                dout = torch.zeros_like(out)
-            if static.score_key is not None and not _SPECS[static.score_key].differentiable:
-                _SPECS[static.score_key].grad_jit(static.needs)  # raises, naming the mod
-            # A library op, so that torch.func transforms (grad, vmap of grad) see plain tensors.
-            grads = OPS.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed, *bm,
-                                      list(buffers), _static_str(static))
+        grads = _backward(static, dout, dlse, (q, k, v), out, lse, cu_q, cu_kv, seed, rest[:8], rest[8:])
+        if grads is None:
+            return (None,) * (15 + ctx.n_buffers)
         buf_grads = [g if _needs_slot(static, i) else None for i, g in enumerate(grads[3:])]
         return (grads[0], grads[1], grads[2], None, None, None, *([None] * 8), None, *buf_grads)
 
@@ -280,17 +289,10 @@ class _PackedAttentionFunction(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         static: _Static = ctx.static
         qkv, out, lse, cu_q, cu_kv, seed, *rest = ctx.saved_tensors
-        bm, buffers = rest[:8], rest[8:]
-        with torch.no_grad():
-            if dout is None and dlse is None:
-                return (None,) * (13 + ctx.n_buffers)
-            if dout is None:
-                dout = torch.zeros_like(out)
-            if static.score_key is not None and not _SPECS[static.score_key].differentiable:
-                _SPECS[static.score_key].grad_jit(static.needs)  # raises, naming the mod
-            q, k, v = _split_packed(qkv, static)
-            grads = OPS.attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_kv, seed, *bm,
-                                      list(buffers), _static_str(static))
+        grads = _backward(static, dout, dlse, _split_packed(qkv, static), out, lse, cu_q, cu_kv, seed, rest[:8],
+                          rest[8:])
+        if grads is None:
+            return (None,) * (13 + ctx.n_buffers)
         buf_grads = [g if _needs_slot(static, i) else None for i, g in enumerate(grads[1:])]
         return (grads[0], None, None, None, *([None] * 8), None, *buf_grads)
 
