@@ -2,7 +2,8 @@
 # Check the attention kernels' dropout on the GPU machine in one call: install fp8ops, run the GPU
 # tests of the attention kernels (Hopper forward and backward, portable kernels, the layer's
 # attention), then time attention with and without dropout at the seed layer's shape against SDPA
-# (scripts/attn_dropout_check.py, CUDA-graph replays), and optionally `bench layer`.
+# (scripts/attn_dropout_check.py, CUDA-graph replays), and optionally the Hopper kernels' registers
+# and spills compiled offline (tests/_sm90_compile.py) and `bench layer`.
 #
 # Usage: bash scripts/gpu_attn_dropout_check.sh OUTDIR
 #

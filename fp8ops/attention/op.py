@@ -160,9 +160,9 @@ def attention(
             ``block_mask``, window or packed sequences (``causal`` allowed), without ``return_lse``,
             ``deterministic`` or an explicit ``dropout_seed`` (SDPA draws its dropout mask from
             torch's generator) — where cuDNN's attention is the faster kernel; Triton otherwise,
-            and for such calls with dropout on an sm_90 GPU wherever the library's Hopper forward
-            and backward apply (measured faster than cuDNN with dropout; the seed drawn from
-            torch's generator).
+            and for such calls with dropout and without ``causal`` on an sm_90 GPU wherever the
+            library's Hopper forward and backward apply (measured faster than cuDNN with dropout;
+            the seed drawn from torch's generator).
             The CPU always runs the reference math.
 
     Returns:
