@@ -60,6 +60,7 @@ from ._transformer_checks import (
 )
 from .activation import ACTIVATIONS, GATED
 from .attention import BlockMask
+from .attention.autograd import qkv_heads
 from .attention.op import _attention
 from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .fp8_linear import LinearState, WeightCache, fp8_linear
@@ -639,8 +640,7 @@ def transformer_layer(
 
         # Step 3: attention on per-head views of the projection, (S, B, h, d) or packed (T, h, d).
         lead = qkv.shape[:-1]
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q, k, v = q.reshape(*lead, hq, d), k.reshape(*lead, hkv, d), v.reshape(*lead, hkv, d)
+        q, k, v = qkv_heads(qkv, hq, hkv, d)
         attn_kw: dict[str, Any] = {}
         if packed:
             attn_kw = {"cu_seqlens_q": cu_seqlens, "max_seqlen_q": max_seqlen}

@@ -371,7 +371,6 @@ if AVAILABLE:
             qb = i % Q_BUFS
             mh = m0 + half * HALF
             qh = q_smem.index(qb * 2 + half)
-            drop_key = b.to(gl.uint32)
             if DROPOUT:
                 drop_key = _dropout_key(seed_ptr, b, h)
             rel2 = 0.0

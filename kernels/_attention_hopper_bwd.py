@@ -200,7 +200,6 @@ if AVAILABLE:
                 b, h, n0, seq_q, win_right, win_left, qn_ptr, qi_ptr, fqn_ptr, fqi_ptr,
                 stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
                 BAND, BLOCK_SPARSE, SPARSE_KV, SPARSE_Q, 2 * HALF, BLOCK_M)
-            drop_key = b.to(gl.uint32)
             if DROPOUT:
                 drop_key = _dropout_key(seed_ptr, b, h)
             key2 = 0.0

@@ -47,15 +47,19 @@ class _Static(NamedTuple):
     packed: tuple[int, int, int] | None = None  # (hq, hkv, d): q, k, v are head slices of one projection
 
 
-def _split_packed(qkv: Tensor, static: _Static) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v as the kernels take them ((B, H, S, D) views in sbhd, (T, H, D) packed) from one
-    projection output ``qkv`` (S, B, (hq + 2 hkv) d) or (T, (hq + 2 hkv) d), whose last dim holds
-    [q heads | k heads | v heads] (``static.packed``)."""
-    assert static.packed is not None
-    hq, hkv, d = static.packed
+def qkv_heads(qkv: Tensor, hq: int, hkv: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The q, k and v head views (..., h, d) of a projection output (..., (hq + 2 hkv) d) whose
+    last dim holds [q heads | k heads | v heads]."""
     lead = qkv.shape[:-1]
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q, k, v = q.reshape(*lead, hq, d), k.reshape(*lead, hkv, d), v.reshape(*lead, hkv, d)
+    return q.reshape(*lead, hq, d), k.reshape(*lead, hkv, d), v.reshape(*lead, hkv, d)
+
+
+def _split_packed(qkv: Tensor, static: _Static) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the kernels take them ((B, H, S, D) views in sbhd, (T, H, D) packed) from one
+    projection output ``qkv`` (S, B, (hq + 2 hkv) d) or (T, (hq + 2 hkv) d) (``static.packed``)."""
+    assert static.packed is not None
+    q, k, v = qkv_heads(qkv, *static.packed)
     if static.layout == "thd":
         return q, k, v
     return _ref.to_bhsd(q, static.layout), _ref.to_bhsd(k, static.layout), _ref.to_bhsd(v, static.layout)
@@ -250,13 +254,7 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        # vmap = a loop over the batched entries (exact semantics; the batches seen in practice,
-        # micro-batches or ensembles, are small).
-        outs = []
-        for i in range(info.batch_size):
-            sample = [a if d is None or not isinstance(a, Tensor) else a.select(d, i) for a, d in zip(args, in_dims)]
-            outs.append(_AttentionFunction.apply(*sample))
-        return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+        return _vmap_loop(_AttentionFunction, info, in_dims, args)
 
 
 class _PackedAttentionFunction(torch.autograd.Function):
@@ -298,11 +296,17 @@ class _PackedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        outs = []
-        for i in range(info.batch_size):
-            sample = [a if d is None or not isinstance(a, Tensor) else a.select(d, i) for a, d in zip(args, in_dims)]
-            outs.append(_PackedAttentionFunction.apply(*sample))
-        return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+        return _vmap_loop(_PackedAttentionFunction, info, in_dims, args)
+
+
+def _vmap_loop(function: Any, info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, Any]:
+    # vmap of an attention Function = a loop over the batched entries (exact semantics; the batches
+    # seen in practice, micro-batches or ensembles, are small).
+    outs = []
+    for i in range(info.batch_size):
+        sample = [a if d is None or not isinstance(a, Tensor) else a.select(d, i) for a, d in zip(args, in_dims)]
+        outs.append(function.apply(*sample))
+    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
 
 
 def _needs_slot(static: _Static, slot: int) -> bool:
