@@ -10,6 +10,15 @@ software power cap; 0x1: idle).
 
     python scripts/clock_check.py OUT_DIR [--shape 8192 4096 12288] [--seconds 4]
 
+``--layer`` runs the seed layer's training steps of ``python -m fp8ops.bench layer`` instead (fp8ops
+delayed, torchao tensorwise + compile, the basic fp16 layer; dropout 0.1), each in two phases:
+steps back to back, and bursts of two steps each started on an idle GPU (a synchronize and 50 ms
+of idle before each burst, CUDA events around it), as the suite times a step. Each row also gives
+the energy per step (median power x time per step), which bounds the step where the GPU holds its
+power cap.
+
+    python scripts/clock_check.py OUT_DIR --layer [--impls "fp8ops delayed" ...] [--seconds 4]
+
 Needs a CUDA GPU and ``nvidia-smi``.
 """
 
@@ -78,13 +87,108 @@ def phase(step, carry, batch, seconds: float, sampler: Sampler) -> tuple[dict[st
     return {"us_per_step": (t1 - t0) / n * 1e6, "steps": n, **sampler.between(t0 + (t1 - t0) / 2, t1)}, carry
 
 
+def layer_cases(names: list[str]) -> dict[str, object]:
+    """name -> ``make()`` returning ``(step(x, dy), (x, dy))`` for the seed layer's training step."""
+    from fp8ops.bench import common
+    from fp8ops.bench.layer import _basic, _fp8ops_case, _module_case, _torchao_case, seed_layer_inputs
+
+    config, seed_state, x, dy = seed_layer_inputs(0.1)
+    dims = {"hidden": config.hidden_size, "ffn": config.ffn_hidden_size, "heads": config.num_attention_heads}
+
+    def fp8ops_delayed():
+        step, _, params = _fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x, dy)
+        return common.clearing_grads(step, params), (x, dy)
+
+    def torchao():
+        step, _, params = _torchao_case(_basic(seed_state, dims, 0.1, "sdpa", torch.bfloat16), "tensorwise")
+        return common.clearing_grads(step, params), (x, dy)
+
+    def basic_fp16():
+        step, _, params = _module_case(_basic(seed_state, dims, 0.1, "bmm", torch.float16), False)
+        xh = x.detach().half().requires_grad_()
+        return common.clearing_grads(step, params), (xh, dy.half())
+
+    known = {"fp8ops delayed": fp8ops_delayed, "torchao tensorwise + compile": torchao, "basic fp16": basic_fp16}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"clock_check.py: --impls {unknown} with --layer: expected some of {sorted(known)}")
+    return {n: known[n] for n in names}
+
+
+def layer_phases(step, batch, seconds: float, sampler: Sampler) -> list[dict[str, object]]:
+    """Back-to-back steps, then bursts of two steps each started on an idle GPU."""
+    for _ in range(3):
+        step(*batch)
+    torch.cuda.synchronize()
+    time.sleep(1.0)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            step(*batch)
+        n += 10
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    b2b = {"phase": "back to back", "us_per_step": (t1 - t0) / n * 1e6, "steps": n,
+           **sampler.between(t0 + (t1 - t0) / 2, t1)}
+    torch.cuda.synchronize()
+    time.sleep(1.0)
+    times, t0 = [], time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    while time.perf_counter() - t0 < seconds:
+        torch.cuda.synchronize()
+        time.sleep(0.05)
+        start.record()
+        step(*batch)
+        step(*batch)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 2)
+    t1 = time.perf_counter()
+    bursts = {"phase": "bursts from idle", "us_per_step": statistics.median(times), "steps": 2 * len(times),
+              **sampler.between(t0, t1)}
+    for r in (b2b, bursts):
+        if r.get("power_w_median") is not None:
+            r["energy_j_per_step"] = r["power_w_median"] * r["us_per_step"] * 1e-6
+    return [b2b, bursts]
+
+
+def main_layer(args: argparse.Namespace) -> None:
+    names = args.impls if args.impls_given else ["fp8ops delayed", "torchao tensorwise + compile", "basic fp16",
+                                                 "fp8ops delayed"]
+    cases = layer_cases(names)
+    sampler = Sampler(torch.cuda.current_device())
+    rows = []
+    try:
+        for name in names:
+            torch._dynamo.reset()
+            step, batch = cases[name]()
+            for r in layer_phases(step, batch, args.seconds, sampler):
+                rows.append({"impl": name, **r})
+                print(json.dumps(rows[-1]), flush=True)
+            del step, batch
+            torch.cuda.empty_cache()
+    finally:
+        sampler.stop()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "clock_check_layer.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "case": "seed layer, dropout 0.1",
+                   "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--shape", type=int, nargs=3, default=[8192, 4096, 12288], metavar=("M", "K", "N"))
     ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--impls", nargs="+", default=["fp8ops delayed", "bf16 F.linear"])
+    ap.add_argument("--impls", nargs="+", default=None)
+    ap.add_argument("--layer", action="store_true", help="the seed layer's training steps (see the module docstring)")
     args = ap.parse_args()
+    args.impls_given = args.impls is not None
+    if args.layer:
+        main_layer(args)
+        return
+    if args.impls is None:
+        args.impls = ["fp8ops delayed", "bf16 F.linear"]
     M, K, N = args.shape
     sampler = Sampler(torch.cuda.current_device())
     rows = []
