@@ -57,6 +57,33 @@ def test_layer_bench_step_updates_the_state_it_carries(recipe):
         assert any(not torch.equal(a, b) for a, b in zip(before, _flat(step.state())))
 
 
+def test_layer_bench_graph_rows_step_as_the_eager_rows():
+    """The graph rows replay ``step.carry_step`` through ``fp8ops.graph_step`` (eager on a CPU): it
+    takes the state and returns the next one, gradients cleared first, and steps as the eager row's
+    step does, state for state and gradient for gradient."""
+    recipe = fp8ops.DelayedScaling(amax_history_len=4)
+    config, seed_state, xs = _setup()
+    x0, dy0 = xs[0]
+    step, _, params = _fp8ops_case(seed_state, config, recipe, x0.float(), dy0.float(), device="cpu")
+    carry_fn, carry = step.carry_step
+    assert carry is step.state()
+    graphed = fp8ops.graph_step(carry_fn, args_by_reference=(1,))
+    x, dy = xs[1]
+    for _ in range(3):
+        for p in params:
+            p.grad = None
+        x.grad = None
+        step(x, dy)
+        want_state, want_grads = _flat(step.state()), [p.grad.clone() for p in params]
+        carry, out = graphed(carry, x, dy)
+        assert out == ()
+        got_state = _flat(carry)
+        assert len(got_state) == len(want_state)
+        assert all(torch.equal(a, b) for a, b in zip(want_state, got_state))
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, want_grads))  # cleared, not summed
+    assert graphed.stats["eager"] == 3
+
+
 @pytest.mark.parametrize("eager_first, graphs", [(True, 1), (False, 2)], ids=["eager_first", "compiled_first"])
 def test_bench_step_compiles_the_loss_once_after_an_eager_first_step(compiled_graphs, eager_first, graphs):
     """The step suites' fp8ops compile build (``fp8ops.bench.step._variant``) runs its first step,
