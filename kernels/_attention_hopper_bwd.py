@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ._accumulate import store_accumulated
 from ._attention_hopper import AVAILABLE, _view2d
 from ._dropout import _dropout_key, _dropout_keep
 
@@ -465,8 +466,8 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Launch the Hopper backward into ``dq``, ``dk``, ``dv`` (``delta`` from the preprocess kernel);
     return whether it ran (q, k, v and do need descriptor views, dk and dv a contiguous last dim;
     nothing is allocated or written otherwise). dQ is summed in a float32 buffer, then cast into
-    ``dq``. ``sparse_t``: the portable dK/dV kernel's 10 block-mask arguments (per key block), or
-    None. ``score_mode``: one of SCORE_MODE_* (NO_GRAD: an additive bias, derivative 1 and no
+    ``dq`` (:func:`store_accumulated`). ``sparse_t``: the portable dK/dV kernel's 10 block-mask
+    arguments (per key block), or None. ``score_mode``: one of SCORE_MODE_* (NO_GRAD: an additive bias, derivative 1 and no
     captured-tensor gradient, so ``grad_fn`` is not called; RELATIVE: such a bias that is
     ``slope * (kv - q) + c`` per batch and head, ALiBi, added per key row and query column without
     calling ``score_fn`` per score)."""
@@ -502,5 +503,5 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS,
         DROPOUT=dropout is not None, num_warps=4, maxnreg=168,
     )
-    dq.copy_(dqa)
+    store_accumulated(dq, dqa)
     return True

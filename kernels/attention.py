@@ -88,6 +88,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._accumulate import store_accumulated
 from ._dropout import _dropout_keep, _dropout_key
 from ._library import cdiv, fast_launch, merge_config, next_pow2
 from ._attention_hopper import head_placement, hopper_fwd, hopper_supported
@@ -1761,7 +1762,7 @@ def attention_bwd_launch(
     # Step 3: dQ (its own deterministic kernel, or the atomic accumulator cast).
     if atomic:
         assert dqa is not None
-        dq.copy_(dqa)
+        store_accumulated(dq, dqa)
         return
     tma, tma_args = _tma_args(bool(cfg["TMA2"]), (k4, vv4), (n2, n2), interp)
     _launch(

@@ -9,6 +9,8 @@
 # Usage: bash scripts/gpu_layer_bounds.sh OUTDIR
 #   CLOCK=0 / OPS=0 / HOST=0   skip a part; SECONDS_PER_PHASE=N   seconds per clock phase (default 4)
 #   TESTS="pytest args"        also run these GPU tests first (log: OUTDIR/gpu_tests.log)
+#   DQ=1                       also time the dQ accumulator's cast into the layer's gradient view
+#                              (scripts/dq_cast_check.py)
 #   LAYER=1                    also run `python -m fp8ops.bench layer` (its JSON into OUTDIR)
 
 set -u -o pipefail
@@ -46,6 +48,10 @@ if [ "${HOST:-1}" != 0 ]; then
     timeout --kill-after=10 180 "$PY" scripts/host_profile.py --device cuda --cpu-time --profile \
         --only "torch F.linear" "fp8_linear delayed" "transformer_layer delayed" > "$OUT/host_profile.txt" 2>&1 || FAILED=1
     grep "us/call" "$OUT/host_profile.txt"
+fi
+if [ "${DQ:-0}" != 0 ]; then
+    echo "== dQ cast (t=$((SECONDS - START))s)"
+    timeout --kill-after=10 60 "$PY" scripts/dq_cast_check.py --out "$OUT" || FAILED=1
 fi
 if [ "${LAYER:-0}" != 0 ]; then
     echo "== bench layer (t=$((SECONDS - START))s)"

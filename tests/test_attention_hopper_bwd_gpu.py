@@ -242,3 +242,29 @@ def test_auto_backend_runs_dropout_on_the_hopper_kernels_eager_and_compiled(monk
     q, k, v = (t.detach().requires_grad_() for t in _fused_qkv(512, 2, 8, 64, 3))
     f(q, k, v).float().sum().backward()
     assert fwd == [] and bwd == [], (fwd, bwd)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["sbhd", "packed"])
+def test_dq_accumulator_into_a_strided_view_rounds_as_torch_copy(dtype, layout):
+    """The float32 dQ buffer written into a view of one QKV gradient (``store_accumulated``'s row
+    kernel) has the bits of torch's strided copy (round to nearest even), leaves the k and v parts
+    alone, and covers the rows past a program's 32."""
+    from fp8ops.kernels._accumulate import store_accumulated
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    if layout == "sbhd":
+        S, B, H, D = 2048 + 40, 3, 4, 128
+        packed = torch.full((S, B, 3 * H * D), 9.0, device="cuda", dtype=dtype)
+        dq = packed[..., H * D: 2 * H * D].view(S, B, H, D).permute(1, 2, 0, 3)
+    else:
+        T, H, D = 1000 + 7, 4, 64
+        packed = torch.full((T, 3 * H * D), 9.0, device="cuda", dtype=dtype)
+        dq = packed[:, : H * D].view(T, H, D)
+    acc = torch.randn(dq.shape, device="cuda", generator=g) * 3.0  # float32, needs rounding
+    want = torch.empty_like(dq)
+    want.copy_(acc)
+    store_accumulated(dq, acc)
+    assert torch.equal(dq, want)
+    rest = packed[..., : H * D] if layout == "sbhd" else packed[:, H * D:]
+    assert (rest == 9.0).all()
