@@ -74,9 +74,7 @@ from ._library import (
     graph_kernel,
     merge_config,
     next_pow2,
-    tma_store_wanted,
     traced_kernel,
-    transposed_store,
 )
 from ._reduce import column_sums
 
@@ -147,16 +145,12 @@ def _normalize_tile(
     y_ptr,  # (M, K) output in x's dtype
     q_ptr,  # (M, K) FP8 output
     qt_ptr,  # (K, M) FP8 transposed output
-    qt_desc,  # TMA descriptor of qt with (BLOCK_K, BLOCK_M) tiles (TMA_T), else unused
-    t0,  # (first column, first row) of this tile: where its TMA store of q^T starts (TMA_T)
-    t1,
     scale,
     RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_Y: tl.constexpr,
     HAS_Q: tl.constexpr,
     TRANSPOSE: tl.constexpr,
-    TMA_T: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
     # Step: y32 = xh * g (+ bias), stored; then the FP8 epilogue; returns the row maxima of |y32| bits.
@@ -173,10 +167,7 @@ def _normalize_tile(
         q = cast_fp8(y, scale, q_ptr, FP8_MAX=FP8_MAX)
         tl.store(q_ptr + offs, q, mask=mask)
         if TRANSPOSE:
-            if TMA_T:  # the tensor map clips the tile at the edges
-                qt_desc.store([t0, t1], tl.trans(q))
-            else:
-                tl.store(qt_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
+            tl.store(qt_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
     # Padding lanes (columns >= K, rows >= M) hold bias / -mean*rstd terms: keep them out of the amax.
     return tl.max(tl.where(mask, abs_bits(y), 0), axis=1)
 
@@ -248,7 +239,6 @@ def _norm_fwd_kernel(
     s_ptr,  # (M, K) output x + residual in x's dtype (STORE_S)
     q_ptr,  # (M, K) FP8 output (HAS_Q)
     qt_ptr,  # (K, M) FP8 transposed output (TRANSPOSE)
-    qt_desc,  # TMA descriptor of qt with (BLOCK_K, BLOCK_M) tiles (TMA_T: chunked rows only), else unused
     scale_ptr,  # () fp32 scale (delayed) or fallback scale (current)
     amax_in_ptr,  # () fp32 amax of y32 (current scaling only)
     amax_ptr,  # () fp32 output, zero-initialised; updated with integer atomics
@@ -268,7 +258,6 @@ def _norm_fwd_kernel(
     STORE_STATS: tl.constexpr,
     HAS_Q: tl.constexpr,
     TRANSPOSE: tl.constexpr,
-    TMA_T: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MARGIN: tl.constexpr,
     SCALE_FROM_AMAX: tl.constexpr,
@@ -325,10 +314,8 @@ def _norm_fwd_kernel(
                 if not RMS:
                     tl.store(mean_ptr + rm, mean, mask=row_ok)
             tile_bits = _normalize_tile(
-                v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, qt_desc,
-                0, blk * BLOCK_M, scale,
-                RMS=RMS, HAS_BIAS=HAS_BIAS, STORE_Y=STORE_Y, HAS_Q=HAS_Q, TRANSPOSE=TRANSPOSE, TMA_T=False,
-                FP8_MAX=FP8_MAX,
+                v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,
+                RMS=RMS, HAS_BIAS=HAS_BIAS, STORE_Y=STORE_Y, HAS_Q=HAS_Q, TRANSPOSE=TRANSPOSE, FP8_MAX=FP8_MAX,
             )
             amax_bits = tl.maximum(amax_bits, tile_bits)
     else:
@@ -381,10 +368,8 @@ def _norm_fwd_kernel(
             v = _sum_input(x, r, HAS_RES=HAS_RES).to(tl.float32)
             g, bias = _load_gamma_bias(w_ptr, b_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED, HAS_BIAS=HAS_BIAS)
             tile_bits = _normalize_tile(
-                v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, qt_desc,
-                k0, pid * BLOCK_M, scale,
-                RMS=RMS, HAS_BIAS=HAS_BIAS, STORE_Y=STORE_Y, HAS_Q=HAS_Q, TRANSPOSE=TRANSPOSE, TMA_T=TMA_T,
-                FP8_MAX=FP8_MAX,
+                v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,
+                RMS=RMS, HAS_BIAS=HAS_BIAS, STORE_Y=STORE_Y, HAS_Q=HAS_Q, TRANSPOSE=TRANSPOSE, FP8_MAX=FP8_MAX,
             )
             amax_bits = tl.maximum(amax_bits, tile_bits)
     # Step 5: one atomic per program on the float bits (|y| >= 0: integer order is float order).
@@ -550,10 +535,7 @@ def _norm_bwd_kernel(
 
 _ROW_LIMIT = 16384  # forward: rows up to this length stay in registers
 _BWD_ROW_LIMIT = 8192  # backward: rows up to this length stay in registers
-_FWD_T_CFG = {"BLOCK_M": 32, "BLOCK_K": 256, "num_warps": 4, "PROGRAMS_PER_SM": 1, "TMA": None}
-# "TMA": the transposed FP8 output through a tensor map (None: from _library.TMA_STORE_MIN_ELEMENTS
-# elements, as the other launchers; True / False force it); chunked rows with tiles of at most 256
-# rows of q^T and at least 16 columns only (a tensor map's box), pointer stores otherwise.
+_FWD_T_CFG = {"BLOCK_M": 32, "BLOCK_K": 256, "num_warps": 4, "PROGRAMS_PER_SM": 1}
 _FWD_CHUNKED_CFG = {"BLOCK_M": 1, "BLOCK_K": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 1}
 _BWD_CHUNKED_CFG = {"BLOCK_M": 4, "BLOCK_K": 1024, "num_warps": 8, "PROGRAMS_PER_SM": 2}
 _CPU_PROGRAMS = 4  # "SMs" of a non-CUDA device (the interpreter), for the persistent grids
@@ -728,19 +710,15 @@ def _launch_fwd(
     if single:
         blocks = min(blocks, _num_sms(dev) * cfg["PROGRAMS_PER_SM"])
     grid = (max(1, blocks),)
-    # q^T through a tensor map: eager launches of chunked rows whose tile fits a tensor map's box
-    tma = (transpose and has_q and not traced and not single and cfg["BLOCK_K"] <= 256 and cfg["BLOCK_M"] >= 16
-           and cfg["BLOCK_M"] <= 256 and tma_store_wanted(q_t, {"TMA": cfg.get("TMA")}))
-    qt_desc = transposed_store(q_t, tma, cfg["BLOCK_K"], cfg["BLOCK_M"])
     kernel = graph_kernel(_norm_fwd_kernel, traced)
     with AMAX_CHAIN.output(dev, traced) as (amax, amax_next):
         kernel[grid](
             x, residual if residual is not None else x, weight, bias if bias is not None else weight,
-            y, s, q, q_t, qt_desc, scale if scale is not None else amax, amax_in if amax_in is not None else amax,
+            y, s, q, q_t, scale if scale is not None else amax, amax_in if amax_in is not None else amax,
             amax, amax_next, inv, mean, rstd, M, K, float(eps),
             RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
             STORE_Y=store_y, STORE_S=store_s, STORE_STATS=store_stats, HAS_Q=has_q, TRANSPOSE=transpose,
-            TMA_T=tma, FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
+            FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
             SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         )
     return y, s, q, q_t, amax, inv, mean, rstd

@@ -11,7 +11,6 @@
 #   TESTS="pytest args"        also run these GPU tests first (log: OUTDIR/gpu_tests.log)
 #   DQ=1                       also time the dQ accumulator's cast into the layer's gradient view
 #                              (scripts/dq_cast_check.py)
-#   NORM=1                     also time the norm forward's q^T through a tensor map (scripts/norm_tma_check.py)
 #   LAYER=1                    also run `python -m fp8ops.bench layer` (its JSON into OUTDIR)
 
 set -u -o pipefail
@@ -53,10 +52,6 @@ fi
 if [ "${DQ:-0}" != 0 ]; then
     echo "== dQ cast (t=$((SECONDS - START))s)"
     timeout --kill-after=10 60 "$PY" scripts/dq_cast_check.py --out "$OUT" || FAILED=1
-fi
-if [ "${NORM:-0}" != 0 ]; then
-    echo "== norm forward, q^T through pointers / a tensor map (t=$((SECONDS - START))s)"
-    timeout --kill-after=10 60 "$PY" scripts/norm_tma_check.py --out "$OUT" || FAILED=1
 fi
 if [ "${LAYER:-0}" != 0 ]; then
     echo "== bench layer (t=$((SECONDS - START))s)"
