@@ -11,6 +11,7 @@
 #   TESTS="pytest args"        also run these GPU tests first (log: OUTDIR/gpu_tests.log)
 #   DQ=1                       also time the dQ accumulator's cast into the layer's gradient view
 #                              (scripts/dq_cast_check.py)
+#   AB="args"                  also run scripts/layer_ab_check.py with these arguments (JSON: OUTDIR/layer_ab.json)
 #   LAYER=1                    also run `python -m fp8ops.bench layer` (its JSON into OUTDIR)
 
 set -u -o pipefail
@@ -52,6 +53,12 @@ fi
 if [ "${DQ:-0}" != 0 ]; then
     echo "== dQ cast (t=$((SECONDS - START))s)"
     timeout --kill-after=10 60 "$PY" scripts/dq_cast_check.py --out "$OUT" || FAILED=1
+fi
+if [ -n "${AB:-}" ]; then
+    echo "== A/B of a switch: $AB (t=$((SECONDS - START))s)"
+    eval "set -- $AB"
+    timeout --kill-after=10 "${AB_LIMIT_S:-240}" "$PY" scripts/layer_ab_check.py --json "$OUT/layer_ab.json" "$@" \
+        2>&1 | grep -v Warning || FAILED=1
 fi
 if [ "${LAYER:-0}" != 0 ]; then
     echo "== bench layer (t=$((SECONDS - START))s)"

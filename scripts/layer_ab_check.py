@@ -11,7 +11,12 @@ The two settings alternate over ``--rounds`` rounds (the order flips every round
 their ratio, and the kernels of one step of each setting whose time differs.
 
     python scripts/layer_ab_check.py [--switch fuse_dbias|hopper_dropout|qkv_gradient] [--rounds 6]
-                                     [--steps 20] [--json OUT]
+                                     [--steps 20] [--graph] [--json OUT]
+
+``--graph``: each setting's step captured once as a CUDA graph (``fp8ops.graph_step``, the switch
+set during its warm-up and capture), and each round times its replays both back to back and as
+steps each started on an idle GPU (a synchronize and 20 ms idle before each, as ``bench layer``'s
+first column); the profiled steps are eager as without it.
 
 Needs a CUDA GPU.
 """
@@ -22,6 +27,7 @@ import argparse
 import collections
 import json
 import statistics
+import time
 
 import torch
 
@@ -43,6 +49,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--graph", action="store_true", help="time graph replays (see the module docstring)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     mod, name = SWITCHES[args.switch]
@@ -56,21 +63,51 @@ def main() -> None:
     step, _, _ = _fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x, dy)
     default = getattr(mod, name)
     times: dict[bool, list[float]] = {False: [], True: []}
+    idle: dict[bool, list[float]] = {False: [], True: []}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    runs = {False: step, True: step}
+    if args.graph:  # one graph per setting, captured with the switch set
+        for on in (False, True):
+            setattr(mod, name, on)
+            gfn, carry0 = step.carry_step
+            graphed = fp8ops.graph_step(gfn, args_by_reference=(1,))
+            carry = [carry0]
+
+            def run(xx, dd, graphed=graphed, carry=carry):
+                carry[0], _ = graphed(carry[0], xx, dd)
+
+            for _ in range(3):
+                run(x, dy)
+            assert graphed.stats["replays"], graphed.stats
+            runs[on] = run
     try:
         for r in range(args.rounds):
             for on in ((False, True) if r % 2 == 0 else (True, False)):
                 setattr(mod, name, on)
+                fn = runs[on]
                 for _ in range(2):
-                    step(x, dy)
+                    fn(x, dy)
                 torch.cuda.synchronize()
                 ev[0].record()
                 for _ in range(args.steps):
-                    step(x, dy)
+                    fn(x, dy)
                 ev[1].record()
                 torch.cuda.synchronize()
                 times[on].append(ev[0].elapsed_time(ev[1]) * 1e3 / args.steps)
-                print(f"round {r} {name}={on}: {times[on][-1]:.1f} µs/step", flush=True)
+                line = f"round {r} {name}={on}: {times[on][-1]:.1f} µs/step"
+                if args.graph:
+                    one = []
+                    for _ in range(args.steps):
+                        torch.cuda.synchronize()
+                        time.sleep(0.02)
+                        ev[0].record()
+                        fn(x, dy)
+                        ev[1].record()
+                        ev[1].synchronize()
+                        one.append(ev[0].elapsed_time(ev[1]) * 1e3)
+                    idle[on].append(statistics.median(one))
+                    line += f" back to back, {idle[on][-1]:.1f} from idle"
+                print(line, flush=True)
         kernels = {}
         for on in (False, True):
             setattr(mod, name, on)
@@ -88,6 +125,10 @@ def main() -> None:
         setattr(mod, name, default)
     med = {on: statistics.median(v) for on, v in times.items()}
     print(f"median µs/step: off {med[False]:.1f}, on {med[True]:.1f}, on/off {med[True] / med[False]:.4f}")
+    med_idle = {on: statistics.median(v) for on, v in idle.items() if v}
+    if med_idle:
+        print(f"from idle: off {med_idle[False]:.1f}, on {med_idle[True]:.1f}, "
+              f"on/off {med_idle[True] / med_idle[False]:.4f}")
     diff = sorted(set(kernels[False]) | set(kernels[True]),
                   key=lambda k: -abs(kernels[True].get(k, 0.0) - kernels[False].get(k, 0.0)))
     for k in diff[:10]:
@@ -96,6 +137,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "switch": name, "steps": args.steps, "us": {
                 "off": times[False], "on": times[True]}, "median": {"off": med[False], "on": med[True]},
+                "graph": args.graph, "idle_us": {"off": idle[False], "on": idle[True]},
+                "idle_median": {str(k): v for k, v in med_idle.items()},
                 "kernels": {"off": kernels[False], "on": kernels[True]}}, f, indent=1)
 
 
