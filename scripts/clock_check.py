@@ -17,7 +17,10 @@ of idle before each burst, CUDA events around it), as the suite times a step. Ea
 the energy per step (median power x time per step), which bounds the step where the GPU holds its
 power cap.
 
-    python scripts/clock_check.py OUT_DIR --layer [--impls "fp8ops delayed" ...] [--seconds 4]
+    python scripts/clock_check.py OUT_DIR --layer [--impls "fp8ops delayed" ...] [--seconds 4] [--graph]
+
+``--layer --graph``: each implementation's step captured once as a CUDA graph
+(``fp8ops.graph_step``, the fp8ops state carried from call to call) and replayed in both phases.
 
 Needs a CUDA GPU and ``nvidia-smi``.
 """
@@ -87,7 +90,7 @@ def phase(step, carry, batch, seconds: float, sampler: Sampler) -> tuple[dict[st
     return {"us_per_step": (t1 - t0) / n * 1e6, "steps": n, **sampler.between(t0 + (t1 - t0) / 2, t1)}, carry
 
 
-def layer_cases(names: list[str]) -> dict[str, object]:
+def layer_cases(names: list[str], graph: bool = False) -> dict[str, object]:
     """name -> ``make()`` returning ``(step(x, dy), (x, dy))`` for the seed layer's training step."""
     from fp8ops.bench import common
     from fp8ops.bench.layer import _basic, _fp8ops_case, _module_case, _torchao_case, seed_layer_inputs
@@ -95,18 +98,29 @@ def layer_cases(names: list[str]) -> dict[str, object]:
     config, seed_state, x, dy = seed_layer_inputs(0.1)
     dims = {"hidden": config.hidden_size, "ffn": config.ffn_hidden_size, "heads": config.num_attention_heads}
 
+    def made(case, batch):
+        step, _, params = case
+        if not graph:
+            return common.clearing_grads(step, params), batch
+        fn, carry0 = step.carry_step  # what bench layer's graph rows replay
+        graphed = fp8ops.graph_step(fn, args_by_reference=(1,))
+        carry = [carry0]
+
+        def run(xx, dd):
+            carry[0], _ = graphed(carry[0], xx, dd)
+
+        run.stats = graphed.stats
+        return run, batch
+
     def fp8ops_delayed():
-        step, _, params = _fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x, dy)
-        return common.clearing_grads(step, params), (x, dy)
+        return made(_fp8ops_case(seed_state, config, fp8ops.DelayedScaling(), x, dy), (x, dy))
 
     def torchao():
-        step, _, params = _torchao_case(_basic(seed_state, dims, 0.1, "sdpa", torch.bfloat16), "tensorwise")
-        return common.clearing_grads(step, params), (x, dy)
+        return made(_torchao_case(_basic(seed_state, dims, 0.1, "sdpa", torch.bfloat16), "tensorwise"), (x, dy))
 
     def basic_fp16():
-        step, _, params = _module_case(_basic(seed_state, dims, 0.1, "bmm", torch.float16), False)
         xh = x.detach().half().requires_grad_()
-        return common.clearing_grads(step, params), (xh, dy.half())
+        return made(_module_case(_basic(seed_state, dims, 0.1, "bmm", torch.float16), False), (xh, dy.half()))
 
     known = {"fp8ops delayed": fp8ops_delayed, "torchao tensorwise + compile": torchao, "basic fp16": basic_fp16}
     unknown = [n for n in names if n not in known]
@@ -155,7 +169,7 @@ def layer_phases(step, batch, seconds: float, sampler: Sampler) -> list[dict[str
 def main_layer(args: argparse.Namespace) -> None:
     names = args.impls if args.impls_given else ["fp8ops delayed", "torchao tensorwise + compile", "basic fp16",
                                                  "fp8ops delayed"]
-    cases = layer_cases(names)
+    cases = layer_cases(names, args.graph)
     sampler = Sampler(torch.cuda.current_device())
     rows = []
     try:
@@ -163,14 +177,17 @@ def main_layer(args: argparse.Namespace) -> None:
             torch._dynamo.reset()
             step, batch = cases[name]()
             for r in layer_phases(step, batch, args.seconds, sampler):
-                rows.append({"impl": name, **r})
+                rows.append({"impl": name, "graph": args.graph, **r})
+                if args.graph:
+                    rows[-1]["graph_stats"] = dict(step.stats)
                 print(json.dumps(rows[-1]), flush=True)
             del step, batch
             torch.cuda.empty_cache()
     finally:
         sampler.stop()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "clock_check_layer.json"), "w") as f:
+    with open(os.path.join(args.out, "clock_check_layer_graph.json" if args.graph else "clock_check_layer.json"),
+              "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "case": "seed layer, dropout 0.1",
                    "rows": rows}, f, indent=1)
 
@@ -182,6 +199,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--impls", nargs="+", default=None)
     ap.add_argument("--layer", action="store_true", help="the seed layer's training steps (see the module docstring)")
+    ap.add_argument("--graph", action="store_true", help="with --layer: each step replayed as one CUDA graph")
     args = ap.parse_args()
     args.impls_given = args.impls is not None
     if args.layer:
