@@ -101,3 +101,30 @@ def test_bench_step_compiles_the_loss_once_after_an_eager_first_step(compiled_gr
         assert torch.isfinite(loss)
     assert carry["qkv"].input.calibrated and carry["proj"].grad_output.calibrated
     assert len(compiled) == graphs
+
+
+def test_layer_bench_ratios_take_each_implementations_fastest_mode():
+    """The suite's ratios (hand-made rows): as launched, back to back, and fastest mode of each,
+    where fp8ops delayed's fastest mode is the best of its eager and compiled rows and their
+    graphs, and a row without a graph counts as launched."""
+    from fp8ops.bench.layer import _ratios, _targets
+
+    def row(impl, step, b2b, graph=None, graph_b2b=None, peak=100):
+        return {"impl": impl, "step_us": step, "b2b_us": b2b, "graph_us": graph, "graph_b2b_us": graph_b2b,
+                "peak_bytes": peak}
+
+    rows = [row("basic fp16", 2000.0, 2100.0, 1900.0, 2000.0),
+            row("torchao tensorwise + compile", 1500.0, 1400.0, 1300.0, 1450.0, peak=200),
+            row("fp8ops delayed", 1100.0, 1000.0, 1050.0, 990.0),
+            row("fp8ops delayed + compile", 1200.0, 1010.0, 1000.0, 995.0, peak=150),
+            row("fp8ops current", 1250.0, 1150.0)]
+    _ratios(rows, None)
+    d = rows[2]
+    assert d["speedup_vs_torchao"] == 1500 / 1100 and d["b2b_speedup_vs_torchao"] == 1400 / 1000
+    assert d["best_speedup_vs_torchao"] == 1300 / 1000  # the compiled row's graph
+    assert d["best_b2b_speedup_vs_basic_fp16"] == 2000 / 990  # the eager row's graph
+    assert rows[4]["best_speedup_vs_torchao"] == 1300 / 1250  # no graph: as launched
+    assert d["memory_vs_torchao"] == 0.5
+    lines = {t["target"]: t for t in _targets(rows)}
+    best = [t for k, t in lines.items() if "fastest mode" in k and "basic fp16" in k and "idle" in k][0]
+    assert best["value"] == 1900 / 1000 and best["met"] is False
