@@ -58,7 +58,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._dropout import _dropout_key, _dropout_keep
+from ._dropout import _dropout_draw, _dropout_key, _dropout_row, _kept
 
 try:  # Gluon (triton.experimental) with its Hopper dialect; absent on older Triton
     from triton.experimental import gluon
@@ -322,11 +322,17 @@ if AVAILABLE:
         return s2
 
     @gluon.jit
-    def _keep(drop_key, m0, k0, drop_thresh, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
-        # The dropout mask of one tile (rows m0.., keys k0..; kernels/_dropout.py): True where kept
-        rows = gl.expand_dims(m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), 1)
+    def _drop_rows(drop_key, m0, ROWS: gl.constexpr, layout: gl.constexpr):
+        # (row hashes, offsets from m0) of rows m0.. as (ROWS, 1) columns; m0 a multiple of 16
+        # (kernels/_dropout.py)
+        rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), 1)
+        return _dropout_row(drop_key, m0, rows), rows
+
+    @gluon.jit
+    def _drop(p, drop_row, rows, k0, drop_thresh, COLS: gl.constexpr, layout: gl.constexpr):
+        # p of one tile (rows of _drop_rows, keys k0..) with its dropped weights zeroed
         cols = gl.expand_dims(k0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout)), 0)
-        return _dropout_keep(drop_key, rows, cols, drop_thresh)
+        return _kept(_dropout_draw(drop_row, rows, cols), drop_thresh, p)
 
     @gluon.jit
     def _softmax(s2, m_i, l_i):
@@ -372,7 +378,7 @@ if AVAILABLE:
             mh = m0 + half * HALF
             qh = q_smem.index(qb * 2 + half)
             if DROPOUT:
-                drop_key = _dropout_key(seed_ptr, b, h)
+                drop_row, drop_q = _drop_rows(_dropout_key(seed_ptr, b, h), mh, HALF, s_layout)
             rel2 = 0.0
             rel_c = 0.0
             rel_slope = 0.0
@@ -395,7 +401,7 @@ if AVAILABLE:
                              SCORE_REL, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N, s_layout)
                 p, alpha, m_i, l_i = _softmax(s2, m_i, l_i)
                 if DROPOUT:
-                    p = gl.where(_keep(drop_key, mh, k0, drop_thresh, HALF, BLOCK_N, s_layout), p, 0.0)
+                    p = _drop(p, drop_row, drop_q, k0, drop_thresh, BLOCK_N, s_layout)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             for t in range(1, n):
                 g = kc + t
@@ -413,7 +419,7 @@ if AVAILABLE:
                              SCORE_REL, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_KV, HALF, BLOCK_N, s_layout)
                 p, alpha, m_i, l_i = _softmax(s2, m_i, l_i)
                 if DROPOUT:
-                    p = gl.where(_keep(drop_key, mh, kt, drop_thresh, HALF, BLOCK_N, s_layout), p, 0.0)
+                    p = _drop(p, drop_row, drop_q, kt, drop_thresh, BLOCK_N, s_layout)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(v_empty.index(ps), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)

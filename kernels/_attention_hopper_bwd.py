@@ -52,7 +52,7 @@ import torch
 
 from ._accumulate import store_accumulated
 from ._attention_hopper import AVAILABLE, _view2d
-from ._dropout import _dropout_key, _dropout_keep
+from ._dropout import _dropout_draws, _dropout_key, _dropout_pair_row, _kept
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -104,6 +104,21 @@ if AVAILABLE:
         # a relative bias's slope and constant in base-2 units
         slope, c = _relative_bias(SCORE_FN, sm_scale, b, h, st0, st1, st2, st3)
         return slope * 1.4426950408889634, c * 1.4426950408889634
+
+    @gluon.jit
+    def _draws_pairs(drop_key, m0, key0, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+        # The dropout draws of a transposed tile (keys key0.. by queries m0.., m0 a multiple of 16) in
+        # `layout`, the wgmma accumulator layout (kernels/_dropout.py). Each hash is computed once, on
+        # a (keys, query pairs) tile whose layout gives a thread the pairs of its own columns: query
+        # 16 G + 8 e + c is half e of pair 8 G + c, and in both layouts a thread holds c = 2 t, 2 t + 1.
+        pair_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, COLS // 2, 16])
+        keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, pair_layout)), 1)
+        qp = gl.expand_dims((m0 >> 1) + gl.arange(0, COLS // 2, layout=gl.SliceLayout(0, pair_layout)), 0)
+        lo, hi = _dropout_draws(_dropout_pair_row(drop_key, qp), keys)
+        u = gl.reshape(gl.join(lo, hi), [ROWS, COLS // 16, 8, 2])  # (key, G, c, e)
+        u = gl.reshape(gl.permute(u, [0, 1, 3, 2]), [ROWS, COLS])  # (key, 16 G + 8 e + c)
+        return gl.convert_layout(u, layout)
 
     @gluon.jit
     def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
@@ -243,11 +258,14 @@ if AVAILABLE:
                                       float("-inf"))
                 pT = gl.exp2(s2 - gl.expand_dims(lse_smem.index(st).load(col_layout), 0))
                 if DROPOUT:  # dV from the kept weights (scaled once at the end), dP^T through the mask
-                    keep = _dropout_keep(drop_key, gl.expand_dims(m0 + qoff, 0), keys, drop_thresh)
-                    dv = warpgroup_mma(gl.convert_layout(gl.where(keep, pT, 0.0).to(dtype), op_layout),
+                    # dP^T first: both masked products next to each other, so that the draws are
+                    # compared where they are made (kept across the wait, the mask's predicates
+                    # would be packed into and unpacked from registers bit by bit)
+                    u = _draws_pairs(drop_key, m0, key0, HALF, BLOCK_M, s_layout)
+                    dpT = warpgroup_mma_wait(0, deps=[dpT])
+                    dv = warpgroup_mma(gl.convert_layout(_kept(u, drop_thresh, pT).to(dtype), op_layout),
                                        do_smem.index(st), dv, is_async=True)
-                    dpT = warpgroup_mma_wait(1, deps=[dpT])
-                    dpT = gl.where(keep, dpT * drop_scale, 0.0)
+                    dpT = _kept(u, drop_thresh, dpT * drop_scale)
                 else:
                     dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_smem.index(st), dv,
                                        is_async=True)

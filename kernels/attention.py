@@ -1618,8 +1618,8 @@ def attention_fwd_launch(
 
 
 def _threshold(p: float) -> int:
-    # fp8ops.reference.attention.dropout_threshold: the top 31 bits of the hash are compared with it
-    return min(int(round(float(p) * (1 << 31))), (1 << 31) - 1)
+    # fp8ops.reference.attention.dropout_threshold: a 16-bit half of the hash is compared with it
+    return min(int(round(float(p) * (1 << 16))), (1 << 16) - 1)
 
 
 def _precision(dtype: torch.dtype) -> str:

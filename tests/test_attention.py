@@ -524,32 +524,42 @@ def test_dropout_hash_matches_a_scalar_model():
         x = (x * 0x846CA68B) & 0xFFFFFFFF
         return x ^ (x >> 16)
 
-    seed, b, h, i, j = -123456789012, 1, 2, 3, 4
-    lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-    k2 = mix((mix((mix(lo ^ mix(hi)) + b) & 0xFFFFFFFF) + h) & 0xFFFFFFFF)
-    r = ((mix((k2 + i) & 0xFFFFFFFF) ^ j) * 0x21F0AAAD) & 0xFFFFFFFF
-    r = ((r ^ (r >> 15)) * 0x735A2D97) & 0xFFFFFFFF
-    assert [R.dropout_threshold(p) for p in (0.0, 0.1, 0.5, 1.0)] == [0, 214748365, 1 << 30, (1 << 31) - 1]
-    for p in (0.1, 0.5, 0.9):
-        want = (r >> 1) >= round(p * 2**31)
-        got = R.dropout_keep(torch.tensor(seed), torch.tensor(b), torch.tensor(h), torch.tensor(i), torch.tensor(j), p)
-        assert bool(got) == want
-    # hand-computed: this element's top 31 bits, 1217472663 (0.567 * 2**31), sit between the thresholds
-    # of p = 0.5 and 0.6
-    assert r >> 1 == 1217472663
-    keep = [bool(R.dropout_keep(torch.tensor(seed), torch.tensor(b), torch.tensor(h), torch.tensor(i),
-                                torch.tensor(j), p)) for p in (0.5, 0.6)]
-    assert keep == [True, False]
+    def draw(seed, b, h, i, j):
+        lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+        k2 = mix((mix((mix(lo ^ mix(hi)) + b) & 0xFFFFFFFF) + h) & 0xFFFFFFFF)
+        qp = (i >> 4) * 8 + (i & 7)  # queries i and i + 8 of an aligned 16 share one hash
+        r = ((mix((k2 + qp) & 0xFFFFFFFF) ^ j) * 0x21F0AAAD) & 0xFFFFFFFF
+        r = ((r ^ (r >> 15)) * 0x735A2D97) & 0xFFFFFFFF
+        return r >> 16 if i & 8 else (r ^ (r >> 16)) & 0xFFFF
+
+    def keep(seed, b, h, i, j, p):
+        return bool(R.dropout_keep(torch.tensor(seed), torch.tensor(b), torch.tensor(h), torch.tensor(i),
+                                   torch.tensor(j), p))
+
+    seed, b, h, j = -123456789012, 1, 2, 4
+    assert [R.dropout_threshold(p) for p in (0.0, 0.1, 0.5, 1.0)] == [0, 6554, 1 << 15, (1 << 16) - 1]
+    for i in (3, 11, 19, 24, 31):
+        for p in (0.1, 0.5, 0.9):
+            assert keep(seed, b, h, i, j, p) == (draw(seed, b, h, i, j) >= round(p * 2**16)), (i, p)
+    # hand-computed: queries 3 and 11 share the hash 0x9122512e; query 11 takes its top half,
+    # 0x9122 = 37154 (0.567 * 2**16, between the thresholds of p = 0.5 and 0.6), query 3 the xor of
+    # the halves, 0x9122 ^ 0x512e = 49164 (0.750: between p = 0.7 and 0.8); query 19 has a hash of
+    # its own (pair index 11)
+    assert (draw(seed, b, h, 11, j), draw(seed, b, h, 3, j), draw(seed, b, h, 19, j)) == (37154, 49164, 27351)
+    assert [keep(seed, b, h, 11, j, p) for p in (0.5, 0.6)] == [True, False]
+    assert [keep(seed, b, h, 3, j, p) for p in (0.7, 0.8)] == [True, False]
+    assert [keep(seed, b, h, 19, j, p) for p in (0.4, 0.45)] == [True, False]
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_mask_neighbours_are_uncorrelated(p):
-    # Keep decisions of weights 1..8 apart along a row (the per-element part of the hash) and of
-    # neighbouring rows: their correlation within 4.5 standard errors of zero, over 2 heads x 512
-    # rows x 4096 keys; the keep rate within 4.5 standard errors of 1 - p. (A one-round variant,
-    # (row + col) * m1 ^ >> 16, * m2, has a correlation at distance 3 of 13 standard errors here.)
+    # Keep decisions of weights 1..8 apart along a row (the per-element part of the hash), of
+    # neighbouring rows and of rows 8 apart (the two halves of one hash where the pair is aligned):
+    # their correlation within 4.5 standard errors of zero, over 2 heads x 512 rows x 2048 keys; the
+    # keep rate within 4.5 standard errors of 1 - p. (A one-round variant, (row + col) * m1 ^ >> 16,
+    # * m2, has a correlation at distance 3 of 13 standard errors here.)
     q_idx = torch.arange(512).reshape(1, 512, 1)
-    kv_idx = torch.arange(4096).reshape(1, 1, 4096)
+    kv_idx = torch.arange(2048).reshape(1, 1, 2048)
     keep = R.dropout_keep(torch.tensor(2024), torch.tensor(0), torch.arange(2).reshape(2, 1, 1), q_idx, kv_idx, p)
     k = keep.double() - (1 - p)
     var = p * (1 - p)
@@ -559,9 +569,15 @@ def test_dropout_mask_neighbours_are_uncorrelated(p):
         a, b = k[..., :-lag], k[..., lag:]
         z = (a * b).mean().item() / var * a.numel() ** 0.5
         assert abs(z) < 4.5, (lag, z)
-    a, b = k[:, :-1], k[:, 1:]
+    for lag in (1, 8, 16):
+        a, b = k[:, :-lag], k[:, lag:]
+        z = (a * b).mean().item() / var * a.numel() ** 0.5
+        assert abs(z) < 4.5, ("rows", lag, z)
+    # the rows of a pair alone (i and i + 8, i & 8 == 0)
+    rows = torch.arange(512).reshape(-1, 16)[:, :8].reshape(-1)
+    a, b = k[:, rows], k[:, rows + 8]
     z = (a * b).mean().item() / var * a.numel() ** 0.5
-    assert abs(z) < 4.5, ("rows", z)
+    assert abs(z) < 4.5, ("pairs", z)
 
 
 def test_constants_agree():

@@ -102,8 +102,9 @@ def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compi
     assert n == 2 * (2 * (d // 16) + 16), f"{name}: {n} wgmma instructions"
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{d // 2}k16") >= 2 * 8, name  # dQ
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{d}k16") >= 2 * 8, name  # dV and dK
-    # S^T awaited while dP^T runs, dP^T while dV runs
-    assert ptx.count("wgmma.wait_group.sync.aligned 1;") >= 4, name
+    # S^T awaited while dP^T runs, dP^T while dV runs; with dropout dP^T is awaited before dV is
+    # issued, so that the mask's draws are compared where they are made (kernels/_attention_hopper_bwd.py)
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") >= (2 if "dropout" in name else 4), name
     # dQ leaves through shared memory by one TMA reduction per consumer and tile (the copy engine
     # adds it to the float32 buffer), awaited only before the buffer is written again; nothing is
     # atomic in the threads

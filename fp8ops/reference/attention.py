@@ -141,26 +141,33 @@ def _mix32(x: Tensor) -> Tensor:
 
 
 def dropout_threshold(p: float) -> int:
-    """The 31-bit threshold of :func:`dropout_keep`: an element is kept when the top 31 bits of
-    its hash are >= it (``round(p * 2**31)``, at most ``2**31 - 1``)."""
-    return min(int(round(float(p) * (1 << 31))), (1 << 31) - 1)
+    """The 16-bit threshold of :func:`dropout_keep`: an element is kept when its 16-bit draw is >=
+    it (``round(p * 2**16)``, at most ``2**16 - 1``), so the realised drop rate is within
+    ``2**-17`` of ``p``."""
+    return min(int(round(float(p) * (1 << 16))), (1 << 16) - 1)
 
 
 def dropout_keep(seed: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, p: float) -> Tensor:
     """The dropout mask: True where the attention weight of (b, h, q_idx, kv_idx) is kept.
 
     A counter-based hash of ``(seed, b, h, q_idx, kv_idx)``, so the forward and backward kernels
-    (and this reference) regenerate the same mask without storing it::
+    (and this reference) regenerate the same mask without storing it. Queries ``i`` and ``i + 8``
+    of each aligned group of 16 share one 32-bit hash (their pair index ``qp``) and take its two
+    16-bit halves::
 
         k0 = mix(seed_lo ^ mix(seed_hi));  k1 = mix(k0 + b);  k2 = mix(k1 + h)
-        r  = (mix(k2 + q_idx) ^ kv_idx) * 0x21F0AAAD          # 32-bit wrapping arithmetic
+        qp = (q_idx >> 4) * 8 + (q_idx & 7)
+        r  = (mix(k2 + qp) ^ kv_idx) * 0x21F0AAAD             # 32-bit wrapping arithmetic
         r  = (r ^ (r >> 15)) * 0x735A2D97
-        keep = (r >> 1) >= round(p * 2**31)
+        u  = r >> 16                 if q_idx & 8             # the pair's upper query: top half
+             (r ^ (r >> 16)) & 0xFFFF  otherwise              # the lower one: the halves' xor
+        keep = u >= round(p * 2**16)
 
     ``mix`` is a full two-round xor-shift-multiply hash; the per-element part after it (once per
-    row) is one multiply, xor-shift, multiply round, the integer work a kernel pays per attention
-    weight. The keep decisions of weights up to 8 apart in a row, and of neighbouring rows, are
-    uncorrelated within sampling error over 4 million weights (tests/test_attention.py).
+    query pair) is one multiply, xor-shift, multiply round: the integer work a kernel pays per two
+    attention weights, since a thread of the wgmma layouts holds both weights of a pair. The keep
+    decisions of weights up to 8 apart in a row, of neighbouring rows and of the rows of a pair are
+    uncorrelated within sampling error over 2 million weights (tests/test_attention.py).
 
     Args:
         seed: () int64. b, h, q_idx, kv_idx: broadcastable integer tensors. p: drop probability.
@@ -174,10 +181,13 @@ def dropout_keep(seed: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tens
     k0 = _mix32(lo ^ _mix32(hi))
     k1 = _mix32((k0 + b.to(torch.int64)) & _MASK32)
     k2 = _mix32((k1 + h.to(torch.int64)) & _MASK32)
-    r = _mix32((k2 + q_idx.to(torch.int64)) & _MASK32) ^ kv_idx.to(torch.int64)
+    q = q_idx.to(torch.int64)
+    qp = ((q >> 4) << 3) | (q & 7)
+    r = _mix32((k2 + qp) & _MASK32) ^ kv_idx.to(torch.int64)
     r = _mul32(r, _DROP_M1)
     r = _mul32(r ^ (r >> 15), _DROP_M2)
-    return (r >> 1) >= dropout_threshold(p)
+    u = torch.where((q & 8) != 0, r >> 16, (r ^ (r >> 16)) & 0xFFFF)
+    return u >= dropout_threshold(p)
 
 
 def segments(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
