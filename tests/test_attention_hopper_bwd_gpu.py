@@ -208,10 +208,10 @@ def test_routing_of_default_and_deterministic_calls(monkeypatch):
 
 def test_auto_backend_runs_dropout_on_the_hopper_kernels_eager_and_compiled(monkeypatch):
     """With dropout and no explicit seed, ``backend="auto"`` runs the Hopper forward and backward
-    where both apply without a causal band (a seed drawn from torch's generator: the same
-    generator state gives the same mask), in eager calls and in compiled graphs alike, and SDPA
-    elsewhere (causal, and d = 64 rows that see few keys, whose forward stays on the portable
-    kernel)."""
+    where both apply, causal calls from 2048 queries (a seed drawn from torch's generator: the
+    same generator state gives the same mask), in eager calls and in compiled graphs alike, and
+    SDPA elsewhere (causal at 1024 queries, and d = 64 rows that see few keys, whose forward stays
+    on the portable kernel)."""
     fwd, bwd = [], []
     real_f, real_b = K.hopper_fwd, K.hopper_bwd
     monkeypatch.setattr(K, "hopper_fwd", lambda *a, **kw: fwd.append(real_f(*a, **kw)) or fwd[-1])
@@ -238,7 +238,12 @@ def test_auto_backend_runs_dropout_on_the_hopper_kernels_eager_and_compiled(monk
     assert torch.isfinite(out).all()
     fwd.clear(), bwd.clear()
     A.attention(q, k, v, layout="sbhd", dropout_p=0.1, causal=True)[0].float().sum().backward()
-    assert fwd == [] and bwd == [], (fwd, bwd)  # causal: cuDNN measured faster with dropout
+    assert fwd == [] and bwd == [], (fwd, bwd)  # causal at 1024 queries: cuDNN measured faster
+    S = importlib.import_module("fp8ops.attention.op").HOPPER_DROPOUT_CAUSAL_MIN_SEQ
+    q2, k2, v2 = (t.detach().requires_grad_() for t in _fused_qkv(S, 1, 4, 128, 4))
+    A.attention(q2, k2, v2, layout="sbhd", dropout_p=0.1, causal=True)[0].float().sum().backward()
+    assert fwd == [True] and bwd == [True], (fwd, bwd)  # from 2048: the Hopper kernels
+    fwd.clear(), bwd.clear()
     q, k, v = (t.detach().requires_grad_() for t in _fused_qkv(512, 2, 8, 64, 3))
     f(q, k, v).float().sum().backward()
     assert fwd == [] and bwd == [], (fwd, bwd)

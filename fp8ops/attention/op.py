@@ -57,6 +57,10 @@ HOPPER_DROPOUT = True
 """``backend="auto"`` runs dense calls with dropout on the Hopper kernels where they apply
 (:func:`_hopper_dropout_faster`); False keeps SDPA for them (for measurements and tests)."""
 
+HOPPER_DROPOUT_CAUSAL_MIN_SEQ = 2048
+"""The fewest queries at which ``backend="auto"`` runs a causal call with dropout on the Hopper
+kernels (:func:`_hopper_dropout_faster`); shorter ones stay on SDPA."""
+
 QKV_GRADIENT = True
 """A layer's attention on the fused kernels returns one gradient of its QKV projection
 (:func:`_packed_qkv`); False: three, concatenated by autograd (for measurements and tests)."""
@@ -160,9 +164,9 @@ def attention(
             ``block_mask``, window or packed sequences (``causal`` allowed), without ``return_lse``,
             ``deterministic`` or an explicit ``dropout_seed`` (SDPA draws its dropout mask from
             torch's generator) — where cuDNN's attention is the faster kernel; Triton otherwise,
-            and for such calls with dropout and without ``causal`` on an sm_90 GPU wherever the
-            library's Hopper forward and backward apply (measured faster than cuDNN with dropout;
-            the seed drawn from torch's generator).
+            and for such calls with dropout on an sm_90 GPU wherever the library's Hopper forward
+            and backward apply, causal ones from 2048 queries (measured faster than cuDNN with
+            dropout; the seed drawn from torch's generator).
             The CPU always runs the reference math.
 
     Returns:
@@ -490,19 +494,24 @@ def _hopper_dropout_faster(q: Tensor, k: Tensor, v: Tensor, layout: str, dropout
                            right: int | None) -> bool:
     """Whether ``backend="auto"`` runs a dense call with dropout (and no explicit seed: one is drawn
     from torch's generator) on the library's Hopper forward and backward instead of SDPA: on an
-    sm_90 GPU wherever both kernels apply, without a causal band (the same choice in eager calls and
-    in compiled graphs, where the attention ops stay opaque calls). Dropout 0.1 at the seed layer's
-    shape (H200, B=4, S=2048, views of the QKV projection, graph replays), forward / forward+backward
-    ms, Hopper kernels against cuDNN: 32 heads of d=128 0.636 / 2.627 against 0.963 / 2.798, 64
-    heads of d=64 1.086 / 3.752 against 1.537 / 3.852, but causal 0.610 / 1.971 against 0.532 / 1.630
-    (without dropout cuDNN is level or faster: 0.424 / 1.964 against 0.419 / 1.818 at d = 128, so
-    SDPA keeps those calls)."""
-    if not HOPPER_DROPOUT or dropout_p <= 0.0 or not q.is_cuda or left is not None or right is not None:
+    sm_90 GPU wherever both kernels apply, causal calls from :data:`HOPPER_DROPOUT_CAUSAL_MIN_SEQ`
+    queries (the same choice in eager calls and in compiled graphs, where the attention ops stay
+    opaque calls). Dropout 0.1 (H200, B=4, S=2048, views of the QKV projection, graph replays),
+    forward / forward+backward ms, Hopper kernels against cuDNN (docs/benchmarks/layer.md): 32
+    heads of d=128 0.512 / 2.183 against 0.961 / 2.798, causal 0.405 / 1.528 against 0.536 /
+    1.641; 64 heads of d=64 0.791 / 2.952 against 1.536 / 3.793, causal 0.677 / 2.011 against
+    0.847 / 2.305; but causal at B=8, S=1024, 16 heads of d=128 0.159 / 0.575 against 0.162 /
+    0.547 (without dropout cuDNN is level or faster: 0.430 / 1.936 against 0.427 / 1.840 at the
+    first shape, so SDPA keeps those calls)."""
+    causal = left is None and right == 0
+    if not HOPPER_DROPOUT or dropout_p <= 0.0 or not q.is_cuda or left is not None or (right is not None and not causal):
         return False
     from ..kernels import attention as K
     from ..kernels._attention_hopper import _view2d
 
     q4, k4, v4 = (_ref.to_bhsd(t, layout) for t in (q, k, v))
+    if causal and q4.shape[2] < HOPPER_DROPOUT_CAUSAL_MIN_SEQ:
+        return False
     kw = dict(varlen=False, sparse_q=None, sparse_kv=None, traced=True)
     if not (K.hopper_supported(q4, k4, v4, descale=False, short_rows=K._short_rows(k4.shape[2], left, right), **kw)
             and K.hopper_bwd_supported(q4, k4, v4, **kw)):
