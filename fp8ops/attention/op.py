@@ -149,7 +149,8 @@ def attention(
             value below the longest sequence is an error. Under ``torch.compile`` the offsets are
             not read (not validated); pass both there to avoid a host sync.
         return_lse: also return the log-sum-exp (natural log), shaped like q without its last dim.
-        dropout_p: probability of dropping an attention weight (training); 0 disables it.
+        dropout_p: probability of dropping an attention weight (training); 0 disables it. The
+            mask draws 16 bits per weight, so the drop rate is realised within 2**-17 of it.
         dropout_seed: int or 1-element integer tensor; None draws one from torch's generator. The
             mask is a hash of (seed, b, h, i, j): the same seed gives the same mask everywhere.
         deterministic: on CUDA, compute dQ in its own kernel so that gradients are bitwise
