@@ -325,6 +325,7 @@ if AVAILABLE:
     def _drop_rows(drop_key, m0, ROWS: gl.constexpr, layout: gl.constexpr):
         # (row hashes, offsets from m0) of rows m0.. as (ROWS, 1) columns; m0 a multiple of 16
         # (kernels/_dropout.py)
+        gl.static_assert(ROWS % 16 == 0, "the query tile must hold whole groups of 16")
         rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), 1)
         return _dropout_row(drop_key, m0, rows), rows
 

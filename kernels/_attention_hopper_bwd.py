@@ -111,6 +111,7 @@ if AVAILABLE:
         # `layout`, the wgmma accumulator layout (kernels/_dropout.py). Each hash is computed once, on
         # a (keys, query pairs) tile whose layout gives a thread the pairs of its own columns: query
         # 16 G + 8 e + c is half e of pair 8 G + c, and in both layouts a thread holds c = 2 t, 2 t + 1.
+        gl.static_assert(COLS % 16 == 0, "the query tile must hold whole groups of 16")
         pair_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, COLS // 2, 16])
         keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, pair_layout)), 1)

@@ -893,3 +893,25 @@ def test_projection_views_are_checked():
         return x.sum()
 
     torch.func.grad(inside_grad)(qkv)
+
+
+@triton.jit
+def _keep_at_kernel(out_ptr, seed_ptr, b, h, q0, thresh, ROWS: tl.constexpr, COLS: tl.constexpr):
+    from fp8ops.kernels._dropout import _dropout_keep_at, _dropout_key
+
+    q_off = tl.arange(0, ROWS)[:, None]
+    kv = tl.arange(0, COLS)[None, :]
+    keep = _dropout_keep_at(_dropout_key(seed_ptr, b, h), q0, q_off, kv, thresh)
+    tl.store(out_ptr + q_off * COLS + kv, keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("q0", [0, 32, 5, 13])
+def test_dropout_keep_at_any_first_row_is_the_reference_mask(q0):
+    # The kernels' mask of rows q0.. (the split form where q0 is a multiple of 16, the plain one
+    # otherwise) is the reference's bits.
+    seed = torch.tensor([987654321012], dtype=torch.int64)
+    out = torch.empty(64, 32, dtype=torch.int8)
+    _keep_at_kernel[(1,)](out, seed, 1, 2, q0, R.dropout_threshold(0.3), ROWS=64, COLS=32)
+    want = R.dropout_keep(seed[0], torch.tensor(1), torch.tensor(2), (q0 + torch.arange(64))[:, None],
+                          torch.arange(32)[None, :], 0.3)
+    assert torch.equal(out.bool(), want)

@@ -505,7 +505,7 @@ def _hopper_dropout_faster(q: Tensor, k: Tensor, v: Tensor, layout: str, dropout
     0.547 (without dropout cuDNN is level or faster: 0.430 / 1.936 against 0.427 / 1.840 at the
     first shape, so SDPA keeps those calls)."""
     causal = left is None and right == 0
-    if not HOPPER_DROPOUT or dropout_p <= 0.0 or not q.is_cuda or left is not None or (right is not None and not causal):
+    if not HOPPER_DROPOUT or dropout_p <= 0.0 or not q.is_cuda or left is not None or right not in (None, 0):
         return False
     from ..kernels import attention as K
     from ..kernels._attention_hopper import _view2d
