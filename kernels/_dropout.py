@@ -95,6 +95,13 @@ def _kept(draw, drop_thresh, x):
 
 
 @triton.jit
+def _dropout_keep(key, q_idx, kv_idx, drop_thresh):
+    # True where the weight of (q_idx, kv_idx) is kept (q_idx broadcast to the tile), the row hash
+    # computed here.
+    return _dropout_keep_row(_dropout_row(key, 0, q_idx), q_idx, kv_idx, drop_thresh)
+
+
+@triton.jit
 def _dropout_keep_at(key, q0, q_off, kv_idx, drop_thresh):
     # _dropout_keep of queries q0 + q_off (q_off broadcast to the tile, q0 a scalar such as a tile's
     # first row): the same bits for any q0; where q0 is a multiple of 16 the compiler can see that
@@ -102,12 +109,5 @@ def _dropout_keep_at(key, q0, q_off, kv_idx, drop_thresh):
     if q0 % 16 == 0:
         keep = _dropout_keep_row(_dropout_row(key, q0, q_off), q_off, kv_idx, drop_thresh)
     else:
-        q = q0 + q_off
-        keep = _dropout_keep_row(_dropout_row(key, 0, q), q, kv_idx, drop_thresh)
+        keep = _dropout_keep(key, q0 + q_off, kv_idx, drop_thresh)
     return keep
-
-
-@triton.jit
-def _dropout_keep(key, q_idx, kv_idx, drop_thresh):
-    # _dropout_keep_row with the query's row hash computed here (q_idx broadcast to the tile).
-    return _dropout_keep_row(_dropout_row(key, 0, q_idx), q_idx, kv_idx, drop_thresh)

@@ -89,7 +89,7 @@ from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._accumulate import store_accumulated
-from ._dropout import _dropout_keep_at, _dropout_key
+from ._dropout import _dropout_keep, _dropout_keep_at, _dropout_key
 from ._library import cdiv, fast_launch, merge_config, next_pow2
 from ._attention_hopper import head_placement, hopper_fwd, hopper_supported
 from ._attention_hopper_bwd import (
@@ -440,7 +440,7 @@ def _attn_fwd_tiles(
     v_base,  # pointer to v[b, hk, seq_start]
     start, stop,  # [start, stop) in BLOCK_N steps, or (LIST) tiles [start, stop) of the listed blocks
     idx_ptr,  # LIST: the block-mask list of key blocks (SPARSE_KV keys each)
-    q_len, kv_len, offs_m, m0, offs_d, offs_dv,
+    q_len, kv_len, offs_m, offs_d, offs_dv,
     stride_ks, stride_kd, stride_vs, stride_vd,
     qk_scale, sm_scale, b, h, win_left, win_right,
     sm_t0, sm_t1, sm_t2, sm_t3, mm_t0, mm_t1, mm_t2, mm_t3,
@@ -497,7 +497,7 @@ def _attn_fwd_tiles(
         if DROPOUT:
             # the plain form: with m0 split off (as in the backward kernels) this forward measured 0.831
             # against 0.790 ms at the seed layer's shape on an H200
-            keep = _dropout_keep_at(drop_key, 0, offs_m[:, None], offs_n[None, :], drop_thresh)
+            keep = _dropout_keep(drop_key, offs_m[:, None], offs_n[None, :], drop_thresh)
             p = tl.where(keep, p, 0.0)
         # Step 5: P V, with P in V's dtype (bf16/fp16 now, FP8 later).
         if TMA:
@@ -603,7 +603,7 @@ def _attention_fwd_kernel(
             m_i, l_i, acc = _attn_fwd_tiles(
                 m_i, l_i, acc, q, k_base, v_base, 0, num * (SPARSE_KV // BLOCK_N),
                 (fkvi_ptr if full else kvi_ptr) + i_off,
-                q_len, kv_len, offs_m, m0, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
+                q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
                 k_desc, v_desc, k_outer, k_col, v_outer, v_col, kv_start,
@@ -623,7 +623,7 @@ def _attention_fwd_kernel(
                 m_i, l_i, acc, q, k_base, v_base,
                 lo if part == 0 else (full_lo if part == 1 else full_hi),
                 full_lo if part == 0 else (full_hi if part == 1 else hi), kvi_ptr,
-                q_len, kv_len, offs_m, m0, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
+                q_len, kv_len, offs_m, offs_d, offs_dv, stride_ks, stride_kd, stride_vs, stride_vd,
                 qk_scale, sm_scale, b, h, win_left, win_right, sm_t0, sm_t1, sm_t2, sm_t3,
                 mm_t0, mm_t1, mm_t2, mm_t3, drop_key, drop_thresh, kds_base, vds_base,
                 k_desc, v_desc, k_outer, k_col, v_outer, v_col, kv_start,

@@ -504,14 +504,13 @@ def _hopper_dropout_faster(q: Tensor, k: Tensor, v: Tensor, layout: str, dropout
     0.847 / 2.305; but causal at B=8, S=1024, 16 heads of d=128 0.159 / 0.575 against 0.162 /
     0.547 (without dropout cuDNN is level or faster: 0.430 / 1.936 against 0.427 / 1.840 at the
     first shape, so SDPA keeps those calls)."""
-    causal = left is None and right == 0
     if not HOPPER_DROPOUT or dropout_p <= 0.0 or not q.is_cuda or left is not None or right not in (None, 0):
         return False
     from ..kernels import attention as K
     from ..kernels._attention_hopper import _view2d
 
     q4, k4, v4 = (_ref.to_bhsd(t, layout) for t in (q, k, v))
-    if causal and q4.shape[2] < HOPPER_DROPOUT_CAUSAL_MIN_SEQ:
+    if right == 0 and q4.shape[2] < HOPPER_DROPOUT_CAUSAL_MIN_SEQ:  # causal
         return False
     kw = dict(varlen=False, sparse_q=None, sparse_kv=None, traced=True)
     if not (K.hopper_supported(q4, k4, v4, descale=False, short_rows=K._short_rows(k4.shape[2], left, right), **kw)
