@@ -200,6 +200,7 @@ class NormCfg(NamedTuple):
 def norm_operands(
     x: Tensor, w: Tensor, b: Tensor | None, ncfg: NormCfg, scale: Tensor | None, spec: QuantSpec | None,
     *, need_q: bool, need_t: bool, need_hp: bool, residual: Tensor | None = None,
+    dropout: tuple[Tensor, float] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor,
            Tensor | None]:
     """Normalise ``x`` (M, K) into the forms the following GEMMs need, in one kernel where it can.
@@ -208,14 +209,17 @@ def norm_operands(
     ``x.dtype`` (when ``need_hp``), ``q`` / ``q_t`` its FP8 copy (M, K) / (K, M) with inverse
     scales, ``amax`` of the normalised output, ``mean`` / ``rstd`` the saved statistics, and ``s``:
     with a ``residual`` (M, K) the kernel normalises ``s = x + residual`` (added in fp32, rounded to
-    x's dtype) and returns it, else None. Row-wise scaling writes the high-precision output and
-    quantizes it separately (per-row scales need the whole row's amax before the cast).
+    x's dtype) and returns it, else None; with ``dropout`` ``(seed, p)`` x is dropped first
+    (``s = x * keep / (1 - p) + residual``, the kernels' hash mask). Row-wise scaling writes the
+    high-precision output and quantizes it separately (per-row scales need the whole row's amax
+    before the cast).
     """
     fp8 = need_q or need_t
     r = residual
+    dseed, dp = dropout if dropout is not None else (None, 0.0)
     if not fp8 or spec is None or spec.mode == "rowwise":
         y, s, _, _, amax, _, mean, rstd = _ops.norm_fwd(
-            x, r, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, True, None, None, 0, False, None, False
+            x, r, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, True, None, None, 0, False, None, False, dseed, dp
         )
         s = s if r is not None else None
         if not fp8 or spec is None:
@@ -227,10 +231,10 @@ def norm_operands(
         scale = torch.ones((), dtype=torch.float32, device=x.device)
     amax_in = None
     if spec.mode != "delayed" or not spec.calibrated:
-        amax_in = _ops.norm_amax(x, r, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered)
+        amax_in = _ops.norm_amax(x, r, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, dseed, dp)
     y, s, q, q_t, amax, inv, mean, rstd = _ops.norm_fwd(
         x, r, w, b, ncfg.eps, ncfg.rms, ncfg.zero_centered, need_hp, scale, amax_in,
-        spec.margin, spec.power_2, spec.dtype, need_t,
+        spec.margin, spec.power_2, spec.dtype, need_t, dseed, dp,
     )
     return ((y if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax, mean, rstd,
             (s if r is not None else None))
@@ -244,3 +248,74 @@ def norm_backward(dln: Tensor, x: Tensor, w: Tensor, mean: Tensor, rstd: Tensor,
     dx, dw, db = _ops.norm_bwd(dln.contiguous(), x, w, mean, rstd, None if ds is None else ds.contiguous(),
                                ncfg.rms, ncfg.zero_centered, ncfg.has_bias)
     return dx, dw, (db if ncfg.has_bias else None)
+
+
+def norm_backward_dropout(dln: Tensor, s: Tensor, w: Tensor, mean: Tensor, rstd: Tensor, ncfg: NormCfg,
+                          ds: Tensor | None, dropout: tuple[Tensor, float]
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(ds_total, dx, dweight, dbias)`` of a norm whose input x was dropped before its residual
+    add (:func:`norm_operands` with ``dropout``): ``ds_total`` the gradient of s (the residual's),
+    ``dx = ds_total * keep / (1 - p)`` the gradient of x, in one pass."""
+    dsum, dx, dw, db = _ops.norm_bwd_dropout(dln.contiguous(), s, w, mean, rstd,
+                                             None if ds is None else ds.contiguous(), ncfg.rms, ncfg.zero_centered,
+                                             ncfg.has_bias, dropout[0], float(dropout[1]))
+    return dsum, dx, dw, (db if ncfg.has_bias else None)
+
+
+def act_operands(
+    h: Tensor, act: str, scale: Tensor | None, spec: QuantSpec | None, *, need_q: bool, need_t: bool,
+    need_hp: bool, amax_in: Tensor | None = None, h_inv: Tensor | None = None, hp_dtype: torch.dtype | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
+    """``act(h)`` in the forms fc2 needs: ``(hp, q, inv, q_t, inv_t, amax, amax_in)``.
+
+    ``amax_in`` (current scaling, or a first uncalibrated step) is the amax the scale was computed
+    from; passing it back in reproduces the same scale, so a recomputation writes the same bits.
+    With ``h_inv``, h holds FP8 codes (read as ``code * h_inv``) and ``hp`` is of ``hp_dtype``.
+    """
+    fp8 = need_q or need_t
+    if not fp8 or spec is None or spec.mode == "rowwise":
+        y, _, _, amax, _ = _ops.act_fwd(h, act, True, None, None, 0, False, None, False, False, h_inv, hp_dtype)
+        if not fp8 or spec is None:
+            return y, None, None, None, None, amax, None
+        q, inv, q_t, inv_t, amax = quantize_pair(y, None, spec, need_t)
+        return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, None
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=h.device)
+    if amax_in is None and (spec.mode != "delayed" or not spec.calibrated):
+        amax_in = _ops.act_amax(h, act, h_inv)
+    y, q, q_t, amax, inv = _ops.act_fwd(
+        h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_q, need_t, h_inv, hp_dtype
+    )
+    return ((y if need_hp else None), (q if need_q else None), inv, (q_t if need_t else None),
+            (inv if need_t else None), amax, amax_in)
+
+
+def dact_operands(
+    da: Tensor, h: Tensor, act: str, g_scale: Tensor | None, spec: QuantSpec | None, has_probe: bool, *,
+    need_q: bool, need_t: bool, need_hp: bool, dbias: bool, h_inv: Tensor | None = None,
+    hp_dtype: torch.dtype | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
+    """``dh = da * act'(h)`` in the forms fc1's backward GEMMs need:
+    ``(hp, q, inv, q_t, inv_t, amax, dbias)``; without a probe, current scaling. ``h_inv``,
+    ``hp_dtype``: as :func:`act_operands`."""
+    fp8 = need_q or need_t
+    if not fp8 or spec is None or spec.mode == "rowwise":
+        dh, _, _, amax, _, db = _ops.act_bwd(da, h, act, True, None, None, 0, False, None, False, dbias, h_inv,
+                                             hp_dtype)
+        db = db if dbias else None
+        if not fp8 or spec is None:
+            return dh, None, None, None, None, amax, db
+        q, inv, q_t, inv_t, amax = quantize_grad(dh, g_scale, spec, has_probe, need_q, need_t)
+        return (dh if need_hp else None), q, inv, q_t, inv_t, amax, db
+    scale = g_scale
+    if not has_probe or scale is None:  # nothing is recorded: the scale comes from this gradient
+        spec = spec._replace(calibrated=False)
+        scale = torch.ones((), dtype=torch.float32, device=h.device)
+    amax_in = None
+    if spec.mode != "delayed" or not spec.calibrated:
+        amax_in = _ops.act_bwd_amax(da, h, act, h_inv)
+    dh, q, q_t, amax, inv, db = _ops.act_bwd(
+        da, h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_t, dbias, h_inv, hp_dtype
+    )
+    return ((dh if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax,
+            (db if dbias else None))

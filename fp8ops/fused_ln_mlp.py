@@ -40,6 +40,8 @@ import torch
 from torch import Tensor
 
 from . import activation as _activation
+from .attention.checks import _seed_tensor
+from .reference import norm as _ref_norm
 from ._parallel import copy_to_tp, row_output, sequence_norm, tp_config
 from ._glue import apply, autocast_dtype, autocast_inputs, refuse_compiled_transform
 from ._checks import (
@@ -54,18 +56,19 @@ from .formats import Role
 from ._operands import (
     HIGH,
     NormCfg,
+    act_operands,
     bias_grad,
     cached_dgrad_operand,
+    dact_operands,
     dgrad_weight,
     gemm_dgrad,
     gemm_fprop,
     gemm_wgrad,
     norm_backward,
+    norm_backward_dropout,
     norm_operands,
     or_empty,
-    quantize_grad,
     quantize_grad_db,
-    quantize_pair,
     quantize_weight_operands,
 )
 from .quantize import QuantSpec, quantize_2d
@@ -111,65 +114,6 @@ class LayerNormMLPState(OpState):
     fc1_output: ScalingState
 
 
-def act_operands(
-    h: Tensor, act: str, scale: Tensor | None, spec: QuantSpec | None, *, need_q: bool, need_t: bool,
-    need_hp: bool, amax_in: Tensor | None = None, h_inv: Tensor | None = None, hp_dtype: torch.dtype | None = None,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
-    """``act(h)`` in the forms fc2 needs: ``(hp, q, inv, q_t, inv_t, amax, amax_in)``.
-
-    ``amax_in`` (current scaling, or a first uncalibrated step) is the amax the scale was computed
-    from; passing it back in reproduces the same scale, so a recomputation writes the same bits.
-    With ``h_inv``, h holds FP8 codes (read as ``code * h_inv``) and ``hp`` is of ``hp_dtype``.
-    """
-    fp8 = need_q or need_t
-    if not fp8 or spec is None or spec.mode == "rowwise":
-        y, _, _, amax, _ = _ops.act_fwd(h, act, True, None, None, 0, False, None, False, False, h_inv, hp_dtype)
-        if not fp8 or spec is None:
-            return y, None, None, None, None, amax, None
-        q, inv, q_t, inv_t, amax = quantize_pair(y, None, spec, need_t)
-        return (y if need_hp else None), q, inv, (q_t if need_t else None), (inv_t if need_t else None), amax, None
-    if scale is None:
-        scale = torch.ones((), dtype=torch.float32, device=h.device)
-    if amax_in is None and (spec.mode != "delayed" or not spec.calibrated):
-        amax_in = _ops.act_amax(h, act, h_inv)
-    y, q, q_t, amax, inv = _ops.act_fwd(
-        h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_q, need_t, h_inv, hp_dtype
-    )
-    return ((y if need_hp else None), (q if need_q else None), inv, (q_t if need_t else None),
-            (inv if need_t else None), amax, amax_in)
-
-
-def dact_operands(
-    da: Tensor, h: Tensor, act: str, g_scale: Tensor | None, spec: QuantSpec | None, has_probe: bool, *,
-    need_q: bool, need_t: bool, need_hp: bool, dbias: bool, h_inv: Tensor | None = None,
-    hp_dtype: torch.dtype | None = None,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor | None]:
-    """``dh = da * act'(h)`` in the forms fc1's backward GEMMs need:
-    ``(hp, q, inv, q_t, inv_t, amax, dbias)``; without a probe, current scaling. ``h_inv``,
-    ``hp_dtype``: as :func:`act_operands`."""
-    fp8 = need_q or need_t
-    if not fp8 or spec is None or spec.mode == "rowwise":
-        dh, _, _, amax, _, db = _ops.act_bwd(da, h, act, True, None, None, 0, False, None, False, dbias, h_inv,
-                                             hp_dtype)
-        db = db if dbias else None
-        if not fp8 or spec is None:
-            return dh, None, None, None, None, amax, db
-        q, inv, q_t, inv_t, amax = quantize_grad(dh, g_scale, spec, has_probe, need_q, need_t)
-        return (dh if need_hp else None), q, inv, q_t, inv_t, amax, db
-    scale = g_scale
-    if not has_probe or scale is None:  # nothing is recorded: the scale comes from this gradient
-        spec = spec._replace(calibrated=False)
-        scale = torch.ones((), dtype=torch.float32, device=h.device)
-    amax_in = None
-    if spec.mode != "delayed" or not spec.calibrated:
-        amax_in = _ops.act_bwd_amax(da, h, act, h_inv)
-    dh, q, q_t, amax, inv, db = _ops.act_bwd(
-        da, h, act, need_hp, scale, amax_in, spec.margin, spec.power_2, spec.dtype, need_t, dbias, h_inv, hp_dtype
-    )
-    return ((dh if need_hp else None), q, inv, (q_t if need_t else None), (inv if need_t else None), amax,
-            (db if dbias else None))
-
-
 class _Cfg(NamedTuple):
     """Static configuration of one fused_ln_mlp call (plain constants)."""
 
@@ -189,6 +133,7 @@ class _Cfg(NamedTuple):
     need_db2: bool
     cache1: bool  # W1's FP8 operands come from a WeightCache
     cache2: bool  # W2's
+    drop_p: float = 0.0  # dropout on x before the residual add (with a seed)
 
     @property
     def need_dh(self) -> bool:
@@ -213,6 +158,7 @@ class _FusedLNMLP(torch.autograd.Function):
     def forward(  # type: ignore[override]
         x: Tensor,  # (M, K)
         r: Tensor | None,  # (M, K) residual: the norm reads s = x + r
+        seed: Tensor | None,  # () int64 seed of the dropout on x (cfg.drop_p), or None
         ln_w: Tensor,  # (K,)
         ln_b: Tensor | None,  # (K,)
         w1: Tensor,  # (C, K)
@@ -245,6 +191,7 @@ class _FusedLNMLP(torch.autograd.Function):
         ln, lnq, ln_inv, lnq_t, ln_inv_t, ln_amax, mean, rstd, s = norm_operands(
             x, ln_w, ln_b, cfg.norm, s_x1, sp_x1, need_q=fp8_fwd, need_t=cfg.need_dw1 and fp8_wgrad,
             need_hp=not fp8_fwd or (cfg.need_dw1 and not fp8_wgrad), residual=r,
+            dropout=None if seed is None else (seed, cfg.drop_p),
         )
         # Step 2: fc1, its weight from the cache (its transposed copy is saved in setup_context) or
         # quantized now.
@@ -282,8 +229,8 @@ class _FusedLNMLP(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        (x, r, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, c1_data, c1_data_t, c1_inv, c1_inv_t, c2_data,
-         c2_data_t, c2_inv, c2_inv_t, cfg) = inputs
+        (x, r, seed, ln_w, _, w1, b1, w2, b2, _, _, s_g1, s_x2, _, s_g2, _, _, c1_data, c1_data_t, c1_inv, c1_inv_t,
+         c2_data, c2_data_t, c2_inv, c2_inv_t, cfg) = inputs
         ctx.mark_non_differentiable(*output[2 if r is not None else 1:])  # y, and s = x + r with a residual
         # The other outputs never get a gradient: without this, autograd would allocate a zero
         # gradient of each one's shape (the FP8 operands saved for backward among them) per step.
@@ -302,7 +249,7 @@ class _FusedLNMLP(torch.autograd.Function):
             w1 if cfg.need_dx and not fp8_dgrad else None,
             h, h_inv, aq_t, a_inv_t, a, a_amax_in, w2q_t, w2_inv_t,
             w2 if cfg.need_dh and not fp8_dgrad else None,
-            s_g1, s_x2, s_g2,
+            s_g1, s_x2, s_g2, seed,
         )
         ctx.cfg = cfg
         ctx.has_residual = r is not None
@@ -315,7 +262,7 @@ class _FusedLNMLP(torch.autograd.Function):
         if not ctx.has_residual:
             ds = None
         (x, ln_w, mean, rstd, lnq_t, ln_inv_t, ln, w1q_t, w1_inv_t, w1, h, h_inv, aq_t, a_inv_t, a, a_amax_in,
-         w2q_t, w2_inv_t, w2, s_g1, s_x2, s_g2) = ctx.saved_tensors
+         w2q_t, w2_inv_t, w2, s_g1, s_x2, s_g2, seed) = ctx.saved_tensors
         cfg: _Cfg = ctx.cfg
         x_dtype, w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         _, _, sp_g1, sp_x2, _, sp_g2, _ = cfg.specs
@@ -324,7 +271,7 @@ class _FusedLNMLP(torch.autograd.Function):
         dx = dln_w = dln_b = dw1 = db1 = dw2 = db2 = None
         dh_amax = None
         if dy is None:  # only s = x + r reached the loss: its gradient passes to x and r; nothing observed
-            return (ds, ds, *(None,) * 23)
+            return (_dropped(ds, seed, cfg.drop_p), ds, None, *(None,) * 23)
         with torch.no_grad():
             dy = dy.contiguous()
             # Step 1: quantize dy (and its transpose) in one pass; its amax is fc2's observation.
@@ -369,7 +316,12 @@ class _FusedLNMLP(torch.autograd.Function):
                     dln = gemm_dgrad(dhq, dh_inv, dh, dgrad_weight(w1q_t, ctx.w_t_later[0]), w1_inv_t, w1, cfg.dgrad,
                                      x_dtype)
                     del dhq
-                    dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm, ds)
+                    if seed is not None:  # s = dropout(x) + r: dx is the residual's, dx_branch x's
+                        dx, dx_branch, dln_w, dln_b = norm_backward_dropout(dln, x, ln_w, mean, rstd, cfg.norm, ds,
+                                                                            (seed, cfg.drop_p))
+                    else:
+                        dx, dln_w, dln_b = norm_backward(dln, x, ln_w, mean, rstd, cfg.norm, ds)
+                        dx_branch = dx
                     del dln
                 if cfg.need_dw1:
                     dw1 = gemm_wgrad(dhq_t, dh_inv_t, dh, lnq_t, ln_inv_t, ln, cfg.wgrad, w1_dtype)
@@ -381,8 +333,20 @@ class _FusedLNMLP(torch.autograd.Function):
             probe_grad = torch.stack([dh_amax.reshape(()), dy_amax.reshape(())])
         if ctx.has_residual and dx is None:  # nothing flowed back through the norm
             dx = ds
-        return (dx, dx if ctx.has_residual else None, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None, None, None,
-                None, None, probe_grad, *(None,) * 8, None)
+            dx_branch = _dropped(ds, seed, cfg.drop_p)
+        elif dx is None:
+            dx_branch = None
+        return (dx_branch, dx if ctx.has_residual else None, None, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None,
+                None, None, None, None, probe_grad, *(None,) * 8, None)
+
+
+def _dropped(ds: Tensor | None, seed: Tensor | None, p: float) -> Tensor | None:
+    """The gradient of x for a gradient ``ds`` of s = dropout(x) + r that did not pass through the
+    norm: ``ds * keep / (1 - p)`` (the norm kernels' mask), or ds without dropout."""
+    if ds is None or seed is None:
+        return ds
+    M, K = ds.shape
+    return (ds.to(torch.float32) * _ref_norm.branch_scale(seed, M, K, p, ds.device)).to(ds.dtype)
 
 
 _FusedLNMLP.forward.__signature__ = inspect.signature(_FusedLNMLP.forward)  # type: ignore[attr-defined]
@@ -469,6 +433,8 @@ def fused_ln_mlp(
     tp_group: Any = None,
     sequence_parallel: bool = False,
     residual: Tensor | None = None,
+    residual_dropout: float = 0.0,
+    dropout_seed: int | Tensor | None = None,
 ) -> tuple[Any, LayerNormMLPState | None]:
     """LayerNorm (or RMSNorm) -> fc1 -> activation -> fc2, with FP8 GEMMs and fused FP8 producers.
 
@@ -476,6 +442,7 @@ def fused_ln_mlp(
 
         y = fc2(act(fc1(norm(x))))          fc(t) = dq(q(t) . q(W)^T) + b
         with a residual: s = x + residual, y = fc2(act(fc1(norm(s))))
+        with residual_dropout p: s = x * keep / (1 - p) + residual
         gated activations split fc1's output h = [a | b] (first half a): swiglu = silu(a) * b,
         geglu = gelu_tanh(a) * b, reglu = relu(a) * b
 
@@ -538,6 +505,16 @@ def fused_ln_mlp(
             reaches s directly to the norm's dx: no separate add kernel either way. With
             ``tp_group`` and no sequence parallelism the add runs in front of the op, unfused; with
             ``sequence_parallel`` the norm on this rank's slice adds it in its kernel.
+        residual_dropout: dropout probability in [0, 1) on x before the residual add (a
+            pre-norm block's ``s = residual + dropout(attn)``), applied in the norm's kernel: the
+            keep mask is a hash of ``(dropout_seed, row, column)`` over x's (M, K) rows
+            (``fp8ops.reference.norm.branch_keep``, the attention dropout's hash), so nothing is
+            stored and the backward's norm kernel writes x's gradient ``ds * keep / (1 - p)`` next
+            to the residual's. Needs a residual; not with ``tp_group`` (drop x before the call).
+            0 (the default): no dropout.
+        dropout_seed: the seed of that mask: an int, a 1-element integer tensor, or None (drawn
+            from torch's generator on x's device, so ``torch.manual_seed`` reproduces it, and a
+            CUDA-graph replay draws a new one). Ignored without ``residual_dropout``.
 
     Returns:
         ``(y, new_state)``, or ``((y, s), new_state)`` with a residual: y (..., K2); ``new_state`` with the amaxes of the normalised input,
@@ -574,6 +551,16 @@ def fused_ln_mlp(
                       f"grad_probes will be removed in the next release", DeprecationWarning, stacklevel=2)
         grad_probe = grad_probes
     tp = tp_config(where, tp_group, None, sequence_parallel)
+    if isinstance(residual_dropout, bool) or not isinstance(residual_dropout, (int, float)) \
+            or not 0.0 <= float(residual_dropout) < 1.0:
+        raise ValueError(f"{where}: residual_dropout must be a number in [0, 1), got {residual_dropout!r}")
+    if residual_dropout > 0:
+        if residual is None:
+            raise ValueError(f"{where}: residual_dropout={residual_dropout} drops x before its residual add; "
+                             f"pass residual= (or apply F.dropout to x yourself)")
+        if tp is not None:
+            raise ValueError(f"{where}: residual_dropout is not supported with tp_group; apply the dropout to x "
+                             f"before the call and pass residual_dropout=0")
     if residual is not None:
         check_residual(residual, x, where)
         if tp is not None and not tp.sp:  # the add in front of the tensor-parallel op, unfused
@@ -618,7 +605,8 @@ def fused_ln_mlp(
                 x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, state, recipe=recipe,
                 normalization=normalization, activation=activation, eps=eps,
                 zero_centered_gamma=zero_centered_gamma, recompute=recompute, grad_probe=grad_probe,
-                weight_cache=weight_cache, residual=residual)
+                weight_cache=weight_cache, residual=residual, residual_dropout=residual_dropout,
+                dropout_seed=dropout_seed)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     _activation.check_activation(activation, where)
     C = check_weight(fc1_weight, fc1_bias, K, x, "fc1_weight", where)
@@ -662,7 +650,9 @@ def fused_ln_mlp(
         need_dx=needs(x) or needs(residual) or needs(ln_weight) or needs(ln_bias),
         need_dw1=needs(fc1_weight), need_db1=needs(fc1_bias),
         need_dw2=needs(fc2_weight), need_db2=needs(fc2_bias), cache1=c1 is not None, cache2=c2 is not None,
+        drop_p=float(residual_dropout),
     )
+    seed = _seed_tensor(dropout_seed, x.device, where) if residual_dropout > 0 else None
     lead = x.shape[:-1]
     refuse_compiled_transform(where, x)
     cached: list[Tensor | None] = []
@@ -670,7 +660,7 @@ def fused_ln_mlp(
         cached += [None] * 4 if c is None else [c.value.data, c.value.data_t, c.value.inv_scale, c.inv_scale_t]
     r2 = None if residual is None else residual.reshape(-1, K)
     y, s2, ln_amax, w1_amax, a_amax, w2_amax, h_amax, *_ = apply(
-        _FusedLNMLP, x.reshape(-1, K), r2, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales,
+        _FusedLNMLP, x.reshape(-1, K), r2, seed, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *scales,
         grad_probe, *cached, cfg
     )
     new_state = None

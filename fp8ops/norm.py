@@ -279,6 +279,7 @@ def rms_norm(
 _define(_K.norm_fwd, cpu=_ref.norm_fwd)
 _define(_K.norm_amax, cpu=_ref.norm_amax)
 _define(_K.norm_bwd, cpu=_ref.norm_bwd)
+_define(_K.norm_bwd_dropout, cpu=_ref.norm_bwd_dropout)
 
-for _name in ("norm_fwd", "norm_amax", "norm_bwd"):
+for _name in ("norm_fwd", "norm_amax", "norm_bwd", "norm_bwd_dropout"):
     torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))

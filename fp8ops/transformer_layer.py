@@ -658,8 +658,13 @@ def transformer_layer(
                                                 grad_probe=pr["proj"], weight_cache=caches.get("proj.weight"), **row)
         else:
             out = _hp_linear(ctx, p["proj.weight"], p.get("proj.bias"))
-        if training and cfg.hidden_dropout > 0:
-            out = F.dropout(out, cfg.hidden_dropout, training=True)
+        # A pre-norm block without tensor parallelism drops `out` inside the MLP's norm kernel
+        # (a hash mask of a seed drawn from torch's generator: no mask stored, no pass of its own);
+        # the other forms with F.dropout.
+        hidden_drop = cfg.hidden_dropout if training else 0.0
+        fuse_drop = hidden_drop > 0 and cfg.norm_position == "pre" and tp is None
+        if hidden_drop > 0 and not fuse_drop:
+            out = F.dropout(out, hidden_drop, training=True)
         mlp_drop = cfg.mlp_hidden_dropout if training else 0.0
 
         # Step 5: the MLP (fused with its norm) and the second residual.
@@ -669,8 +674,9 @@ def transformer_layer(
         if cfg.norm_position == "pre":
             # s = x + out: written by the MLP's norm kernel, which normalises it (and in the
             # backward adds the residual stream's gradient into its dx).
+            drop_kw = {"residual_dropout": hidden_drop} if fuse_drop else {}
             (m, s), new_state["mlp"] = fused_ln_mlp(out, p["ln2.weight"], p.get("ln2.bias"), *mlp_params,
-                                                    st.get("mlp"), recipe=recipe, residual=x, **mlp_kw)
+                                                    st.get("mlp"), recipe=recipe, residual=x, **mlp_kw, **drop_kw)
             if mlp_drop > 0:
                 m = F.dropout(m, mlp_drop, training=True)
             if return_residual:

@@ -64,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dropout import _dropout_keep, _dropout_key
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale
 from ._library import (
     AMAX_CHAIN,
@@ -78,20 +79,38 @@ from ._library import (
 )
 from ._reduce import column_sums
 
-__all__ = ["norm_amax_launch", "norm_bwd_launch", "norm_fwd_launch"]
+__all__ = ["norm_amax_launch", "norm_bwd_dropout_launch", "norm_bwd_launch", "norm_fwd_launch"]
 
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 @triton.jit
+def _branch_scale(
+    key,  # the dropout hash's key (_dropout_key of the seed, b = h = 0)
+    rm,  # (BLOCK_M,) int64 row indices
+    rk,  # (BLOCK_K,) column indices
+    thresh,  # int32 16-bit threshold (fp8ops.reference.attention.dropout_threshold)
+    drop_scale,  # fp32 1 / (1 - p)
+):
+    # where(keep, 1 / (1 - p), 0) of the (BLOCK_M, BLOCK_K) tile (fp8ops.reference.norm.branch_scale).
+    keep = _dropout_keep(key, rm[:, None], rk[None, :], thresh)
+    return tl.where(keep, drop_scale, 0.0)
+
+
+@triton.jit
 def _sum_input(
     x,  # (BLOCK_M, BLOCK_K) tile of x in its dtype
     r,  # (BLOCK_M, BLOCK_K) tile of the residual (HAS_RES)
+    ks,  # (BLOCK_M, BLOCK_K) fp32 dropout factors of x (DROPOUT)
     HAS_RES: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
-    # x + residual added in fp32 and rounded to x's dtype (as stored in s), or x.
+    # x + residual added in fp32 and rounded to x's dtype (as stored in s), or x; with dropout
+    # x * ks + residual, one rounding.
     if HAS_RES:
+        if DROPOUT:
+            return (x.to(tl.float32) * ks + r.to(tl.float32)).to(x.dtype)
         return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
     return x
 
@@ -246,12 +265,16 @@ def _norm_fwd_kernel(
     inv_ptr,  # () fp32 output: 1 / scale (HAS_Q)
     mean_ptr,  # (M,) fp32 output (STORE_STATS and not RMS)
     rstd_ptr,  # (M,) fp32 output (STORE_STATS)
+    seed_ptr,  # () int64 seed of the dropout on x (DROPOUT)
     M,
     K,
     eps,
+    drop_thresh,  # int: x's elements whose 16-bit draw is below it are dropped (DROPOUT)
+    drop_scale,  # fp32 1 / (1 - p) (DROPOUT)
     RMS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     HAS_RES: tl.constexpr,
+    DROPOUT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_Y: tl.constexpr,
     STORE_S: tl.constexpr,
@@ -274,6 +297,12 @@ def _norm_fwd_kernel(
         scale = fp8_scale(scale_ptr, amax_in_ptr, inv_ptr, pid,
                           FP8_MAX=FP8_MAX, MARGIN=MARGIN, SCALE_FROM_AMAX=SCALE_FROM_AMAX, POWER_2=POWER_2)
     amax_bits = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    # The dropout on x (with a residual): a hash of (seed, row, column), as the backward recomputes it.
+    thresh = pid * 0 + drop_thresh
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    key = pid.to(tl.uint32) * 0
+    if DROPOUT:
+        key = _dropout_key(seed_ptr, pid * 0, pid * 0)
     if SINGLE:
         # Whole rows in registers; a persistent program loops over row blocks and prefetches the
         # next block while it normalises the current one (the kernel is latency-bound otherwise).
@@ -303,7 +332,10 @@ def _norm_fwd_kernel(
                 r_n = tl.load(r_ptr + rm_n[:, None] * K + rk[None, :], mask=mask_n, other=0.0)
             # Step 4: statistics, normalisation and the FP8 epilogue of the current block.
             offs = rm[:, None] * K + rk[None, :]
-            s = _sum_input(x, r, HAS_RES=HAS_RES)
+            ks = drop_scale
+            if DROPOUT:
+                ks = _branch_scale(key, rm, rk, thresh, drop_scale)
+            s = _sum_input(x, r, ks, HAS_RES=HAS_RES, DROPOUT=DROPOUT)
             if STORE_S:
                 tl.store(s_ptr + offs, s, mask=mask)
             v = s.to(tl.float32)
@@ -335,7 +367,10 @@ def _norm_fwd_kernel(
             mask, offs, x, r = mask_n, offs_n, x_n, r_n
             mask_n, offs_n, x_n, r_n = _next_chunk(x_ptr, r_ptr, row_ok, rk, offs, K,
                                                    HAS_RES=HAS_RES, EVICT="evict_last", BLOCK_K=BLOCK_K)
-            s = _sum_input(x, r, HAS_RES=HAS_RES)
+            ks = drop_scale
+            if DROPOUT:
+                ks = _branch_scale(key, rm, rk, thresh, drop_scale)
+            s = _sum_input(x, r, ks, HAS_RES=HAS_RES, DROPOUT=DROPOUT)
             if STORE_S:
                 tl.store(s_ptr + offs, s, mask=mask)
             v = s.to(tl.float32)
@@ -365,7 +400,10 @@ def _norm_fwd_kernel(
             mask, offs, x, r = mask_n, offs_n, x_n, r_n
             mask_n, offs_n, x_n, r_n = _next_chunk(x_ptr, r_ptr, row_ok, rk, offs, K,
                                                    HAS_RES=HAS_RES, EVICT="evict_first", BLOCK_K=BLOCK_K)
-            v = _sum_input(x, r, HAS_RES=HAS_RES).to(tl.float32)
+            ks = drop_scale
+            if DROPOUT:
+                ks = _branch_scale(key, rm, rk, thresh, drop_scale)
+            v = _sum_input(x, r, ks, HAS_RES=HAS_RES, DROPOUT=DROPOUT).to(tl.float32)
             g, bias = _load_gamma_bias(w_ptr, b_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED, HAS_BIAS=HAS_BIAS)
             tile_bits = _normalize_tile(
                 v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,
@@ -416,13 +454,18 @@ def _norm_bwd_kernel(
     rstd_ptr,  # (M,) fp32
     ds_ptr,  # (M, K) gradient of the sum output s, contiguous (HAS_DS)
     dx_ptr,  # (M, K) output in s's dtype
+    dxb_ptr,  # (M, K) output: dx * the forward's dropout factors of x, in s's dtype (DROPOUT)
+    seed_ptr,  # () int64 seed of the forward's dropout on x (DROPOUT)
     dw_part_ptr,  # (G, K) fp32 partial sums of dy * xh, one row per program
     db_part_ptr,  # (G, K) fp32 partial sums of dy, one row per program (HAS_BIAS)
     M,
     K,
+    drop_thresh,  # int: as the forward's (DROPOUT)
+    drop_scale,  # fp32 1 / (1 - p) (DROPOUT)
     RMS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     HAS_DS: tl.constexpr,
+    DROPOUT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SINGLE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -433,6 +476,11 @@ def _norm_bwd_kernel(
     num_blocks = tl.cdiv(M, BLOCK_M)
     part_row = pid.to(tl.int64) * K
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    thresh = pid * 0 + drop_thresh
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    key = pid.to(tl.uint32) * 0
+    if DROPOUT:
+        key = _dropout_key(seed_ptr, pid * 0, pid * 0)
     if SINGLE:
         # Step 1: the weight of the whole row, once per program; the first row block prefetched.
         rk = tl.arange(0, BLOCK_K)
@@ -482,6 +530,9 @@ def _norm_bwd_kernel(
             if HAS_DS:
                 dx += dsv
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if DROPOUT:
+                ks = _branch_scale(key, rm, rk, thresh, drop_scale)
+                tl.store(dxb_ptr + offs, (dx * ks).to(dxb_ptr.dtype.element_ty), mask=mask)
             acc_dw += tl.sum(dy * xh, axis=0)
             if HAS_BIAS:
                 acc_db += tl.sum(dy, axis=0)
@@ -523,6 +574,9 @@ def _norm_bwd_kernel(
                 if HAS_DS:
                     dx += tl.load(ds_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if DROPOUT:
+                    ks = _branch_scale(key, rm, rk, thresh, drop_scale)
+                    tl.store(dxb_ptr + offs, (dx * ks).to(dxb_ptr.dtype.element_ty), mask=mask)
                 pw = tl.load(dw_part_ptr + part_row + rk, mask=col_ok, other=0.0)
                 tl.store(dw_part_ptr + part_row + rk, pw + tl.sum(dy * xh, axis=0), mask=col_ok)
                 if HAS_BIAS:
@@ -627,6 +681,25 @@ def _check_scalar(name: str, arg: str, t: torch.Tensor | None) -> None:
         raise ValueError(f"{name}: {arg} must be a 0-d float32 tensor, got shape {tuple(t.shape)} {t.dtype}")
 
 
+def _dropout_args(name: str, seed: torch.Tensor | None, p: float, device: torch.device,
+                  residual: torch.Tensor | None = None, needs_residual: bool = True) -> tuple[int, float] | None:
+    """(threshold, 1 / (1 - p)) of the dropout on x, checked; None without one (``seed`` None)."""
+    if seed is None:
+        if p != 0.0:
+            raise ValueError(f"{name}: dropout_p={p} needs a dropout_seed tensor, got None")
+        return None
+    if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"{name}: dropout_seed must be a 1-element int64 tensor, got "
+                         f"{type(seed).__name__ if not isinstance(seed, torch.Tensor) else f'{seed.dtype} {tuple(seed.shape)}'}")
+    if seed.device != device:
+        raise ValueError(f"{name}: dropout_seed must be on {device}, got {seed.device}")
+    if not 0.0 < float(p) < 1.0:
+        raise ValueError(f"{name}: dropout_p must be in (0, 1) with a dropout_seed, got {p}")
+    if needs_residual and residual is None:
+        raise ValueError(f"{name}: the dropout applies to x before its residual add; pass a residual")
+    return min(int(round(float(p) * (1 << 16))), (1 << 16) - 1), 1.0 / (1.0 - float(p))
+
+
 def _check_fwd_inputs(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                       bias: torch.Tensor | None, eps: float) -> None:
     _check_rows(name, "x", x)
@@ -672,9 +745,12 @@ def _launch_fwd(
     cast: _Cast,
     config: dict[str, Any] | None,
     traced: bool,
+    dropout_seed: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, ...]:
     M, K = x.shape
     dev = x.device
+    drop = _dropout_args(name, dropout_seed, dropout_p, dev, residual)
     scale, amax_in, margin, power_2, out_dtype, transpose = cast
     has_q = out_dtype is not None
     fp8_max = 1.0
@@ -715,8 +791,10 @@ def _launch_fwd(
         kernel[grid](
             x, residual if residual is not None else x, weight, bias if bias is not None else weight,
             y, s, q, q_t, scale if scale is not None else amax, amax_in if amax_in is not None else amax,
-            amax, amax_next, inv, mean, rstd, M, K, float(eps),
-            RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+            amax, amax_next, inv, mean, rstd, dropout_seed if drop is not None else rstd, M, K, float(eps),
+            drop[0] if drop is not None else 0, drop[1] if drop is not None else 1.0,
+            RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_RES=residual is not None, DROPOUT=drop is not None,
+            HAS_BIAS=bias is not None,
             STORE_Y=store_y, STORE_S=store_s, STORE_STATS=store_stats, HAS_Q=has_q, TRANSPOSE=transpose,
             FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
             SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
@@ -739,11 +817,14 @@ def norm_fwd_launch(
     power_2: bool,
     out_dtype: torch.dtype | None,
     transpose: bool,
+    dropout_seed: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     *,
     config: dict[str, Any] | None = None,
     traced: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """LayerNorm / RMSNorm forward with optional residual add and FP8 output, one launch.
+    """LayerNorm / RMSNorm forward with optional residual add (x dropped first, optionally) and
+    FP8 output, one launch.
 
     Args:
         x: (M, K) float32/bfloat16/float16, contiguous, K >= 1.
@@ -755,6 +836,11 @@ def norm_fwd_launch(
         amax_in: () fp32 amax of y32 for current scaling (from :func:`norm_amax_launch`), or None.
         margin, power_2: current-scaling parameters. out_dtype: FP8 dtype of q, or None (no q).
         transpose: also write q_t (K, M) (needs out_dtype).
+        dropout_seed: () int64 tensor, or None: with a residual, x is dropped with probability
+            ``dropout_p`` before the add (``s = x * keep / (1 - p) + residual``, the mask a hash of
+            ``(seed, row, column)``: ``fp8ops.reference.norm.branch_keep``); nothing is stored for
+            the backward, which recomputes the mask (:func:`norm_bwd_dropout_launch`).
+        dropout_p: in (0, 1) with a seed, else 0.
         config: overrides of ``BLOCK_M``, ``BLOCK_K``, ``num_warps``, ``PROGRAMS_PER_SM``.
         traced: launched from a compiled graph (``_library.traced_kernel``).
 
@@ -767,6 +853,7 @@ def norm_fwd_launch(
         name, x, residual, weight, bias, eps, rms, zero_centered_gamma,
         store_y=store_y, store_stats=True, store_s=residual is not None,
         cast=_Cast(scale, amax_in, margin, power_2, out_dtype, transpose), config=config, traced=traced,
+        dropout_seed=dropout_seed, dropout_p=dropout_p,
     )
 
 
@@ -778,6 +865,8 @@ def norm_amax_launch(
     eps: float,
     rms: bool,
     zero_centered_gamma: bool,
+    dropout_seed: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     *,
     config: dict[str, Any] | None = None,
     traced: bool = False,
@@ -789,6 +878,7 @@ def norm_amax_launch(
     out = _launch_fwd(
         name, x, residual, weight, bias, eps, rms, zero_centered_gamma,
         store_y=False, store_stats=False, store_s=False, cast=_NO_CAST, config=config, traced=traced,
+        dropout_seed=dropout_seed, dropout_p=dropout_p,
     )
     return out[4]
 
@@ -823,7 +913,44 @@ def norm_bwd_launch(
         ``(dx, dweight, dbias)``: dx (M, K) in s's dtype; dweight (K,) and dbias (K,) (empty
         without a bias) in weight's dtype.
     """
-    name = "norm_bwd"
+    dx, _, dweight, dbias = _launch_bwd("norm_bwd", dy, s, weight, mean, rstd, ds, rms, zero_centered_gamma,
+                                        has_bias, None, 0.0, config=config, traced=traced)
+    return dx, dweight, dbias
+
+
+def norm_bwd_dropout_launch(
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    ds: torch.Tensor | None,
+    rms: bool,
+    zero_centered_gamma: bool,
+    has_bias: bool,
+    dropout_seed: torch.Tensor,
+    dropout_p: float,
+    *,
+    config: dict[str, Any] | None = None,
+    traced: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of a forward that dropped x before its residual add (:func:`norm_fwd_launch`
+    with ``dropout_seed``): :func:`norm_bwd_launch`'s outputs and ``dx_branch = dx * keep / (1 -
+    p)``, the gradient of x (the mask recomputed from the seed), written in the same pass.
+
+    Returns:
+        ``(dx, dx_branch, dweight, dbias)``: dx the gradient of s (and of the residual).
+    """
+    if dropout_seed is None:
+        raise ValueError("norm_bwd_dropout: dropout_seed must be the forward's 1-element int64 seed, got None")
+    return _launch_bwd("norm_bwd_dropout", dy, s, weight, mean, rstd, ds, rms, zero_centered_gamma, has_bias,
+                       dropout_seed, dropout_p, config=config, traced=traced)
+
+
+def _launch_bwd(name: str, dy: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                rstd: torch.Tensor, ds: torch.Tensor | None, rms: bool, zero_centered_gamma: bool, has_bias: bool,
+                dropout_seed: torch.Tensor | None, dropout_p: float, *, config: dict[str, Any] | None,
+                traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_rows(name, "s", s)
     _check_rows(name, "dy", dy, s)
     if ds is not None:
@@ -835,24 +962,28 @@ def norm_bwd_launch(
         if need and (t.dtype != torch.float32 or tuple(t.shape) != (M,) or not t.is_contiguous()):
             raise ValueError(f"{name}: {arg} must be a contiguous ({M},) float32 tensor, got shape "
                              f"{tuple(t.shape)} {t.dtype}")
+    drop = _dropout_args(name, dropout_seed, dropout_p, dev, needs_residual=False)
     cfg = merge_config(_bwd_default(K), config, name=name)
     _check_pow2(name, cfg)
     single = cfg["BLOCK_K"] >= K
     dx = torch.empty((M, K), dtype=s.dtype, device=dev)
+    dxb = torch.empty((M, K), dtype=s.dtype, device=dev) if drop is not None else s.new_empty(0)
     G = max(1, min(cdiv(M, cfg["BLOCK_M"]), _num_sms(dev) * cfg["PROGRAMS_PER_SM"]))
     alloc = torch.empty if single else torch.zeros  # chunked rows accumulate in place
     dw_part = alloc((G, K), dtype=torch.float32, device=dev)
     db_part = alloc((G, K), dtype=torch.float32, device=dev) if has_bias else dw_part
     kernel = graph_kernel(_norm_bwd_kernel, traced)
     kernel[(G,)](
-        dy, s, weight, mean if not rms else rstd, rstd, ds if ds is not None else dy, dx, dw_part, db_part,
-        M, K,
-        RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_DS=ds is not None, HAS_BIAS=has_bias,
+        dy, s, weight, mean if not rms else rstd, rstd, ds if ds is not None else dy, dx,
+        dxb if drop is not None else dx, dropout_seed if drop is not None else rstd, dw_part, db_part, M, K,
+        drop[0] if drop is not None else 0, drop[1] if drop is not None else 1.0,
+        RMS=rms, ZERO_CENTERED=zero_centered_gamma, HAS_DS=ds is not None, DROPOUT=drop is not None,
+        HAS_BIAS=has_bias,
         SINGLE=single, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
     )
     # Step: finalize, a deterministic fp32 sum of the G partial rows of both buffers, one launch.
     dweight, dbias = column_sums(dw_part, db_part if has_bias else None, dtype=weight.dtype, traced=traced)
-    return dx, dweight, (dbias if dbias is not None else weight.new_empty(0))
+    return dx, dxb, dweight, (dbias if dbias is not None else weight.new_empty(0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -860,7 +991,7 @@ def norm_bwd_launch(
 
 
 def _norm_fwd_fake(x, residual, weight, bias, eps, rms, zero_centered_gamma, store_y, scale, amax_in,  # type: ignore[no-untyped-def]
-                   margin, power_2, out_dtype, transpose):
+                   margin, power_2, out_dtype, transpose, dropout_seed=None, dropout_p=0.0):
     M, K = x.shape
     f32 = torch.float32
     y = x.new_empty((M, K)) if store_y else x.new_empty(0)
@@ -875,7 +1006,8 @@ def _norm_fwd_fake(x, residual, weight, bias, eps, rms, zero_centered_gamma, sto
     return y, s, q, q_t, x.new_empty((), dtype=f32), inv, mean, x.new_empty((M,), dtype=f32)
 
 
-def _norm_amax_fake(x, residual, weight, bias, eps, rms, zero_centered_gamma):  # type: ignore[no-untyped-def]
+def _norm_amax_fake(x, residual, weight, bias, eps, rms, zero_centered_gamma,  # type: ignore[no-untyped-def]
+                    dropout_seed=None, dropout_p=0.0):
     return x.new_empty((), dtype=torch.float32)
 
 
@@ -884,10 +1016,17 @@ def _norm_bwd_fake(dy, s, weight, mean, rstd, ds, rms, zero_centered_gamma, has_
     return s.new_empty(s.shape), weight.new_empty((K,)), weight.new_empty((K,) if has_bias else 0)
 
 
+def _norm_bwd_dropout_fake(dy, s, weight, mean, rstd, ds, rms, zero_centered_gamma, has_bias,  # type: ignore[no-untyped-def]
+                           dropout_seed, dropout_p):
+    K = s.shape[1]
+    return (s.new_empty(s.shape), s.new_empty(s.shape), weight.new_empty((K,)),
+            weight.new_empty((K,) if has_bias else 0))
+
+
 norm_fwd = OpSpec(
     "norm_fwd(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, bool rms, "
     "bool zero_centered_gamma, bool store_y, Tensor? scale, Tensor? amax_in, int margin, bool power_2, "
-    "ScalarType? out_dtype, bool transpose) "
+    "ScalarType? out_dtype, bool transpose, Tensor? dropout_seed=None, float dropout_p=0.0) "
     "-> (Tensor y, Tensor s, Tensor q, Tensor q_t, Tensor amax, Tensor inv_scale, Tensor mean, Tensor rstd)",
     cuda=contiguous_args(norm_fwd_launch, 4),
     fake=_norm_fwd_fake,
@@ -897,7 +1036,7 @@ norm_fwd = OpSpec(
 
 norm_amax = OpSpec(
     "norm_amax(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, bool rms, "
-    "bool zero_centered_gamma) -> Tensor",
+    "bool zero_centered_gamma, Tensor? dropout_seed=None, float dropout_p=0.0) -> Tensor",
     cuda=contiguous_args(norm_amax_launch, 4),
     fake=_norm_amax_fake,
     traced=traced_kernel(norm_amax_launch, 4),
@@ -912,3 +1051,14 @@ norm_bwd = OpSpec(
     traced=traced_kernel(norm_bwd_launch, 6),
 )
 """``fp8ops::norm_bwd``: LayerNorm / RMSNorm backward ``(dx, dweight, dbias)``; see :func:`norm_bwd_launch`."""
+
+norm_bwd_dropout = OpSpec(
+    "norm_bwd_dropout(Tensor dy, Tensor s, Tensor weight, Tensor mean, Tensor rstd, Tensor? ds, bool rms, "
+    "bool zero_centered_gamma, bool has_bias, Tensor dropout_seed, float dropout_p) "
+    "-> (Tensor dx, Tensor dx_branch, Tensor dweight, Tensor dbias)",
+    cuda=contiguous_args(norm_bwd_dropout_launch, 6),
+    fake=_norm_bwd_dropout_fake,
+    traced=traced_kernel(norm_bwd_dropout_launch, 6),
+)
+"""``fp8ops::norm_bwd_dropout``: the backward of a forward that dropped x before its residual add
+``(dx, dx_branch, dweight, dbias)``; see :func:`norm_bwd_dropout_launch`."""

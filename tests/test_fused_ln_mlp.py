@@ -664,3 +664,148 @@ def test_residual_errors(bad, match):
     args, r, _, _ = _residual_case(torch.float32)
     with pytest.raises((TypeError, ValueError), match=f"fused_ln_mlp: {match}"):
         fp8ops.fused_ln_mlp(*args, None, recipe=None, residual=bad(r))
+
+
+# ------------------------------------------------------------------------------------------------
+# residual_dropout=: x dropped before the residual add, inside the norm kernel
+
+
+@pytest.mark.parametrize("rname", list(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_dropout_is_the_op_on_the_dropped_input_with_every_gradient(rname, dtype):
+    """fused_ln_mlp(x, residual=r, residual_dropout=p) is the op on x' = x * scale (scale the
+    norm's mask: 0 where dropped, 1 / (1 - p) where kept) with residual r: the same y, s and
+    gradients of r and every weight, and x's gradient is x''s times scale."""
+    recipe = RECIPES[rname]
+    args, r, dy, ds = _residual_case(dtype)
+    st = _mlp_state(recipe, True)
+    p, seed = 0.4, 31
+    scale = fp8ops.reference.norm.branch_scale(torch.tensor(seed), 12, 16, p)
+    assert 0.2 < float((scale == 0).float().mean()) < 0.6 and set(scale.unique().tolist()) == {0.0, float(torch.tensor(1 / 0.6))}
+    outs = []
+    for fused in (True, False):
+        leaves = [_leaf(t) for t in args]
+        rl = r.clone().requires_grad_()
+        pr = fp8ops.make_probes(st) if st is not None else None
+        if fused:
+            (y, s), st2 = fp8ops.fused_ln_mlp(*leaves, st, recipe=recipe, grad_probe=pr, residual=rl,
+                                              residual_dropout=p, dropout_seed=seed)
+        else:
+            xd = (leaves[0].float() * scale).to(dtype)  # exact in float32; in bf16 x * scale rounds once more
+            (y, s), st2 = fp8ops.fused_ln_mlp(xd, *leaves[1:], st, recipe=recipe, grad_probe=pr, residual=rl)
+        torch.autograd.backward([y, s], [dy, ds])
+        outs.append((y.detach(), s.detach(), [t.grad for t in leaves if t is not None], rl.grad,
+                     None if pr is None else pr.grad))
+    (y1, s1, g1, r1, p1), (y0, s0, g0, r0, p0) = outs
+    if dtype == torch.float32:
+        assert torch.equal(s1, s0) and torch.equal(y1, y0) and torch.equal(r1, r0)
+        for a, b in zip(g1[1:], g0[1:]):
+            assert torch.equal(a, b)
+        if recipe is not None:
+            assert torch.equal(p1, p0)
+        torch.testing.assert_close(g1[0], g0[0], rtol=1e-6, atol=0)
+    else:
+        assert rel_error(s1, s0) <= 1e-2 and rel_error(y1, y0) <= 3e-2 and rel_error(r1, r0) <= 3e-2
+    assert bool((g1[0][scale == 0] == 0).all()) and bool((g1[0][scale != 0] != 0).all())
+    # x's gradient is the residual's times the mask's factor (in bf16 both are rounded from the
+    # same float32 value: within one rounding of each other)
+    rtol = 0 if dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(g1[0].float(), r1.float() * scale, rtol=rtol, atol=0)
+
+
+def test_residual_dropout_matches_the_fp32_reference_of_the_whole_op():
+    """Forward and every gradient against a float32 autograd reference written out here: s = x *
+    keep / (1 - p) + r with the reference mask, then LayerNorm, fc1, gelu_tanh, fc2."""
+    args, r, dy, ds = _residual_case(torch.float32, seed=9)
+    p = 0.15
+    leaves = [_leaf(t) for t in args]
+    rl = r.clone().requires_grad_()
+    (y, s), _ = fp8ops.fused_ln_mlp(*leaves, None, recipe=None, residual=rl, residual_dropout=p, dropout_seed=-5)
+    torch.autograd.backward([y, s], [dy, ds])
+    ref = [_leaf(t) for t in args]
+    rr = r.clone().requires_grad_()
+    x, ln_w, ln_b, w1, b1, w2, b2 = ref
+    keep = fp8ops.reference.norm.branch_keep(torch.tensor(-5), 12, 16, p)
+    sr = torch.where(keep, x / (1 - p), 0.0) + rr
+    h = torch.nn.functional.gelu(torch.nn.functional.linear(
+        torch.nn.functional.layer_norm(sr, (16,), ln_w, ln_b, 1e-5), w1, b1), approximate="tanh")
+    yr = torch.nn.functional.linear(h, w2, b2)
+    torch.autograd.backward([yr, sr], [dy, ds])
+    torch.testing.assert_close(s, sr, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    for a, b in zip([*leaves, rl], [*ref, rr]):
+        if a is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_residual_dropout_rate_seeds_and_generator():
+    M, K = 256, 64
+    x, r = torch.ones(M, K), torch.zeros(M, K)
+    args = [torch.ones(K), torch.zeros(K), torch.eye(K), None, torch.eye(K), None]
+
+    def s_of(**kw):
+        (_, s), _ = fp8ops.fused_ln_mlp(x, *args, None, recipe=None, activation="relu", residual=r, **kw)
+        return s
+
+    s = s_of(residual_dropout=0.25, dropout_seed=3)
+    dropped = float((s == 0).float().mean())
+    assert abs(dropped - 0.25) < 0.01, dropped  # 16384 draws: 4 standard deviations is 0.0135
+    assert set(s.unique().tolist()) == {0.0, float(torch.tensor(1 / 0.75))}
+    assert torch.equal(s, s_of(residual_dropout=0.25, dropout_seed=torch.tensor([3])))
+    assert not torch.equal(s, s_of(residual_dropout=0.25, dropout_seed=4))
+    torch.manual_seed(8)
+    a = s_of(residual_dropout=0.25)
+    torch.manual_seed(8)
+    assert torch.equal(a, s_of(residual_dropout=0.25))
+    assert not torch.equal(a, s_of(residual_dropout=0.25))  # the generator moved on
+    assert torch.equal(s_of(), x)  # no dropout by default
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"residual_dropout": 1.0}, r"residual_dropout must be a number in \[0, 1\), got 1.0"),
+    ({"residual_dropout": -0.1}, r"residual_dropout must be a number in \[0, 1\)"),
+    ({"residual_dropout": "0.1"}, r"residual_dropout must be a number in \[0, 1\), got '0.1'"),
+    ({"residual_dropout": 0.1, "dropout_seed": 1.5}, "dropout_seed must be an int, a 1-element integer tensor"),
+    ({"residual_dropout": 0.1, "dropout_seed": torch.zeros(2, dtype=torch.int64)}, "1-element integer tensor"),
+])
+def test_residual_dropout_errors(kw, match):
+    args, r, _, _ = _residual_case(torch.float32)
+    with pytest.raises((TypeError, ValueError), match=match):
+        fp8ops.fused_ln_mlp(*args, None, recipe=None, residual=r, **kw)
+
+
+def test_residual_dropout_needs_a_residual():
+    args, _, _, _ = _residual_case(torch.float32)
+    with pytest.raises(ValueError, match="fused_ln_mlp: residual_dropout=0.1 drops x before its residual add; "
+                                         "pass residual="):
+        fp8ops.fused_ln_mlp(*args, None, recipe=None, residual_dropout=0.1)
+
+
+def test_residual_dropout_only_s_used_drops_the_gradient_of_x():
+    args, r, _, ds = _residual_case(torch.float32)
+    x, rl = args[0].clone().requires_grad_(), r.clone().requires_grad_()
+    (y, s), _ = fp8ops.fused_ln_mlp(x, *args[1:], None, recipe=None, residual=rl, residual_dropout=0.5,
+                                    dropout_seed=2)
+    s.backward(ds)
+    scale = fp8ops.reference.norm.branch_scale(torch.tensor(2), 12, 16, 0.5)
+    assert torch.equal(rl.grad, ds) and torch.equal(x.grad, ds * scale)
+
+
+def test_residual_dropout_under_func_grad_and_compile_matches_eager():
+    args, r, dy, ds = _residual_case(torch.float32)
+    st = _mlp_state(DELAYED, True)
+    seed = torch.tensor(77)
+
+    def loss(x, res):
+        (y, s), _ = fp8ops.fused_ln_mlp(x, *args[1:], st, recipe=DELAYED, residual=res, residual_dropout=0.3,
+                                        dropout_seed=seed)
+        return (y * dy).sum() + (s * ds).sum()
+
+    x, rl = args[0].clone().requires_grad_(), r.clone().requires_grad_()
+    loss(x, rl).backward()
+    gx, gr = torch.func.grad(loss, argnums=(0, 1))(args[0], r)
+    assert torch.equal(gx, x.grad) and torch.equal(gr, rl.grad)
+    torch._dynamo.reset()
+    x2, r2 = args[0].clone().requires_grad_(), r.clone().requires_grad_()
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(x2, r2).backward()
+    assert torch.equal(x2.grad, x.grad) and torch.equal(r2.grad, rl.grad)

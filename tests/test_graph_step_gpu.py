@@ -284,3 +284,39 @@ def test_graphs_compiled_in_its_calls_keep_library_ops_opaque() -> None:
     assert "torch.ops.fp8ops.cast_transpose" in graphed_code
     assert "torch.ops.fp8ops.cast_transpose" not in plain_code
     assert graphed == pytest.approx(plain, rel=1e-5, abs=0.0), (graphed, plain)
+
+
+def test_replays_draw_a_new_hidden_dropout_mask() -> None:
+    """A pre-norm layer's hidden dropout runs in the MLP's norm kernel with a seed drawn from torch's
+    generator: each replay of a captured step must draw a new one (a mask frozen into the graph
+    would drop the same elements at every step), and the drop rate stays p."""
+    from fp8ops.transformer_layer import TransformerConfig, init_transformer_params, transformer_layer
+
+    cfg = TransformerConfig(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, hidden_dropout=0.5,
+                            attention_dropout=0.0)
+    params = {k: v.to(device="cuda", dtype=torch.bfloat16).requires_grad_()
+              for k, v in init_transformer_params(cfg, generator=torch.Generator().manual_seed(0)).items()}
+    # fc2 zeroed: y = s = x + dropout(proj(attention)), so the dropped elements are where y == x
+    with torch.no_grad():
+        params["fc2.weight"].zero_()
+        params["fc2.bias"].zero_()
+    x = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(c: torch.Tensor, xx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, _ = transformer_layer(params, xx, None, config=cfg, recipe=None)
+        y.float().sum().backward()
+        return c + 1, (y == xx).detach()
+
+    fn = fp8ops.graph_step(step)
+    c = torch.zeros((), device="cuda")
+    masks = []
+    for _ in range(5):
+        for p in params.values():
+            p.grad = None
+        c, dropped = fn(c, x)
+        masks.append(dropped.clone())
+    assert fn.stats == {"eager": 1, "captures": 1, "replays": 4}
+    for m in masks:
+        assert abs(float(m.float().mean()) - 0.5) < 0.05
+    for a, b in zip(masks[1:], masks[2:]):  # replays
+        assert not torch.equal(a, b)

@@ -55,7 +55,7 @@ def test_the_ops_of_a_model_step_have_a_traced_kernel() -> None:
     # as does scaled_mm and the optimizer's fused op.
     traced = {name for name, spec in SPECS.items() if spec.traced is not None}
     assert traced == {"amax", "cast", "cast_transpose", "cast_transpose_dbias", "norm_fwd", "norm_amax", "norm_bwd",
-                      "act_fwd", "act_amax", "act_bwd", "act_bwd_amax"}
+                      "norm_bwd_dropout", "act_fwd", "act_amax", "act_bwd", "act_bwd_amax"}
     assert {c.op for c in CALLS} == traced
 
 

@@ -221,3 +221,71 @@ def test_public_autograd_on_cuda(rms):
     assert rel(w.grad, w64.grad) < 1e-4
     if not rms:
         assert rel(b.grad, b64.grad) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# Dropout on x before the residual add
+
+
+@pytest.mark.parametrize("shape", [(8192, 4096), (300, 1000), (64, 20000)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fp8_t", [False, True], ids=["plain", "fp8_t"])
+def test_dropout_forward_backward_against_the_reference(shape, fp8_t):
+    """The keep mask is the reference's, element by element (s is the residual exactly where x is
+    dropped, and nowhere else); s, y, dx, dx_branch within the rounding rule of the reference; the
+    drop rate within sampling error of p; dx equals the plain backward's bit for bit."""
+    M, K = shape
+    p = 0.1
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16() * 2 + 1
+    r = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.2 * torch.randn(K, device="cuda", generator=g)).bfloat16()
+    b = (0.2 * torch.randn(K, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    ds = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    seed = torch.tensor(2**40 + 12345, dtype=torch.int64, device="cuda")
+    cast = (torch.ones((), device="cuda"), None, 0, False, E4M3, True) if fp8_t else (None, None, 0, False, None, False)
+    y, s, q, q_t, amax, _, mean, rstd = kn.norm_fwd_launch(x, r, w, b, EPS, False, False, True, *cast, seed, p)
+    keep = R.branch_keep(seed, M, K, p)
+    assert torch.equal(s[~keep], r[~keep]) and bool(keep[s != r].all())
+    assert abs(float((~keep).float().mean()) - p) < 6 * (p * (1 - p) / (M * K)) ** 0.5 + 2.0**-17
+    s32 = x.double() * torch.where(keep, 1 / (1 - p), 0.0).double() + r.double()
+    assert_close_rule(s, s32, s32.to(torch.bfloat16), k=1.0, atol=1e-6, name="s")
+    y32 = R.norm_fwd(s.double(), None, w.double(), b.double(), EPS, False, False, True, None, None, 0, False, None,
+                     False)[0]
+    assert_close_rule(y, y32, F.layer_norm(s.float(), (K,), w.float(), b.float(), EPS).bfloat16(), k=2.0,
+                      atol=1e-6, name="y")
+    if fp8_t:
+        assert torch.equal(q_t, q.t())
+    dx, dxb, dw, db = kn.norm_bwd_dropout_launch(dy, s, w, mean, rstd, ds, False, False, True, seed, p)
+    dx0, dw0, db0 = kn.norm_bwd_launch(dy, s, w, mean, rstd, ds, False, False, True)
+    assert torch.equal(dx, dx0) and torch.equal(dw, dw0) and torch.equal(db, db0)
+    assert bool((dxb[~keep] == 0).all())
+    rdx = R._norm_bwd32(dy, s.float(), w.float(), mean, rstd, ds, False, False, True)[0]
+    want = rdx * R.branch_scale(seed, M, K, p)
+    assert_close_rule(dxb, want, want.bfloat16(), k=3.0, atol=1e-5 * float(want.abs().max()), name="dx_branch")
+
+
+def test_dropout_in_a_compiled_graph_gives_the_eager_bits():
+    """Inside torch.compile Inductor launches the norm kernels itself: the same mask and bits."""
+    M, K = 1024, 768
+    g = torch.Generator(device="cuda").manual_seed(2)
+    args = [torch.randn(M, K, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    ln_w = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+    ln_b = torch.zeros(K, device="cuda", dtype=torch.bfloat16)
+    w1 = (torch.randn(4 * K, K, device="cuda", generator=g) / K**0.5).bfloat16()
+    w2 = (torch.randn(K, 4 * K, device="cuda", generator=g) / (4 * K) ** 0.5).bfloat16()
+    seed = torch.tensor(9, dtype=torch.int64, device="cuda")
+
+    def f(x, r):
+        (y, s), _ = fp8ops.fused_ln_mlp(x, ln_w, ln_b, w1, None, w2, None, None, recipe=None, residual=r,
+                                        residual_dropout=0.1, dropout_seed=seed)
+        return y, s
+
+    outs = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        x, r = (t.clone().requires_grad_() for t in args)
+        y, s = fn(x, r)
+        torch.autograd.backward([y, s], [torch.ones_like(y), torch.ones_like(s)])
+        outs.append((y.detach(), s.detach(), x.grad, r.grad))
+    for a, c, name in zip(*outs, ("y", "s", "dx", "dr")):
+        assert torch.equal(a, c), name

@@ -205,3 +205,76 @@ def test_launcher_errors():
     with pytest.raises(ValueError, match="BLOCK_K must be a power of two"):
         K.norm_bwd_launch(x, x, w, x[:, 0].contiguous(), x[:, 0].contiguous(), None, False, False, False,
                           config={"BLOCK_K": 12})
+
+
+# ------------------------------------------------------------------------------------------------
+# Dropout on x before the residual add
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=NAMES.get)
+@pytest.mark.parametrize("config", [None, CHUNKED, {"BLOCK_M": 2, "PROGRAMS_PER_SM": 1}],
+                         ids=["row", "chunked", "persistent"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["plain", "fp8_t"])
+def test_forward_dropout_is_the_reference_mask(dtype, config, transpose):
+    """s = x * keep / (1 - p) + residual with the reference's mask of (seed, row, column), in the
+    whole-row, chunked and persistent paths and the transposed FP8 path; y normalises that s."""
+    M, Kd, p = 37, 40, 0.3
+    x, r, w, b, _, _ = _data(M, Kd, dtype, seed=6, wdtype=torch.float32)
+    seed = torch.tensor(-987654321987, dtype=torch.int64)
+    cast = (torch.ones(()), None, 0, False, E4M3, True) if transpose else (None, None, 0, False, None, False)
+    y, s, q, q_t, amax, _, mean, rstd = K.norm_fwd_launch(x, r, w, b, EPS, False, False, True, *cast, seed, p,
+                                                          config=config)
+    keep = R.branch_keep(seed, M, Kd, p)
+    assert 0.2 < 1 - float(keep.float().mean()) < 0.4
+    s32 = x.float() * torch.where(keep, 1 / (1 - p), 0.0) + r.float()
+    _rule(s, s32, "s")
+    # where x is dropped s is the residual exactly (x * 0 + r in fp32, then rounded)
+    assert torch.equal(s[~keep], r[~keep])
+    ry, rs, *_ = R.norm_fwd(x, r, w, b, EPS, False, False, True, *cast, seed, p)
+    assert torch.equal(rs == r, s == r)  # the same mask, element by element
+    y32 = R.norm_fwd(s.float(), None, w, b, EPS, False, False, True, None, None, 0, False, None, False)[0]
+    _rule(y, y32, "y")
+    if transpose:
+        assert torch.equal(q_t, q.t())
+    a = K.norm_amax_launch(x, r, w, b, EPS, False, False, seed, p, config=config)
+    torch.testing.assert_close(a, amax, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=NAMES.get)
+@pytest.mark.parametrize("config", [None, {"BLOCK_M": 2, "BLOCK_K": 16, "PROGRAMS_PER_SM": 1}],
+                         ids=["row", "chunked"])
+def test_backward_dropout_writes_the_branch_gradient(dtype, config):
+    M, Kd, p = 21, 40, 0.25
+    x, r, w, _, dy, ds = _data(M, Kd, dtype, seed=8, wdtype=torch.float32)
+    seed = torch.tensor(4242, dtype=torch.int64)
+    _, s, _, _, _, _, mean, rstd = R.norm_fwd(x, r, w, None, EPS, False, False, False, None, None, 0, False, None,
+                                              False, seed, p)
+    dx, dxb, dw, db = K.norm_bwd_dropout_launch(dy, s, w, mean, rstd, ds, False, False, True, seed, p,
+                                                config=config)
+    rdx, rdxb, rdw, rdb = R.norm_bwd_dropout(dy, s.float(), w, mean, rstd, ds, False, False, True, seed, p)
+    dx0, _, _ = K.norm_bwd_launch(dy, s, w, mean, rstd, ds, False, False, True, config=config)
+    assert torch.equal(dx, dx0)  # the residual's gradient is the plain backward's dx
+    _rule(dx, R._norm_bwd32(dy, s.float(), w, mean, rstd, ds, False, False, True)[0], "dx")
+    keep = R.branch_keep(seed, M, Kd, p)
+    assert bool((dxb[~keep] == 0).all()) and bool((dxb[keep] != 0).all())
+    _rule(dxb, R._norm_bwd32(dy, s.float(), w, mean, rstd, ds, False, False, True)[0]
+          * R.branch_scale(seed, M, Kd, p), "dx_branch")
+    torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, rdb, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_launcher_errors():
+    x, r, w, b, dy, _ = _data(4, 8, torch.float32)
+    seed = torch.tensor(1, dtype=torch.int64)
+    base = (EPS, False, False, True, None, None, 0, False, None, False)
+    with pytest.raises(ValueError, match="norm_fwd: the dropout applies to x before its residual add"):
+        K.norm_fwd_launch(x, None, w, b, *base, seed, 0.1)
+    with pytest.raises(ValueError, match=r"norm_fwd: dropout_p must be in \(0, 1\)"):
+        K.norm_fwd_launch(x, r, w, b, *base, seed, 1.0)
+    with pytest.raises(ValueError, match="norm_fwd: dropout_p=0.2 needs a dropout_seed"):
+        K.norm_fwd_launch(x, r, w, b, *base, None, 0.2)
+    with pytest.raises(ValueError, match="dropout_seed must be a 1-element int64 tensor"):
+        K.norm_fwd_launch(x, r, w, b, *base, seed.int(), 0.2)
+    with pytest.raises(ValueError, match="norm_bwd_dropout: dropout_seed must be"):
+        K.norm_bwd_dropout_launch(dy, x, w, x[:, 0].contiguous(), x[:, 0].contiguous(), None, False, False, False,
+                                  None, 0.2)

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .norm import branch_scale
+
 if TYPE_CHECKING:
     from ..transformer_layer import TransformerConfig
 
@@ -262,8 +264,10 @@ def transformer_layer(
     Same arguments as the public op; ``state``/``recipe`` must be None and the attention dropout
     must be off (``training=False`` or ``attention_dropout=0``). With ``training=True`` the hidden
     dropouts (``hidden_dropout`` on the attention block's output, then ``mlp_hidden_dropout`` on the
-    MLP block's output) are ``F.dropout`` with torch's generator on (S, B, H) tensors, in the public
-    op's order, so for float32 x both draw the same masks from the same generator state.
+    MLP block's output) draw from torch's generator in the public op's order, so for float32 x both
+    draw the same masks from the same generator state: a pre-norm layer's ``hidden_dropout`` is the
+    norm kernels' hash mask (:func:`fp8ops.reference.norm.branch_keep` over the (S * B, H) rows)
+    of a seed drawn as the public op draws it, the others ``F.dropout`` on (S, B, H) tensors.
     ``layout="bsh"``: x and y are (B, S, H). Returns ``(y, None)`` with y in x's dtype;
     differentiable with autograd in ``params`` and ``x``.
     """
@@ -326,7 +330,14 @@ def transformer_layer(
     k = k.reshape(S, B, hkv, d).permute(1, 2, 0, 3)
     v = v.reshape(S, B, hkv, d).permute(1, 2, 0, 3)
     ctx = _attention(q, k, v, visible).permute(2, 0, 1, 3).reshape(S, B, hq * d)
-    s1 = xs + drop(lin(ctx, "proj"), cfg.hidden_dropout)
+    if training and cfg.hidden_dropout > 0 and cfg.norm_position == "pre":
+        # the public op's seed draw (fused_ln_mlp's residual_dropout), then the hash mask of its rows
+        seed = torch.randint(-(2**62), 2**62, (), dtype=torch.int64, device=x.device)
+        H = xs.shape[-1]
+        scale = branch_scale(seed, S * B, H, cfg.hidden_dropout).reshape(S, B, H)
+        s1 = xs + lin(ctx, "proj") * scale
+    else:
+        s1 = xs + drop(lin(ctx, "proj"), cfg.hidden_dropout)
 
     # Step 3: MLP block.
     if cfg.norm_position == "pre":

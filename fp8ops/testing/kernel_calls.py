@@ -38,6 +38,7 @@ def kernel_calls(device: str | torch.device = "cpu", rows: int = 40, seed: int =
     h, da, da_gated = r(rows, 48, s=2), r(rows, 48), r(rows, 24)
     scale = torch.tensor(2.0, device=device)
     amax_in = torch.tensor(600.0, device=device)
+    seed = torch.tensor(123456789, dtype=torch.int64, device=device)
     stats: dict[bool, tuple[torch.Tensor, ...]] = {}
     for rms in (False, True):
         out = torch.ops.fp8ops.norm_fwd(x, res, w, None if rms else b, 1e-5, rms, False, False, None, None, 0,
@@ -62,6 +63,11 @@ def kernel_calls(device: str | torch.device = "cpu", rows: int = 40, seed: int =
         call("norm_fwd no fp8", "norm_fwd", "_norm_fwd_kernel",
              x, res, w, b, 1e-5, False, False, True, None, None, 0, False, None, False),
         call("norm_amax", "norm_amax", "_norm_fwd_kernel", x, res, w, b, 1e-5, False, False),
+        call("norm_fwd dropout fp8 transposed", "norm_fwd", "_norm_fwd_kernel",
+             x, res, w, b, 1e-5, False, False, True, scale, None, 0, False, E4M3, True, seed, 0.25),
+        call("norm_amax dropout", "norm_amax", "_norm_fwd_kernel", x, res, w, b, 1e-5, False, False, seed, 0.25),
+        call("norm_bwd_dropout layernorm", "norm_bwd_dropout", "_norm_bwd_kernel",
+             dy, stats[False][0], w, stats[False][1], stats[False][2], res, False, False, True, seed, 0.25),
         call("norm_bwd layernorm", "norm_bwd", "_norm_bwd_kernel",
              dy, stats[False][0], w, stats[False][1], stats[False][2], res, False, False, True),
         call("norm_bwd rmsnorm", "norm_bwd", "_norm_bwd_kernel",
