@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ._checks import check_device, check_eps, check_float_tensor, check_zero_centered_gamma
 from ._glue import apply, autocast_dtype, refuse_compiled_transform
+from .attention.checks import _seed_tensor
 from .kernels import norm as _K
 from .kernels._library import OPS, define as _define
 from .quantize import _loop_vmap
@@ -44,19 +45,23 @@ class _Norm(torch.autograd.Function):
         eps: float,
         rms: bool,
         zero_centered_gamma: bool,
+        seed: Tensor | None,  # () int64: x dropped with probability drop_p before the residual add
+        drop_p: float,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         y, s, _, _, _, _, mean, rstd = _ops.norm_fwd(
-            x, residual, weight, bias, eps, rms, zero_centered_gamma, True, None, None, 0, False, None, False
+            x, residual, weight, bias, eps, rms, zero_centered_gamma, True, None, None, 0, False, None, False,
+            seed, drop_p,
         )
         return y, s, mean, rstd
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, residual, weight, bias, _, rms, zero_centered_gamma = inputs
+        x, residual, weight, bias, _, rms, zero_centered_gamma, seed, drop_p = inputs
         _, s, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
         # The backward needs the normalised input: x, or the sum output s = x + residual.
-        ctx.save_for_backward(s if residual is not None else x, weight, mean, rstd)
+        ctx.save_for_backward(s if residual is not None else x, weight, mean, rstd, seed)
+        ctx.drop_p = drop_p
         ctx.rms = rms
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.has_residual = residual is not None
@@ -64,22 +69,26 @@ class _Norm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor, ds: Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        s, weight, mean, rstd = ctx.saved_tensors
+        s, weight, mean, rstd, seed = ctx.saved_tensors
         has_bias = ctx.bias_dtype is not None
         with torch.no_grad():
-            # dx includes ds (the gradient of the sum output); x and residual share it.
-            dx, dw, db = _ops.norm_bwd(
-                dy.contiguous(), s, weight, mean, rstd, ds.contiguous() if ctx.has_residual else None,
-                ctx.rms, ctx.zero_centered_gamma, has_bias,
-            )
+            # dx includes ds (the gradient of the sum output); x and residual share it, but for a
+            # dropped x, whose gradient the same pass writes as dx * keep / (1 - p).
+            args = (dy.contiguous(), s, weight, mean, rstd, ds.contiguous() if ctx.has_residual else None,
+                    ctx.rms, ctx.zero_centered_gamma, has_bias)
+            if seed is not None:
+                dx, dxb, dw, db = _ops.norm_bwd_dropout(*args, seed, ctx.drop_p)
+            else:
+                dx, dw, db = _ops.norm_bwd(*args)
+                dxb = dx
             db = db.to(ctx.bias_dtype) if has_bias else None
         need = ctx.needs_input_grad
         return (
-            dx if need[0] else None,
+            dxb if need[0] else None,
             dx if ctx.has_residual and need[1] else None,
             dw if need[2] else None,
             db if need[3] else None,
-            None, None, None,
+            None, None, None, None, None,
         )
 
 
@@ -89,8 +98,15 @@ class _Norm(torch.autograd.Function):
 _Norm.forward.__signature__ = inspect.signature(_Norm.forward)  # type: ignore[attr-defined]
 
 
-def _check(where: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, zero_centered_gamma: Any) -> int:
+def _check(where: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, zero_centered_gamma: Any,
+           residual_dropout: Any = 0.0) -> int:
     """Validate the public arguments; return K."""
+    if isinstance(residual_dropout, bool) or not isinstance(residual_dropout, (int, float)) \
+            or not 0.0 <= float(residual_dropout) < 1.0:
+        raise ValueError(f"{where}: residual_dropout must be a number in [0, 1), got {residual_dropout!r}")
+    if residual_dropout > 0 and residual is None:
+        raise ValueError(f"{where}: residual_dropout={residual_dropout} drops x before its residual add; "
+                         f"pass residual= (or apply F.dropout to x yourself)")
     check_float_tensor(x, "x", where, min_dim=1)
     K = x.shape[-1]
     if K < 1:
@@ -140,17 +156,21 @@ def _convention(where: str, state: Any, out: Any) -> Any:
 
 
 def _apply(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
-           zero_centered_gamma: bool) -> Tensor | tuple[Tensor, Tensor]:
+           zero_centered_gamma: bool, residual_dropout: float = 0.0, dropout_seed: Any = None
+           ) -> Tensor | tuple[Tensor, Tensor]:
     if autocast_dtype(x.device.type) is not None:
         # torch.autocast: a norm is no GEMM; it runs in its inputs' dtype (statistics in float32),
         # with autocast off inside so that the reference math is not cast.
         with torch.autocast(x.device.type, enabled=False):
-            return _apply(x, residual, weight, bias, eps, rms, zero_centered_gamma)
+            return _apply(x, residual, weight, bias, eps, rms, zero_centered_gamma, residual_dropout, dropout_seed)
+    where = "rms_norm" if rms else "layer_norm"
     K = x.shape[-1]
     x2 = x.reshape(-1, K)  # (M, K)
     r2 = None if residual is None else residual.reshape(-1, K)
-    refuse_compiled_transform("rms_norm" if rms else "layer_norm", x)
-    y, s, _, _ = apply(_Norm, x2, r2, weight, bias, float(eps), rms, zero_centered_gamma)
+    refuse_compiled_transform(where, x)
+    seed = _seed_tensor(dropout_seed, x.device, where) if residual_dropout > 0 else None
+    y, s, _, _ = apply(_Norm, x2, r2, weight, bias, float(eps), rms, zero_centered_gamma, seed,
+                       float(residual_dropout))
     if residual is None:
         return y.reshape(x.shape)
     return y.reshape(x.shape), s.reshape(x.shape)
@@ -166,12 +186,15 @@ def layer_norm(
     eps: float = 1e-5,
     zero_centered_gamma: bool = False,
     residual: Tensor | None = None,
+    residual_dropout: float = 0.0,
+    dropout_seed: int | Tensor | None = None,
 ) -> Any:
     """LayerNorm over the last dimension, with an optional fused residual add.
 
     Math (per row of K elements, statistics in float32)::
 
         s    = x + residual                          # when given: added in fp32, rounded to x.dtype
+        s    = x * keep / (1 - p) + residual         # with residual_dropout p
         mean = sum(s) / K,   var = sum((s - mean)^2) / K   (biased)
         y    = (s - mean) / sqrt(var + eps) * g + bias,   g = weight (+ 1 if zero_centered_gamma)
 
@@ -191,6 +214,13 @@ def layer_norm(
         zero_centered_gamma: the weight is stored centred on 0 (g = weight + 1), as in
             Transformer Engine's ``zero_centered_gamma``.
         residual: (..., K) of x's shape and dtype, or None.
+        residual_dropout: dropout probability in [0, 1) on x before the residual add (a block's
+            ``s = residual + dropout(branch)``), in the norm's kernel: the keep mask is a hash of
+            ``(dropout_seed, row, column)`` over x's (M, K) rows
+            (``fp8ops.reference.norm.branch_keep``), nothing is stored, and the backward's kernel
+            writes x's gradient next to the residual's. Needs a residual; 0: no dropout.
+        dropout_seed: an int, a 1-element integer tensor, or None (drawn from torch's generator
+            on x's device). Ignored without ``residual_dropout``.
 
     Returns:
         ``(y, None)`` with y (..., K); with a residual ``((y, s), None)`` where ``s = x + residual``
@@ -216,9 +246,10 @@ def layer_norm(
     where = "layer_norm"
     if weight is None:
         raise TypeError(f"{where}: weight must be a (K,) tensor (use torch.ones(K) for no scaling), got None")
-    _check(where, x, weight, bias, residual, eps, zero_centered_gamma)
+    _check(where, x, weight, bias, residual, eps, zero_centered_gamma, residual_dropout)
     _check_no_fp8(where, state, recipe)
-    return _convention(where, state, _apply(x, residual, weight, bias, eps, False, zero_centered_gamma))
+    return _convention(where, state, _apply(x, residual, weight, bias, eps, False, zero_centered_gamma,
+                                            residual_dropout, dropout_seed))
 
 
 def rms_norm(
@@ -230,12 +261,15 @@ def rms_norm(
     eps: float = 1e-5,
     zero_centered_gamma: bool = False,
     residual: Tensor | None = None,
+    residual_dropout: float = 0.0,
+    dropout_seed: int | Tensor | None = None,
 ) -> Any:
     """RMSNorm over the last dimension, with an optional fused residual add.
 
     Math (per row of K elements, statistics in float32)::
 
         s = x + residual                             # when given: added in fp32, rounded to x.dtype
+        s = x * keep / (1 - p) + residual            # with residual_dropout p
         y = s / sqrt(sum(s^2) / K + eps) * g,        g = weight (+ 1 if zero_centered_gamma)
 
     Args:
@@ -247,6 +281,8 @@ def rms_norm(
         eps: added to the mean square; a finite number > 0.
         zero_centered_gamma: g = weight + 1.
         residual: (..., K) of x's shape and dtype, or None.
+        residual_dropout, dropout_seed: dropout on x before the residual add, as in
+            :func:`layer_norm`.
 
     Returns:
         ``(y, None)`` with y (..., K); with a residual ``((y, s), None)`` where
@@ -267,9 +303,10 @@ def rms_norm(
     where = "rms_norm"
     if weight is None:
         raise TypeError(f"{where}: weight must be a (K,) tensor (use torch.ones(K) for no scaling), got None")
-    _check(where, x, weight, None, residual, eps, zero_centered_gamma)
+    _check(where, x, weight, None, residual, eps, zero_centered_gamma, residual_dropout)
     _check_no_fp8(where, state, recipe)
-    return _convention(where, state, _apply(x, residual, weight, None, eps, True, zero_centered_gamma))
+    return _convention(where, state, _apply(x, residual, weight, None, eps, True, zero_centered_gamma,
+                                            residual_dropout, dropout_seed))
 
 
 # ------------------------------------------------------------------------------------------------

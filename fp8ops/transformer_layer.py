@@ -414,10 +414,12 @@ def init_transformer_state(
 # The layer
 
 
-def _norm(x: Tensor, params: Mapping[str, Tensor], name: str, cfg: TransformerConfig, residual: Tensor
-          ) -> tuple[Tensor, Tensor]:
-    """(norm(x + residual), x + residual) with the layer's normalization."""
-    kw = {"eps": cfg.layernorm_epsilon, "zero_centered_gamma": cfg.zero_centered_gamma, "residual": residual}
+def _norm(x: Tensor, params: Mapping[str, Tensor], name: str, cfg: TransformerConfig, residual: Tensor,
+          dropout: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(norm(x + residual), x + residual) with the layer's normalization; with ``dropout`` x is
+    dropped first, in the norm's kernel (a seed drawn from torch's generator)."""
+    kw = {"eps": cfg.layernorm_epsilon, "zero_centered_gamma": cfg.zero_centered_gamma, "residual": residual,
+          "residual_dropout": dropout}
     if cfg.normalization == "RMSNorm":
         out, _ = rms_norm(x, params[f"{name}.weight"], None, **kw)
     else:
@@ -658,11 +660,11 @@ def transformer_layer(
                                                 grad_probe=pr["proj"], weight_cache=caches.get("proj.weight"), **row)
         else:
             out = _hp_linear(ctx, p["proj.weight"], p.get("proj.bias"))
-        # A pre-norm block without tensor parallelism drops `out` inside the MLP's norm kernel
-        # (a hash mask of a seed drawn from torch's generator: no mask stored, no pass of its own);
-        # the other forms with F.dropout.
+        # Without tensor parallelism the hidden dropout runs inside the norm kernel that adds the
+        # residual (a hash mask of a seed drawn from torch's generator: no mask stored, no pass of
+        # its own): the MLP's norm (pre-norm) or LN1 (post-norm); with it, F.dropout.
         hidden_drop = cfg.hidden_dropout if training else 0.0
-        fuse_drop = hidden_drop > 0 and cfg.norm_position == "pre" and tp is None
+        fuse_drop = tp is None
         if hidden_drop > 0 and not fuse_drop:
             out = F.dropout(out, hidden_drop, training=True)
         mlp_drop = cfg.mlp_hidden_dropout if training else 0.0
@@ -674,7 +676,7 @@ def transformer_layer(
         if cfg.norm_position == "pre":
             # s = x + out: written by the MLP's norm kernel, which normalises it (and in the
             # backward adds the residual stream's gradient into its dx).
-            drop_kw = {"residual_dropout": hidden_drop} if fuse_drop else {}
+            drop_kw = {"residual_dropout": hidden_drop} if fuse_drop and hidden_drop > 0 else {}
             (m, s), new_state["mlp"] = fused_ln_mlp(out, p["ln2.weight"], p.get("ln2.bias"), *mlp_params,
                                                     st.get("mlp"), recipe=recipe, residual=x, **mlp_kw, **drop_kw)
             if mlp_drop > 0:
@@ -685,12 +687,12 @@ def transformer_layer(
         else:
             # h = LN1(x + out) is both the MLP input (normalised again inside the fused op, which
             # quantizes its own LN output) and the residual.
-            h, s = _norm(out, pn, "ln1", cfg, residual=x)
+            h, s = _norm(out, pn, "ln1", cfg, residual=x, dropout=hidden_drop if fuse_drop else 0.0)
             m, new_state["mlp"] = fused_ln_mlp(s, p["ln1.weight"], p.get("ln1.bias"), *mlp_params, st.get("mlp"),
                                                recipe=recipe, **mlp_kw)
-            if mlp_drop > 0:
+            if mlp_drop > 0 and not fuse_drop:
                 m = F.dropout(m, mlp_drop, training=True)
-            y, _ = _norm(m, pn, "ln2", cfg, residual=h)
+            y, _ = _norm(m, pn, "ln2", cfg, residual=h, dropout=mlp_drop if fuse_drop else 0.0)
         return y, (new_state if fp8 else None)
     finally:
         if tp is not None and tp.sp:

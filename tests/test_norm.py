@@ -166,6 +166,11 @@ def test_opcheck_every_op():
                                                 False)
     torch.library.opcheck(ops.norm_bwd.default, (dy, x, w, mean, rstd, ds, False, False, True))
     torch.library.opcheck(ops.norm_bwd.default, (dy.bfloat16(), x, w, rstd, rstd, None, True, True, False))
+    seed = torch.tensor(17, dtype=torch.int64)
+    torch.library.opcheck(ops.norm_fwd.default, (x, r, w, b, EPS, False, False, True, one, None, 0, False,
+                                                 torch.float8_e4m3fn, True, seed, 0.2))
+    torch.library.opcheck(ops.norm_amax.default, (x, r, w, b, EPS, False, False, seed, 0.2))
+    torch.library.opcheck(ops.norm_bwd_dropout.default, (dy, x, w, mean, rstd, ds, False, False, True, seed, 0.2))
 
 
 def test_fp8_reference_output():
@@ -265,3 +270,76 @@ def test_calling_convention_and_the_deprecated_bare_return():
         layer_norm(x, w, b, fp8ops.LinearState.init(recipe))
     with pytest.raises(TypeError, match="rms_norm: recipe must be None"):
         rms_norm(x, w, None, recipe=recipe)
+
+
+# ------------------------------------------------------------------------------------------------
+# residual_dropout=: x dropped before the residual add, in the norm kernel
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_dropout_forward_and_every_gradient_against_the_reference(rms, dtype):
+    """s = x * keep / (1 - p) + residual with the reference mask, y its norm; x's gradient is the
+    residual's times the mask's factor, the weight's and bias's those of the norm of s."""
+    x, r, w, b, dy, ds = _data((9, 20), dtype, seed=11)
+    p, seed = 0.35, 123
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    xl, rl, wl, bl = leaves
+    kw = {"residual": rl, "residual_dropout": p, "dropout_seed": seed}
+    if rms:
+        (y, s), _ = rms_norm(xl, wl, None, **kw)
+    else:
+        (y, s), _ = layer_norm(xl, wl, bl, None, **kw)
+    torch.autograd.backward([y, s], [dy, ds])
+    scale = R.branch_scale(torch.tensor(seed), 9, 20, p)
+    assert 0.2 < float((scale == 0).float().mean()) < 0.5
+    ref = [t.detach().float().requires_grad_() for t in (x, r, w, b)]
+    xr, rr, wr, br = ref
+    sr = xr * scale + rr
+    yr = (sr * torch.rsqrt(sr.square().mean(-1, keepdim=True) + EPS) * wr if rms
+          else F.layer_norm(sr, (20,), wr, br, EPS))
+    torch.autograd.backward([yr, sr], [dy.float(), ds.float()])
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(s.float(), sr, **tol)
+    torch.testing.assert_close(y.float(), yr, **tol)
+    for a, c in zip(leaves[:3] if rms else leaves, ref[:3] if rms else ref):
+        torch.testing.assert_close(a.grad.float(), c.grad, **tol)
+    assert bool((xl.grad[scale == 0] == 0).all())
+    if dtype == torch.float32:
+        torch.testing.assert_close(xl.grad, rl.grad * scale, rtol=0, atol=0)
+
+
+def test_residual_dropout_errors_and_seeds():
+    x, r, w, b, _, _ = _data((4, 8), torch.float32, seed=2)
+    with pytest.raises(ValueError, match="layer_norm: residual_dropout=0.1 drops x before its residual add"):
+        layer_norm(x, w, b, None, residual_dropout=0.1)
+    with pytest.raises(ValueError, match=r"rms_norm: residual_dropout must be a number in \[0, 1\), got 1"):
+        rms_norm(x, w, None, residual=r, residual_dropout=1)
+    with pytest.raises(TypeError, match="layer_norm: dropout_seed must be an int"):
+        layer_norm(x, w, b, None, residual=r, residual_dropout=0.5, dropout_seed="7")
+    (y1, s1), _ = layer_norm(x, w, b, None, residual=r, residual_dropout=0.5, dropout_seed=7)
+    (y2, s2), _ = layer_norm(x, w, b, None, residual=r, residual_dropout=0.5, dropout_seed=torch.tensor(7))
+    (y3, s3), _ = layer_norm(x, w, b, None, residual=r, residual_dropout=0.5, dropout_seed=8)
+    assert torch.equal(s1, s2) and torch.equal(y1, y2) and not torch.equal(s1, s3)
+    (_, s0), _ = layer_norm(x, w, b, None, residual=r)
+    assert torch.equal(s0, x + r)
+
+
+def test_residual_dropout_under_func_grad_and_compile_matches_eager():
+    x, r, w, b, dy, ds = _data((6, 16), torch.float32, seed=5)
+    seed = torch.tensor(99)
+
+    def loss(xx, rr, ww):
+        (y, s), _ = layer_norm(xx, ww, b, None, residual=rr, residual_dropout=0.25, dropout_seed=seed)
+        return (y * dy).sum() + (s * ds).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    loss(*leaves).backward()
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(x, r, w)
+    for g, t in zip(grads, leaves):
+        assert torch.equal(g, t.grad)
+    torch._dynamo.reset()
+    leaves2 = [t.clone().requires_grad_() for t in (x, r, w)]
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*leaves2).backward()
+    for a, c in zip(leaves2, leaves):
+        assert torch.equal(a.grad, c.grad)

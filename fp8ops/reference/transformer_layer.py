@@ -265,9 +265,11 @@ def transformer_layer(
     must be off (``training=False`` or ``attention_dropout=0``). With ``training=True`` the hidden
     dropouts (``hidden_dropout`` on the attention block's output, then ``mlp_hidden_dropout`` on the
     MLP block's output) draw from torch's generator in the public op's order, so for float32 x both
-    draw the same masks from the same generator state: a pre-norm layer's ``hidden_dropout`` is the
-    norm kernels' hash mask (:func:`fp8ops.reference.norm.branch_keep` over the (S * B, H) rows)
-    of a seed drawn as the public op draws it, the others ``F.dropout`` on (S, B, H) tensors.
+    draw the same masks from the same generator state: the dropouts that the public op runs in a
+    norm kernel (``hidden_dropout``, and post-norm's ``mlp_hidden_dropout`` too) are the norm
+    kernels' hash mask (:func:`fp8ops.reference.norm.branch_keep` over the (S * B, H) rows) of a
+    seed drawn as the public op draws it, pre-norm's ``mlp_hidden_dropout`` is ``F.dropout`` on
+    (S, B, H) tensors.
     ``layout="bsh"``: x and y are (B, S, H). Returns ``(y, None)`` with y in x's dtype;
     differentiable with autograd in ``params`` and ``x``.
     """
@@ -287,6 +289,15 @@ def transformer_layer(
     def drop(t: Tensor, p: float) -> Tensor:
         # the public op's F.dropout on a tensor of the same shape: the same mask for float32 x
         return F.dropout(t, p, training=True) if training and p > 0 else t
+
+    def hash_drop(t: Tensor, p: float) -> Tensor:
+        # the public op's dropout in a norm kernel: its seed drawn as the op draws it, then the hash
+        # mask of the (S * B, H) rows
+        if not (training and p > 0):
+            return t
+        seed = torch.randint(-(2**62), 2**62, (), dtype=torch.int64, device=t.device)
+        S_, B_, H_ = t.shape
+        return t * branch_scale(seed, S_ * B_, H_, p).reshape(S_, B_, H_)
     p = {k: t.to(torch.float32) for k, t in params.items()}
     rms = cfg.normalization == "RMSNorm"
     hq, hkv, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
@@ -330,21 +341,14 @@ def transformer_layer(
     k = k.reshape(S, B, hkv, d).permute(1, 2, 0, 3)
     v = v.reshape(S, B, hkv, d).permute(1, 2, 0, 3)
     ctx = _attention(q, k, v, visible).permute(2, 0, 1, 3).reshape(S, B, hq * d)
-    if training and cfg.hidden_dropout > 0 and cfg.norm_position == "pre":
-        # the public op's seed draw (fused_ln_mlp's residual_dropout), then the hash mask of its rows
-        seed = torch.randint(-(2**62), 2**62, (), dtype=torch.int64, device=x.device)
-        H = xs.shape[-1]
-        scale = branch_scale(seed, S * B, H, cfg.hidden_dropout).reshape(S, B, H)
-        s1 = xs + lin(ctx, "proj") * scale
-    else:
-        s1 = xs + drop(lin(ctx, "proj"), cfg.hidden_dropout)
+    s1 = xs + hash_drop(lin(ctx, "proj"), cfg.hidden_dropout)
 
     # Step 3: MLP block.
     if cfg.norm_position == "pre":
         y = s1 + drop(lin(activation(lin(ln(s1, "ln2"), "fc1"), cfg.activation), "fc2"), cfg.mlp_hidden_dropout)
     else:
         h1 = ln(s1, "ln1")
-        y = ln(h1 + drop(lin(activation(lin(h1, "fc1"), cfg.activation), "fc2"), cfg.mlp_hidden_dropout), "ln2")
+        y = ln(h1 + hash_drop(lin(activation(lin(h1, "fc1"), cfg.activation), "fc2"), cfg.mlp_hidden_dropout), "ln2")
     if packed:
         y = y.squeeze(1)
     return y.to(x.dtype), None
