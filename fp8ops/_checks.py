@@ -156,6 +156,16 @@ def check_weight(weight: Any, bias: Any, K: int, x: Tensor, name: str, where: st
     return N
 
 
+def check_residual_dropout(residual_dropout: Any, residual: Any, where: str) -> None:
+    """``residual_dropout`` must be a number in [0, 1), and above 0 only with a residual."""
+    if isinstance(residual_dropout, bool) or not isinstance(residual_dropout, (int, float)) \
+            or not 0.0 <= float(residual_dropout) < 1.0:
+        raise ValueError(f"{where}: residual_dropout must be a number in [0, 1), got {residual_dropout!r}")
+    if residual_dropout > 0 and residual is None:
+        raise ValueError(f"{where}: residual_dropout={residual_dropout} drops x before its residual add; "
+                         f"pass residual= (or apply F.dropout to x yourself)")
+
+
 def check_residual(residual: Any, x: Any, where: str) -> None:
     """``residual`` must be a float tensor of x's shape, dtype and device."""
     check_float_tensor(residual, "residual", where)

@@ -49,6 +49,7 @@ from ._checks import (
     check_norm_args,
     check_probe,
     check_residual,
+    check_residual_dropout,
     check_state_recipe,
     check_weight,
 )
@@ -551,13 +552,8 @@ def fused_ln_mlp(
                       f"grad_probes will be removed in the next release", DeprecationWarning, stacklevel=2)
         grad_probe = grad_probes
     tp = tp_config(where, tp_group, None, sequence_parallel)
-    if isinstance(residual_dropout, bool) or not isinstance(residual_dropout, (int, float)) \
-            or not 0.0 <= float(residual_dropout) < 1.0:
-        raise ValueError(f"{where}: residual_dropout must be a number in [0, 1), got {residual_dropout!r}")
+    check_residual_dropout(residual_dropout, residual, where)
     if residual_dropout > 0:
-        if residual is None:
-            raise ValueError(f"{where}: residual_dropout={residual_dropout} drops x before its residual add; "
-                             f"pass residual= (or apply F.dropout to x yourself)")
         if tp is not None:
             raise ValueError(f"{where}: residual_dropout is not supported with tp_group; apply the dropout to x "
                              f"before the call and pass residual_dropout=0")

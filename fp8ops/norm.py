@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import check_device, check_eps, check_float_tensor, check_zero_centered_gamma
+from ._checks import (
+    check_device,
+    check_eps,
+    check_float_tensor,
+    check_residual_dropout,
+    check_zero_centered_gamma,
+)
 from ._glue import apply, autocast_dtype, refuse_compiled_transform
 from .attention.checks import _seed_tensor
 from .kernels import norm as _K
@@ -101,12 +107,7 @@ _Norm.forward.__signature__ = inspect.signature(_Norm.forward)  # type: ignore[a
 def _check(where: str, x: Any, weight: Any, bias: Any, residual: Any, eps: Any, zero_centered_gamma: Any,
            residual_dropout: Any = 0.0) -> int:
     """Validate the public arguments; return K."""
-    if isinstance(residual_dropout, bool) or not isinstance(residual_dropout, (int, float)) \
-            or not 0.0 <= float(residual_dropout) < 1.0:
-        raise ValueError(f"{where}: residual_dropout must be a number in [0, 1), got {residual_dropout!r}")
-    if residual_dropout > 0 and residual is None:
-        raise ValueError(f"{where}: residual_dropout={residual_dropout} drops x before its residual add; "
-                         f"pass residual= (or apply F.dropout to x yourself)")
+    check_residual_dropout(residual_dropout, residual, where)
     check_float_tensor(x, "x", where, min_dim=1)
     K = x.shape[-1]
     if K < 1:

@@ -256,3 +256,33 @@ def test_attention_gradient_into_the_qkv_projection_equals_the_split_ones(form, 
         floor = float((again[name].float() - ref[name].float()).abs().max())
         err = float((mine[name].float() - ref[name].float()).abs().max())
         assert err <= 2 * floor + 1e-3 * float(ref[name].float().abs().max()), (name, err, floor)
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_hidden_dropouts_in_the_norm_kernels_match_the_reference(norm_position):
+    """With training dropout the layer's hidden dropouts run in its norm kernels (a seed drawn from
+    torch's generator): on CUDA, in float32, the layer equals the float32 reference drawing from the
+    same generator state, forward and every gradient."""
+    cfg = attrs.evolve(CFG, hidden_dropout=0.2, mlp_hidden_dropout=0.3, norm_position=norm_position)
+    params = {k: v.cuda() for k, v in init_transformer_params(cfg, generator=torch.Generator().manual_seed(3)).items()}
+    x, dy = _data(4)
+    outs = []
+    for fn in (lambda p, xx: transformer_layer(p, xx, None, config=cfg, recipe=None, training=True)[0],
+               lambda p, xx: R.transformer_layer(p, xx, config=cfg, training=True)[0]):
+        pp = {k: _leaf(v, torch.float32) for k, v in params.items()}
+        xx = _leaf(x, torch.float32)
+        torch.manual_seed(21)
+        y = fn(pp, xx)
+        y.backward(dy)
+        outs.append((y.detach(), xx.grad, {k: v.grad for k, v in pp.items()}))
+    (y, gx, gp), (yr, gxr, gpr) = outs
+
+    def rel(a, b):  # a mask that differed would be off by tens of percent
+        return float((a - b).norm() / b.norm())
+
+    assert rel(y, yr) < 1e-4 and rel(gx, gxr) < 1e-3, (rel(y, yr), rel(gx, gxr))
+    for k in gp:
+        assert rel(gp[k], gpr[k]) < 1e-3, (k, rel(gp[k], gpr[k]))
+    # the dropout is on: not the layer without it
+    y0, _ = transformer_layer(params, x, None, config=cfg, recipe=None, training=False)
+    assert not torch.allclose(y, y0, atol=1e-3)
