@@ -269,7 +269,7 @@ class _FusedLNMLP(torch.autograd.Function):
         _, _, sp_g1, sp_x2, _, sp_g2, _ = cfg.specs
         h_inv = h_inv if h_inv.numel() else None  # h holds FP8 codes when recompute stored it in FP8
         fp8_dgrad, fp8_wgrad = cfg.dgrad.precision == "fp8", cfg.wgrad.precision == "fp8"
-        dx = dln_w = dln_b = dw1 = db1 = dw2 = db2 = None
+        dx = dx_branch = dln_w = dln_b = dw1 = db1 = dw2 = db2 = None
         dh_amax = None
         if dy is None:  # only s = x + r reached the loss: its gradient passes to x and r; nothing observed
             return (_dropped(ds, seed, cfg.drop_p), ds, None, *(None,) * 23)
@@ -335,8 +335,6 @@ class _FusedLNMLP(torch.autograd.Function):
         if ctx.has_residual and dx is None:  # nothing flowed back through the norm
             dx = ds
             dx_branch = _dropped(ds, seed, cfg.drop_p)
-        elif dx is None:
-            dx_branch = None
         return (dx_branch, dx if ctx.has_residual else None, None, dln_w, dln_b, dw1, db1, dw2, db2, None, None, None,
                 None, None, None, None, probe_grad, *(None,) * 8, None)
 

@@ -676,9 +676,9 @@ def transformer_layer(
         if cfg.norm_position == "pre":
             # s = x + out: written by the MLP's norm kernel, which normalises it (and in the
             # backward adds the residual stream's gradient into its dx).
-            drop_kw = {"residual_dropout": hidden_drop} if fuse_drop and hidden_drop > 0 else {}
             (m, s), new_state["mlp"] = fused_ln_mlp(out, p["ln2.weight"], p.get("ln2.bias"), *mlp_params,
-                                                    st.get("mlp"), recipe=recipe, residual=x, **mlp_kw, **drop_kw)
+                                                    st.get("mlp"), recipe=recipe, residual=x,
+                                                    residual_dropout=hidden_drop if fuse_drop else 0.0, **mlp_kw)
             if mlp_drop > 0:
                 m = F.dropout(m, mlp_drop, training=True)
             if return_residual:

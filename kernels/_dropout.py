@@ -18,6 +18,12 @@ import triton
 import triton.language as tl
 
 
+def dropout_threshold(p: float) -> int:
+    """The kernels' 16-bit threshold of drop probability p (fp8ops.reference.attention.dropout_threshold):
+    a weight is kept when its 16-bit draw is >= it."""
+    return min(int(round(float(p) * (1 << 16))), (1 << 16) - 1)
+
+
 @triton.jit
 def _mix32(x):
     # A 32-bit xor-shift-multiply hash on uint32 (wrapping), as in fp8ops.reference.attention.

@@ -89,7 +89,7 @@ from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._accumulate import store_accumulated
-from ._dropout import _dropout_keep, _dropout_keep_at, _dropout_key
+from ._dropout import _dropout_keep, _dropout_keep_at, _dropout_key, dropout_threshold
 from ._library import cdiv, fast_launch, merge_config, next_pow2
 from ._attention_hopper import head_placement, hopper_fwd, hopper_supported
 from ._attention_hopper_bwd import (
@@ -1597,7 +1597,7 @@ def attention_fwd_launch(
                                mask_buffers=mm, sparse=_sparse_args(bs) if bs else None,
                                sparse_q=bs.block_q if bs else 1, sparse_kv=bs.block_kv if bs else 1,
                                score_rel=kernels.score_rel,
-                               dropout=(dropout_seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p))
+                               dropout=(dropout_seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p))
                                if dropout_p > 0.0 else None)):
             return
     tma, tma_args = _tma_args(bool(cfg["TMA"]) and descale is None, (q4, k4, v4), (block_m, block_n, block_n), interp)
@@ -1608,7 +1608,7 @@ def attention_fwd_launch(
         cu_seqlens_q, cu_seqlens_kv, prob.seq_q, prob.seq_kv, prob.hq // prob.hkv, float(sm_scale),
         NO_BOUND if left is None else int(left), NO_BOUND if right is None else int(right),
         *_sparse_args(bs), *sm, *mm,
-        dropout_seed if dropout_p > 0.0 else None, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        dropout_seed if dropout_p > 0.0 else None, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
         *ds_args, *tma_args,
         HEAD_DIM=prob.d, HEAD_DIM_V=prob.dv, BLOCK_D=_pow2(prob.d), BLOCK_DV=_pow2(prob.dv),
         BLOCK_M=block_m, BLOCK_N=block_n,
@@ -1618,11 +1618,6 @@ def attention_fwd_launch(
         REVERSE=right is not None and not prob.varlen, DOT_PRECISION=_precision(q.dtype), TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-
-
-def _threshold(p: float) -> int:
-    # fp8ops.reference.attention.dropout_threshold: a 16-bit half of the hash is compared with it
-    return min(int(round(float(p) * (1 << 16))), (1 << 16) - 1)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -1720,7 +1715,7 @@ def attention_bwd_launch(
     sm, mm = _slots(score_buffers), _slots(mask_buffers)
     gs = _slots(score_buffer_grads)
     seed = dropout_seed if dropout_p > 0.0 else None
-    drop = (seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p))
+    drop = (seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p))
     common = dict(
         HEAD_DIM=prob.d, HEAD_DIM_V=prob.dv, BLOCK_D=_pow2(prob.d), BLOCK_DV=_pow2(prob.dv),
         VARLEN=prob.varlen, BAND=band, HAS_SCORE_MOD=has_score_mod, HAS_MASK_MOD=has_mask_mod,

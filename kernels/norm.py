@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dropout import _dropout_keep, _dropout_key
+from ._dropout import _dropout_keep, _dropout_key, dropout_threshold
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale
 from ._library import (
     AMAX_CHAIN,
@@ -298,6 +298,7 @@ def _norm_fwd_kernel(
                           FP8_MAX=FP8_MAX, MARGIN=MARGIN, SCALE_FROM_AMAX=SCALE_FROM_AMAX, POWER_2=POWER_2)
     amax_bits = tl.zeros((BLOCK_M,), dtype=tl.int32)
     # The dropout on x (with a residual): a hash of (seed, row, column), as the backward recomputes it.
+    # (thresh a tensor: Triton passes an int argument equal to 1 as a constant, which has no .to)
     thresh = pid * 0 + drop_thresh
     drop_scale = tl.cast(drop_scale, tl.float32)
     key = pid.to(tl.uint32) * 0
@@ -697,7 +698,7 @@ def _dropout_args(name: str, seed: torch.Tensor | None, p: float, device: torch.
         raise ValueError(f"{name}: dropout_p must be in (0, 1) with a dropout_seed, got {p}")
     if needs_residual and residual is None:
         raise ValueError(f"{name}: the dropout applies to x before its residual add; pass a residual")
-    return min(int(round(float(p) * (1 << 16))), (1 << 16) - 1), 1.0 / (1.0 - float(p))
+    return dropout_threshold(p), 1.0 / (1.0 - float(p))
 
 
 def _check_fwd_inputs(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -636,12 +636,15 @@ def test_residual_only_s_used_passes_its_gradient_and_observes_nothing():
     assert p.grad is None
 
 
-def test_residual_under_func_grad_and_compile_matches_eager():
+@pytest.mark.parametrize("drop", [0.0, 0.3], ids=["plain", "residual_dropout"])
+def test_residual_under_func_grad_and_compile_matches_eager(drop):
     args, r, dy, ds = _residual_case(torch.float32)
     st = _mlp_state(DELAYED, True)
+    seed = torch.tensor(77)
 
     def loss(x, res):
-        (y, s), _ = fp8ops.fused_ln_mlp(x, *args[1:], st, recipe=DELAYED, residual=res)
+        (y, s), _ = fp8ops.fused_ln_mlp(x, *args[1:], st, recipe=DELAYED, residual=res, residual_dropout=drop,
+                                        dropout_seed=seed)
         return (y * dy).sum() + (s * ds).sum()
 
     x, rl = args[0].clone().requires_grad_(), r.clone().requires_grad_()
@@ -789,23 +792,3 @@ def test_residual_dropout_only_s_used_drops_the_gradient_of_x():
     s.backward(ds)
     scale = fp8ops.reference.norm.branch_scale(torch.tensor(2), 12, 16, 0.5)
     assert torch.equal(rl.grad, ds) and torch.equal(x.grad, ds * scale)
-
-
-def test_residual_dropout_under_func_grad_and_compile_matches_eager():
-    args, r, dy, ds = _residual_case(torch.float32)
-    st = _mlp_state(DELAYED, True)
-    seed = torch.tensor(77)
-
-    def loss(x, res):
-        (y, s), _ = fp8ops.fused_ln_mlp(x, *args[1:], st, recipe=DELAYED, residual=res, residual_dropout=0.3,
-                                        dropout_seed=seed)
-        return (y * dy).sum() + (s * ds).sum()
-
-    x, rl = args[0].clone().requires_grad_(), r.clone().requires_grad_()
-    loss(x, rl).backward()
-    gx, gr = torch.func.grad(loss, argnums=(0, 1))(args[0], r)
-    assert torch.equal(gx, x.grad) and torch.equal(gr, rl.grad)
-    torch._dynamo.reset()
-    x2, r2 = args[0].clone().requires_grad_(), r.clone().requires_grad_()
-    torch.compile(loss, fullgraph=True, backend="aot_eager")(x2, r2).backward()
-    assert torch.equal(x2.grad, x.grad) and torch.equal(r2.grad, rl.grad)
