@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dropout import _dropout_keep, _dropout_key, dropout_threshold
+from ._dropout import _dropout_draws, _dropout_key, _dropout_pair_row, dropout_threshold
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale
 from ._library import (
     AMAX_CHAIN,
@@ -93,9 +93,14 @@ def _branch_scale(
     thresh,  # int32 16-bit threshold (fp8ops.reference.attention.dropout_threshold)
     drop_scale,  # fp32 1 / (1 - p)
 ):
-    # where(keep, 1 / (1 - p), 0) of the (BLOCK_M, BLOCK_K) tile (fp8ops.reference.norm.branch_scale).
-    keep = _dropout_keep(key, rm[:, None], rk[None, :], thresh)
-    return tl.where(keep, drop_scale, 0.0)
+    # where(keep, 1 / (1 - p), 0) of the (BLOCK_M, BLOCK_K) tile (fp8ops.reference.norm.branch_scale):
+    # the attention hash with columns as queries and rows as keys, columns 2j and 2j + 1 the two
+    # queries of pair j, so that one per-element hash serves both columns of a pair (a thread holds
+    # them side by side in every vectorised layout).
+    pair = _dropout_pair_row(key, rk >> 1)
+    lo, hi = _dropout_draws(pair[None, :], rm[:, None])
+    draw = tl.where((rk & 1)[None, :] != 0, hi, lo)
+    return tl.where(draw >= (thresh.to(tl.uint32) << 16), drop_scale, 0.0)
 
 
 @triton.jit
@@ -353,7 +358,11 @@ def _norm_fwd_kernel(
             amax_bits = tl.maximum(amax_bits, tile_bits)
     else:
         # Chunked rows: one program per BLOCK_M rows, two sweeps over K; each sweep prefetches its
-        # next chunk. The first sweep's loads ask L2 to keep the lines for the second sweep.
+        # next chunk. The first sweep's loads ask L2 to keep the lines for the second sweep: those
+        # of x and the residual, or, where the first sweep stores their sum s (READ_S), that of s,
+        # which the second sweep then reads instead (one load, no dropout hash, no add).
+        READ_S: tl.constexpr = HAS_RES and STORE_S
+        EVICT_1: tl.constexpr = "evict_first" if READ_S else "evict_last"
         rm = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rm < M
         cols = tl.arange(0, BLOCK_K)
@@ -362,18 +371,18 @@ def _norm_fwd_kernel(
         m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         mask_n = row_ok[:, None] & (cols[None, :] < K)
         offs_n = rm[:, None] * K + cols[None, :]
-        x_n, r_n = _load_input(x_ptr, r_ptr, offs_n, mask_n, HAS_RES=HAS_RES, EVICT="evict_last")
+        x_n, r_n = _load_input(x_ptr, r_ptr, offs_n, mask_n, HAS_RES=HAS_RES, EVICT=EVICT_1)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + cols
             mask, offs, x, r = mask_n, offs_n, x_n, r_n
             mask_n, offs_n, x_n, r_n = _next_chunk(x_ptr, r_ptr, row_ok, rk, offs, K,
-                                                   HAS_RES=HAS_RES, EVICT="evict_last", BLOCK_K=BLOCK_K)
+                                                   HAS_RES=HAS_RES, EVICT=EVICT_1, BLOCK_K=BLOCK_K)
             ks = drop_scale
             if DROPOUT:
                 ks = _branch_scale(key, rm, rk, thresh, drop_scale)
             s = _sum_input(x, r, ks, HAS_RES=HAS_RES, DROPOUT=DROPOUT)
             if STORE_S:
-                tl.store(s_ptr + offs, s, mask=mask)
+                tl.store(s_ptr + offs, s, mask=mask, eviction_policy="evict_last")
             v = s.to(tl.float32)
             if RMS:
                 m2 += tl.sum(v * v, axis=1)
@@ -391,20 +400,26 @@ def _norm_fwd_kernel(
             tl.store(rstd_ptr + rm, rstd, mask=row_ok)
             if not RMS:
                 tl.store(mean_ptr + rm, mean, mask=row_ok)
-        # Step 3: normalise chunk by chunk (second read mostly from L2), store y / q / q_t.
+        # Step 3: normalise chunk by chunk (second read mostly from L2), store y / q / q_t. With
+        # READ_S the chunks are those of s, which this program's threads stored in step 2: the
+        # barrier makes each thread's stores visible to all of them.
+        in_ptr = x_ptr
+        if READ_S:
+            tl.debug_barrier()
+            in_ptr = s_ptr
         mask_n = row_ok[:, None] & (cols[None, :] < K)
         offs_n = rm[:, None] * K + cols[None, :]
-        x_n, r_n = _load_input(x_ptr, r_ptr, offs_n, mask_n, HAS_RES=HAS_RES, EVICT="evict_first")
+        x_n, r_n = _load_input(in_ptr, r_ptr, offs_n, mask_n, HAS_RES=HAS_RES and not READ_S, EVICT="evict_first")
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + cols
             col_ok = rk < K
             mask, offs, x, r = mask_n, offs_n, x_n, r_n
-            mask_n, offs_n, x_n, r_n = _next_chunk(x_ptr, r_ptr, row_ok, rk, offs, K,
-                                                   HAS_RES=HAS_RES, EVICT="evict_first", BLOCK_K=BLOCK_K)
+            mask_n, offs_n, x_n, r_n = _next_chunk(in_ptr, r_ptr, row_ok, rk, offs, K, HAS_RES=HAS_RES and not READ_S,
+                                                   EVICT="evict_first", BLOCK_K=BLOCK_K)
             ks = drop_scale
-            if DROPOUT:
+            if DROPOUT and not READ_S:
                 ks = _branch_scale(key, rm, rk, thresh, drop_scale)
-            v = _sum_input(x, r, ks, HAS_RES=HAS_RES, DROPOUT=DROPOUT).to(tl.float32)
+            v = _sum_input(x, r, ks, HAS_RES=HAS_RES and not READ_S, DROPOUT=DROPOUT and not READ_S).to(tl.float32)
             g, bias = _load_gamma_bias(w_ptr, b_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED, HAS_BIAS=HAS_BIAS)
             tile_bits = _normalize_tile(
                 v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,

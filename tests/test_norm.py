@@ -309,6 +309,67 @@ def test_residual_dropout_forward_and_every_gradient_against_the_reference(rms, 
         torch.testing.assert_close(xl.grad, rl.grad * scale, rtol=0, atol=0)
 
 
+def _mix(x):
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _norm_draw(seed, row, col):
+    # the 16-bit draw of element (row, col), written out in Python integers: the column pair
+    # col >> 1 hashed with the key of (seed, b = 0, h = 0), then the row; the odd column takes the
+    # top half, the even one the xor of the halves
+    lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    k2 = _mix(_mix(_mix(lo ^ _mix(hi))))
+    r = ((_mix((k2 + (col >> 1)) & 0xFFFFFFFF) ^ row) * 0x21F0AAAD) & 0xFFFFFFFF
+    r = ((r ^ (r >> 15)) * 0x735A2D97) & 0xFFFFFFFF
+    return r >> 16 if col & 1 else (r ^ (r >> 16)) & 0xFFFF
+
+
+def test_residual_dropout_mask_by_hand():
+    """The mask of element (row, column): columns 2j and 2j + 1 share one hash and take its two
+    halves; the draws written out in integers, a few pinned by value, and the mapping of columns
+    onto the attention hash's queries (the reference's definition) checked on its own."""
+    seed, M, Kd = -98765432123, 5, 40
+    for p in (0.1, 0.5, 0.9):
+        keep = R.branch_keep(torch.tensor(seed), M, Kd, p)
+        want = torch.tensor([[_norm_draw(seed, i, c) >= round(p * 2**16) for c in range(Kd)] for i in range(M)])
+        assert torch.equal(keep, want), p
+    # columns 6 and 7 of row 3: one hash, 0x65a7c1cb; column 7 takes its top half 0x65a7 = 26023
+    # (0.397 * 2**16), column 6 the xor of the halves 0x65a7 ^ 0xc1cb = 42092 (0.642)
+    assert (_norm_draw(seed, 3, 7), _norm_draw(seed, 3, 6)) == (26023, 42092)
+    keep = [R.branch_keep(torch.tensor(seed), 4, 8, p)[3, 6:8].tolist() for p in (0.39, 0.40, 0.64, 0.65)]
+    assert keep == [[True, True], [True, False], [True, False], [False, False]]
+    # column c is the attention query q(c): 0 -> 0, 1 -> 8, 2 -> 1, 3 -> 9, ..., 15 -> 15, 16 -> 16, 17 -> 24
+    q = torch.tensor([0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 16, 24])
+    rows = torch.arange(3)[:, None]
+    z = torch.zeros((), dtype=torch.int64)
+    from fp8ops.reference.attention import dropout_keep
+
+    assert torch.equal(R.branch_keep(torch.tensor(seed), 3, 18, 0.5),
+                       dropout_keep(torch.tensor(seed), z, z, q[None, :], rows, 0.5))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_residual_dropout_mask_neighbours_are_uncorrelated(p):
+    # keep decisions 1..8 columns apart (the two columns of a pair at lag 1 where aligned), and of
+    # neighbouring rows: correlations within 4.5 standard errors of zero over 1024 x 2048
+    # elements; the keep rate within 4.5 standard errors of 1 - p
+    k = R.branch_keep(torch.tensor(77), 1024, 2048, p).double() - (1 - p)
+    var = p * (1 - p)
+    assert abs(k.mean().item() / (var / k.numel()) ** 0.5) < 4.5
+    for lag in range(1, 9):
+        a, b = k[:, :-lag], k[:, lag:]
+        assert abs((a * b).mean().item() / var * a.numel() ** 0.5) < 4.5, lag
+    a, b = k[:, 0::2], k[:, 1::2]
+    assert abs((a * b).mean().item() / var * a.numel() ** 0.5) < 4.5, "pairs"
+    for lag in (1, 2, 8):
+        a, b = k[:-lag], k[lag:]
+        assert abs((a * b).mean().item() / var * a.numel() ** 0.5) < 4.5, ("rows", lag)
+
+
 def test_residual_dropout_errors_and_seeds():
     x, r, w, b, _, _ = _data((4, 8), torch.float32, seed=2)
     with pytest.raises(ValueError, match="layer_norm: residual_dropout=0.1 drops x before its residual add"):

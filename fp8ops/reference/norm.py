@@ -41,15 +41,27 @@ __all__ = ["branch_keep", "branch_scale", "layer_norm", "norm32", "norm32_leaves
 
 def branch_keep(seed: Tensor, M: int, K: int, p: float, device: Any = None) -> Tensor:
     """The keep mask (M, K) of the dropout on a norm's input ``x`` before its residual add: True
-    where element ``(row, column)`` of the (M, K) rows is kept, the attention dropout hash of
-    ``(seed, 0, 0, row, column)`` (:func:`fp8ops.reference.attention.dropout_keep`)."""
+    where element ``(row, column)`` of the (M, K) rows is kept.
+
+    It is the attention dropout hash (:func:`fp8ops.reference.attention.dropout_keep`) with
+    ``b = h = 0``, the column as the query and the row as the key. Columns ``2j`` and ``2j + 1``
+    are the two queries of one pair (query indices ``i`` and ``i + 8`` of an aligned 16), so they
+    share one per-element hash and take its two 16-bit halves::
+
+        q(c) = (c >> 4) * 16 + (c & 1) * 8 + ((c >> 1) & 7)      # pair index q(c) -> c >> 1
+        keep(row, c) = dropout_keep(seed, 0, 0, q(c), row, p)
+
+    A kernel thread holds both columns of a pair side by side, so it computes that hash once for
+    two elements.
+    """
     from .attention import dropout_keep
 
     dev = seed.device if device is None else device
     rows = torch.arange(M, dtype=torch.int64, device=dev)[:, None]
     cols = torch.arange(K, dtype=torch.int64, device=dev)[None, :]
+    q = ((cols >> 4) << 4) | ((cols & 1) << 3) | ((cols >> 1) & 7)
     zero = torch.zeros((), dtype=torch.int64, device=dev)
-    return dropout_keep(seed.reshape(()).to(device=dev, dtype=torch.int64), zero, zero, rows, cols, p)
+    return dropout_keep(seed.reshape(()).to(device=dev, dtype=torch.int64), zero, zero, q, rows, p)
 
 
 def branch_scale(seed: Tensor, M: int, K: int, p: float, device: Any = None) -> Tensor:
