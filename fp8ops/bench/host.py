@@ -125,7 +125,7 @@ def cases() -> dict[str, Callable[[], None]]:
         "torch SDPA causal": lambda: back(F.scaled_dot_product_attention(q, k, v, is_causal=True)),
         "attention causal (triton)": lambda: back(fp8ops.attention(q, k, v, causal=True, backend="triton")[0]),
         "torch F.layer_norm": lambda: back(F.layer_norm(x, (H,), g, beta)),
-        "layer_norm": lambda: back(fp8ops.layer_norm(x, g, beta)[0]),
+        "layer_norm": lambda: back(fp8ops.layer_norm(x, g, beta, None)[0]),
         "update (transformer_layer state)": update_call,
         "make_probes (transformer_layer state)": lambda: fp8ops.make_probes(tst),
     }
