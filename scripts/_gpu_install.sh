@@ -13,3 +13,35 @@ gpu_install() {
     { "$PY" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
       git rev-parse HEAD 2>/dev/null; } | tee "$2"
 }
+
+# The start of a GPU check script that takes one argument, OUTDIR (relative to the caller's
+# folder): creates it and sets OUT to its absolute path, moves to the repository root, sets PY,
+# START and FAILED, exports PYTHONUNBUFFERED and installs fp8ops (versions into OUT/versions.txt).
+#
+#   gpu_begin SCRIPT_NAME "$@"   (returns 2 on a wrong call, 1 when fp8ops does not install)
+gpu_begin() {
+    local name=$1
+    shift
+    [ $# -eq 1 ] || { echo "usage: bash scripts/$name OUTDIR" >&2; return 2; }
+    mkdir -p "$1" && OUT=$(cd "$1" && pwd) || return 2
+    cd "$(dirname "${BASH_SOURCE[0]}")/.." || return 2
+    PY=${PYTHON:-python3}
+    START=$SECONDS
+    FAILED=0
+    export PYTHONUNBUFFERED=1
+    gpu_install /tmp/fp8ops_install.log "$OUT/versions.txt"
+}
+
+# The GPU tests of a check script: pytest -m gpu over TEST_ARGS (split as a command line; default:
+# the arguments given), side by side on the machine's cores, log OUT/gpu_tests.log; FAILED=1 when
+# they fail. TESTS_LIMIT_S (default 240) bounds the run, each test 200 s.
+#
+#   gpu_tests DEFAULT_PYTEST_ARGS...
+gpu_tests() {
+    local workers=$(( $(nproc) > 16 ? 8 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
+    [ -n "${TEST_ARGS:-}" ] && eval "set -- $TEST_ARGS"
+    echo "== GPU tests (t=$((SECONDS - START))s)"
+    timeout --kill-after=10 "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider \
+        -n "$workers" --timeout 200 "$@" > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
+    tail -4 "$OUT/gpu_tests.log"
+}

@@ -13,26 +13,12 @@
 #   CHECKS="a;b"     argument sets of attn_dropout_check.py, one run each (default: one run, its defaults)
 
 set -u -o pipefail
-[ $# -eq 1 ] || { echo "usage: bash scripts/gpu_attn_dropout_check.sh OUTDIR" >&2; exit 2; }
-mkdir -p "$1" && OUT=$(cd "$1" && pwd)
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
-PY=${PYTHON:-python3}
-START=$SECONDS
-FAILED=0
-export PYTHONUNBUFFERED=1
-
-. scripts/_gpu_install.sh
-gpu_install /tmp/fp8ops_install.log "$OUT/versions.txt" || exit 1
+. "$(dirname "${BASH_SOURCE[0]}")/_gpu_install.sh"
+gpu_begin gpu_attn_dropout_check.sh "$@" || exit $?
 
 if [ "${TESTS:-1}" != 0 ]; then
-    echo "== attention GPU tests (t=$((SECONDS - START))s)"
-    workers=$(( $(nproc) > 16 ? 8 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
-    # TEST_ARGS is split as the shell splits a command line (quotes group words)
-    eval "set -- ${TEST_ARGS:-tests/test_attention_hopper_gpu.py tests/test_attention_hopper_bwd_gpu.py \
-        tests/test_attention_gpu.py tests/test_transformer_layer_gpu.py}"
-    timeout --kill-after=10 "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider \
-        -n "$workers" --timeout 200 "$@" > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
-    tail -4 "$OUT/gpu_tests.log"
+    gpu_tests tests/test_attention_hopper_gpu.py tests/test_attention_hopper_bwd_gpu.py tests/test_attention_gpu.py \
+        tests/test_transformer_layer_gpu.py
 fi
 
 # one timing run per ';'-separated argument set of CHECKS (default: the seed layer's shape only),

@@ -15,16 +15,8 @@
 #   LAYER=1                    also run `python -m fp8ops.bench layer` (its JSON into OUTDIR)
 
 set -u -o pipefail
-[ $# -eq 1 ] || { echo "usage: bash scripts/gpu_layer_bounds.sh OUTDIR" >&2; exit 2; }
-mkdir -p "$1" && OUT=$(cd "$1" && pwd)
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
-PY=${PYTHON:-python3}
-START=$SECONDS
-FAILED=0
-export PYTHONUNBUFFERED=1
-
-. scripts/_gpu_install.sh
-gpu_install /tmp/fp8ops_install.log /tmp/versions.txt || exit 1
+. "$(dirname "${BASH_SOURCE[0]}")/_gpu_install.sh"
+gpu_begin gpu_layer_bounds.sh "$@" || exit $?
 
 if [ -n "${TESTS:-}" ]; then
     echo "== GPU tests (t=$((SECONDS - START))s)"
@@ -66,6 +58,6 @@ if [ "${LAYER:-0}" != 0 ]; then
         > /tmp/layer.txt 2>&1 || FAILED=1
     tail -30 /tmp/layer.txt
 fi
-cat /tmp/versions.txt
+cat "$OUT/versions.txt"
 echo "== done (t=$((SECONDS - START))s, failed=$FAILED)"
 exit $FAILED

@@ -11,25 +11,12 @@
 #   LAYER=1     also run `python -m fp8ops.bench layer` (its JSON and PNG into OUTDIR)
 
 set -u -o pipefail
-[ $# -eq 1 ] || { echo "usage: bash scripts/gpu_norm_dropout_check.sh OUTDIR" >&2; exit 2; }
-mkdir -p "$1" && OUT=$(cd "$1" && pwd)
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
-PY=${PYTHON:-python3}
-START=$SECONDS
-FAILED=0
-export PYTHONUNBUFFERED=1
-
-. scripts/_gpu_install.sh
-gpu_install /tmp/fp8ops_install.log "$OUT/versions.txt" || exit 1
+. "$(dirname "${BASH_SOURCE[0]}")/_gpu_install.sh"
+gpu_begin gpu_norm_dropout_check.sh "$@" || exit $?
 
 if [ "${TESTS:-1}" != 0 ]; then
-    echo "== norm GPU tests (t=$((SECONDS - START))s)"
-    workers=$(( $(nproc) > 16 ? 8 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
-    eval "set -- ${TEST_ARGS:-tests/test_norm_gpu.py tests/test_fused_ln_mlp_gpu.py tests/test_layernorm_linear_gpu.py \
-        tests/test_transformer_layer_gpu.py}"
-    timeout --kill-after=10 "${TESTS_LIMIT_S:-300}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider \
-        -n "$workers" --timeout 250 "$@" > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
-    tail -4 "$OUT/gpu_tests.log"
+    TESTS_LIMIT_S=${TESTS_LIMIT_S:-300} gpu_tests tests/test_norm_gpu.py tests/test_fused_ln_mlp_gpu.py \
+        tests/test_layernorm_linear_gpu.py tests/test_transformer_layer_gpu.py
 fi
 
 echo "== norm dropout cost (t=$((SECONDS - START))s)"

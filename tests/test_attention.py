@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8ops
+from fp8ops.testing import dropout_hash as DH
 
 A = importlib.import_module("fp8ops.attention")
 R = importlib.import_module("fp8ops.reference.attention")
@@ -516,21 +517,10 @@ def test_dropout_mask_statistics_and_determinism():
 
 
 def test_dropout_hash_matches_a_scalar_model():
-    # The hash in plain Python integers (the kernels' uint32 arithmetic).
-    def mix(x):
-        x ^= x >> 16
-        x = (x * 0x7FEB352D) & 0xFFFFFFFF
-        x ^= x >> 15
-        x = (x * 0x846CA68B) & 0xFFFFFFFF
-        return x ^ (x >> 16)
-
+    # The hash in plain Python integers (the kernels' uint32 arithmetic): queries i and i + 8 of an
+    # aligned 16 share one hash, query i + 8 takes its top half
     def draw(seed, b, h, i, j):
-        lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-        k2 = mix((mix((mix(lo ^ mix(hi)) + b) & 0xFFFFFFFF) + h) & 0xFFFFFFFF)
-        qp = (i >> 4) * 8 + (i & 7)  # queries i and i + 8 of an aligned 16 share one hash
-        r = ((mix((k2 + qp) & 0xFFFFFFFF) ^ j) * 0x21F0AAAD) & 0xFFFFFFFF
-        r = ((r ^ (r >> 15)) * 0x735A2D97) & 0xFFFFFFFF
-        return r >> 16 if i & 8 else (r ^ (r >> 16)) & 0xFFFF
+        return DH.draw(DH.key(seed, b, h), (i >> 4) * 8 + (i & 7), j, bool(i & 8))
 
     def keep(seed, b, h, i, j, p):
         return bool(R.dropout_keep(torch.tensor(seed), torch.tensor(b), torch.tensor(h), torch.tensor(i),

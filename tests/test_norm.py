@@ -12,6 +12,7 @@ import fp8ops
 from fp8ops.norm import layer_norm, rms_norm
 from fp8ops.reference import norm as R
 from fp8ops.testing import assert_close_rule
+from fp8ops.testing import dropout_hash as DH
 from fp8ops.testing import strategies as fst
 
 EPS = 1e-5
@@ -309,23 +310,11 @@ def test_residual_dropout_forward_and_every_gradient_against_the_reference(rms, 
         torch.testing.assert_close(xl.grad, rl.grad * scale, rtol=0, atol=0)
 
 
-def _mix(x):
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
 def _norm_draw(seed, row, col):
-    # the 16-bit draw of element (row, col), written out in Python integers: the column pair
-    # col >> 1 hashed with the key of (seed, b = 0, h = 0), then the row; the odd column takes the
-    # top half, the even one the xor of the halves
-    lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-    k2 = _mix(_mix(_mix(lo ^ _mix(hi))))
-    r = ((_mix((k2 + (col >> 1)) & 0xFFFFFFFF) ^ row) * 0x21F0AAAD) & 0xFFFFFFFF
-    r = ((r ^ (r >> 15)) * 0x735A2D97) & 0xFFFFFFFF
-    return r >> 16 if col & 1 else (r ^ (r >> 16)) & 0xFFFF
+    # the 16-bit draw of element (row, col) in Python integers: the column pair col >> 1 hashed
+    # under the key of (seed, b = 0, h = 0), then the row; the odd column takes the top half, the
+    # even one the xor of the halves
+    return DH.draw(DH.key(seed, 0, 0), col >> 1, row, bool(col & 1))
 
 
 def test_residual_dropout_mask_by_hand():
