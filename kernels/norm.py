@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dropout import _dropout_draws, _dropout_key, _dropout_pair_row, dropout_threshold
+from ._dropout import _dropout_keep_row, _dropout_key, _dropout_pair_row, dropout_threshold
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale
 from ._library import (
     AMAX_CHAIN,
@@ -98,9 +98,8 @@ def _branch_scale(
     # queries of pair j, so that one per-element hash serves both columns of a pair (a thread holds
     # them side by side in every vectorised layout).
     pair = _dropout_pair_row(key, rk >> 1)
-    lo, hi = _dropout_draws(pair[None, :], rm[:, None])
-    draw = tl.where((rk & 1)[None, :] != 0, hi, lo)
-    return tl.where(draw >= (thresh.to(tl.uint32) << 16), drop_scale, 0.0)
+    keep = _dropout_keep_row(pair[None, :], ((rk & 1) << 3)[None, :], rm[:, None], thresh)
+    return tl.where(keep, drop_scale, 0.0)
 
 
 @triton.jit
@@ -403,23 +402,26 @@ def _norm_fwd_kernel(
         # Step 3: normalise chunk by chunk (second read mostly from L2), store y / q / q_t. With
         # READ_S the chunks are those of s, which this program's threads stored in step 2: the
         # barrier makes each thread's stores visible to all of them.
+        # RES_2 / DROP_2: whether this sweep adds the residual / draws the mask itself.
+        RES_2: tl.constexpr = HAS_RES and not READ_S
+        DROP_2: tl.constexpr = DROPOUT and not READ_S
         in_ptr = x_ptr
         if READ_S:
             tl.debug_barrier()
             in_ptr = s_ptr
         mask_n = row_ok[:, None] & (cols[None, :] < K)
         offs_n = rm[:, None] * K + cols[None, :]
-        x_n, r_n = _load_input(in_ptr, r_ptr, offs_n, mask_n, HAS_RES=HAS_RES and not READ_S, EVICT="evict_first")
+        x_n, r_n = _load_input(in_ptr, r_ptr, offs_n, mask_n, HAS_RES=RES_2, EVICT="evict_first")
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + cols
             col_ok = rk < K
             mask, offs, x, r = mask_n, offs_n, x_n, r_n
-            mask_n, offs_n, x_n, r_n = _next_chunk(in_ptr, r_ptr, row_ok, rk, offs, K, HAS_RES=HAS_RES and not READ_S,
-                                                   EVICT="evict_first", BLOCK_K=BLOCK_K)
+            mask_n, offs_n, x_n, r_n = _next_chunk(in_ptr, r_ptr, row_ok, rk, offs, K,
+                                                   HAS_RES=RES_2, EVICT="evict_first", BLOCK_K=BLOCK_K)
             ks = drop_scale
-            if DROPOUT and not READ_S:
+            if DROP_2:
                 ks = _branch_scale(key, rm, rk, thresh, drop_scale)
-            v = _sum_input(x, r, ks, HAS_RES=HAS_RES and not READ_S, DROPOUT=DROPOUT and not READ_S).to(tl.float32)
+            v = _sum_input(x, r, ks, HAS_RES=RES_2, DROPOUT=DROP_2).to(tl.float32)
             g, bias = _load_gamma_bias(w_ptr, b_ptr, rk, col_ok, ZERO_CENTERED=ZERO_CENTERED, HAS_BIAS=HAS_BIAS)
             tile_bits = _normalize_tile(
                 v, mean, rstd, g, bias, offs, rk[:, None] * M + rm[None, :], mask, y_ptr, q_ptr, qt_ptr, scale,

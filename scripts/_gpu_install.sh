@@ -45,3 +45,13 @@ gpu_tests() {
         -n "$workers" --timeout 200 "$@" > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
     tail -4 "$OUT/gpu_tests.log"
 }
+
+# `python -m fp8ops.bench layer` into OUT when LAYER is set and not 0 (LAYER_LIMIT_S, default 300,
+# bounds it); its last lines printed; FAILED=1 when it fails.
+gpu_bench_layer() {
+    [ "${LAYER:-0}" != 0 ] || return 0
+    echo "== bench layer (t=$((SECONDS - START))s)"
+    timeout --kill-after=10 "${LAYER_LIMIT_S:-300}" "$PY" -m fp8ops.bench layer --out "$OUT" \
+        > /tmp/layer.txt 2>&1 || FAILED=1
+    tail -30 /tmp/layer.txt
+}

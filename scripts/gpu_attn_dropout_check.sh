@@ -43,11 +43,6 @@ if [ -n "${SPILLS:-}" ]; then  # the Hopper kernels' registers and spill stack, 
     timeout --kill-after=10 120 "$PY" tests/_sm90_compile.py --resources "$@" 2>/dev/null | tee "$OUT/spills.txt"
 fi
 
-if [ "${LAYER:-0}" != 0 ]; then
-    echo "== bench layer (t=$((SECONDS - START))s)"
-    timeout --kill-after=10 "${LAYER_LIMIT_S:-300}" "$PY" -m fp8ops.bench layer --out "$OUT" \
-        > /tmp/layer.txt 2>&1 || FAILED=1
-    tail -30 /tmp/layer.txt
-fi
+gpu_bench_layer
 echo "== done (t=$((SECONDS - START))s, failed=$FAILED)"
 exit $FAILED

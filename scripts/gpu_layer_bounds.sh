@@ -52,12 +52,7 @@ if [ -n "${AB:-}" ]; then
     timeout --kill-after=10 "${AB_LIMIT_S:-240}" "$PY" scripts/layer_ab_check.py --json "$OUT/layer_ab.json" "$@" \
         2>&1 | grep -v Warning || FAILED=1
 fi
-if [ "${LAYER:-0}" != 0 ]; then
-    echo "== bench layer (t=$((SECONDS - START))s)"
-    timeout --kill-after=10 "${LAYER_LIMIT_S:-300}" "$PY" -m fp8ops.bench layer --out "$OUT" \
-        > /tmp/layer.txt 2>&1 || FAILED=1
-    tail -30 /tmp/layer.txt
-fi
+gpu_bench_layer
 cat "$OUT/versions.txt"
 echo "== done (t=$((SECONDS - START))s, failed=$FAILED)"
 exit $FAILED

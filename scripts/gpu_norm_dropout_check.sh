@@ -27,11 +27,6 @@ cat "$OUT/norm_dropout_cost.txt"
 echo "== offline registers and spills (t=$((SECONDS - START))s)"
 timeout --kill-after=10 120 "$PY" scripts/norm_sass.py 2>/dev/null | tee "$OUT/norm_sass.json"
 
-if [ "${LAYER:-0}" != 0 ]; then
-    echo "== bench layer (t=$((SECONDS - START))s)"
-    timeout --kill-after=10 "${LAYER_LIMIT_S:-300}" "$PY" -m fp8ops.bench layer --out "$OUT" \
-        > /tmp/layer.txt 2>&1 || FAILED=1
-    tail -30 /tmp/layer.txt
-fi
+gpu_bench_layer
 echo "== done (t=$((SECONDS - START))s, failed=$FAILED)"
 exit $FAILED
