@@ -1,12 +1,12 @@
 """Tree-level update with one all_reduce(MAX) across 2 processes on the gloo backend (CPU)."""
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fp8ops.testing.distributed import spawn_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -45,10 +45,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_update_all_reduces_max_across_two_ranks():
-    with tempfile.TemporaryDirectory() as d:
-        init_file = os.path.join(d, "init")
-        mp.spawn(_worker, args=(2, init_file, d), nprocs=2, join=True)
-        res = [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(2)]
+    res = spawn_ranks(_worker, 2, lambda init, d: (2, init, d))
     for r in res:
         assert r["calls"] == 1  # one batched collective for every state of the model
         assert r["a_in_hist"].tolist() == [7.0, 0.0, 0.0]  # max(2, 7)
@@ -59,3 +56,41 @@ def test_update_all_reduces_max_across_two_ranks():
     for k in res[0]:
         if k != "calls":
             assert torch.equal(res[0][k], res[1][k])
+
+
+def _crashing_worker(rank: int, out_dir: str, marker_dir: str, mode: str) -> None:
+    # mode "once": rank 1 aborts (SIGABRT) in the first run only; "always": in every run; "raise": a
+    # Python exception; "exit": exits with status 3 (no signal). Each run counts itself in marker_dir
+    # (outside spawn_ranks's folders).
+    import signal
+
+    run = len([n for n in os.listdir(marker_dir) if n.startswith(f"rank{rank}.")])
+    open(os.path.join(marker_dir, f"rank{rank}.{run}"), "w").close()
+    if rank == 1 and mode == "raise":
+        raise ValueError("a bad case")
+    if rank == 1 and mode == "exit":
+        os._exit(3)
+    if rank == 1 and (mode == "always" or run == 0):
+        os.kill(os.getpid(), signal.SIGABRT)
+    torch.save({"rank": rank, "run": run}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_spawn_ranks_runs_again_after_a_crash_and_only_then(tmp_path):
+    import torch.multiprocessing as mp
+
+    def spawn(mode: str, sub: str) -> list:
+        (tmp_path / sub).mkdir()
+        return spawn_ranks(_crashing_worker, 2, lambda init, d: (d, str(tmp_path / sub), mode))
+
+    with pytest.warns(UserWarning, match=r"rank 1 of 2 was killed by SIGABRT; running all ranks again"):
+        res = spawn("once", "once")
+    assert res == [{"rank": 0, "run": 1}, {"rank": 1, "run": 1}]  # the second run's results, every rank's
+    with pytest.warns(UserWarning), pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        spawn("always", "always")
+    assert len(list((tmp_path / "always").glob("rank1.*"))) == 2  # one retry, then the crash is raised
+    with pytest.raises(mp.ProcessRaisedException, match="a bad case"):
+        spawn("raise", "raise")
+    assert len(list((tmp_path / "raise").glob("rank1.*"))) == 1  # an exception is not retried
+    with pytest.raises(mp.ProcessExitedException, match="exit code 3"):
+        spawn("exit", "exit")
+    assert len(list((tmp_path / "exit").glob("rank1.*"))) == 1  # nor an exit without a signal

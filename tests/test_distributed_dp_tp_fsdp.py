@@ -17,25 +17,23 @@
    root compiled with ``fullgraph=False`` (the nested layers' hooks are not traceable: a graph
    break each, and ``fullgraph=True`` raises).
 
-Each test is one ``mp.spawn``: every rank also runs the references it compares with, records
-mismatches instead of raising (so that no rank is left waiting in a collective), and the test
-asserts on the records."""
+Each test is one ``spawn_ranks`` (``mp.spawn``, started again once if a rank dies by a signal):
+every rank also runs the references it compares with, records mismatches instead of raising (so that
+no rank is left waiting in a collective), and the test asserts on the records."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import tempfile
 import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8ops
-from fp8ops.testing.distributed import Chain, OpModule, TPLayer
+from fp8ops.testing.distributed import Chain, OpModule, TPLayer, spawn_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -56,9 +54,7 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _spawn(worker, world: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(worker, args=(world, os.path.join(d, "init"), d), nprocs=world, join=True)
-        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    return spawn_ranks(worker, world, lambda init, d: (world, init, d))
 
 
 def _run_worker(body, rank: int, world: int, init_file: str, out_dir: str) -> None:

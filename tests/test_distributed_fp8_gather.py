@@ -8,20 +8,20 @@ averaged over the ranks, and the states are identical on both ranks and equal th
 ones. No high-precision copy of the full weight exists (the stand-in has no storage). The same
 checks run on GPUs with NCCL (marker ``gpu``: one rank per GPU, at most 2).
 
-Each configuration is one ``mp.spawn``; ranks record mismatches instead of raising, so that no
-rank is left waiting in a collective, and the test asserts on the records."""
+Each configuration is one ``spawn_ranks`` (``mp.spawn``, started again once if a rank dies by a
+signal); ranks record mismatches instead of raising, so that no rank is left waiting in a
+collective, and the test asserts on the records."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8ops
+from fp8ops.testing.distributed import spawn_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -124,9 +124,7 @@ def _worker(rank: int, world: int, backend: str, init_file: str, out_dir: str) -
 
 
 def _spawn(world: int, backend: str) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, backend, os.path.join(d, "init"), d), nprocs=world, join=True)
-        res = [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(world)]
+    res = spawn_ranks(_worker, world, lambda init, d: (world, backend, init, d))
     for r in res:
         assert not r["bad"], "\n".join(r["bad"])
 

@@ -7,24 +7,22 @@ FP8 error budget), with identical scaling states on both ranks, the states of th
 updated by one all_reduce per step (``fp8ops.nn.update_scaling(model, group=)`` or
 ``fp8ops.update(states, ..., group=)``).
 
-Each test is one ``mp.spawn``: every rank also runs the single-process references, records
-mismatches instead of raising (so that no rank is left waiting in a collective), and the test
-asserts on the records."""
+Each test is one ``spawn_ranks`` (``mp.spawn``, started again once if a rank dies by a signal):
+every rank also runs the single-process references, records mismatches instead of raising (so that
+no rank is left waiting in a collective), and the test asserts on the records."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8ops
-from fp8ops.testing.distributed import Chain, OpModule, count_all_reduces
+from fp8ops.testing.distributed import Chain, OpModule, count_all_reduces, spawn_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -216,9 +214,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, kinds: tuple[st
 
 
 def _spawn(*kinds: str) -> list[dict]:
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, os.path.join(d, "init"), d, kinds), nprocs=2, join=True)
-        return [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(2)]
+    return spawn_ranks(_worker, 2, lambda init, d: (2, init, d, kinds))
 
 
 def test_ddp_fp8ops_nn_model_equals_single_process():

@@ -29,27 +29,25 @@ run:
 - with every layer compiled (``fullgraph=True``, ``aot_eager``), the model trains as the eager one
   bit for bit, with no graph break.
 
-Each distributed test is one ``mp.spawn``: every rank also runs the references, records mismatches
-instead of raising (so that no rank is left waiting in a collective), and the test asserts on the
-records. The argument errors and the subclasses outside FSDP2 are tested in-process.
-"""
+Each distributed test is one ``spawn_ranks`` (``mp.spawn``, started again once if a rank dies by a
+signal): every rank also runs the references, records mismatches instead of raising (so that no rank
+is left waiting in a collective), and the test asserts on the records. The argument errors and the
+subclasses outside FSDP2 are tested in-process."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import os
-import tempfile
 import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8ops
-from fp8ops.testing.distributed import count_all_reduces
+from fp8ops.testing.distributed import count_all_reduces, spawn_ranks
 from fp8ops import _fsdp
 
 pytestmark = [
@@ -437,9 +435,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: tuple[st
 
 
 def _spawn(world: int, *cases: str, backend: str = "gloo") -> list[dict]:
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, cases, backend), nprocs=world, join=True)
-        return [torch.load(os.path.join(d, f"rank{i}.pt")) for i in range(world)]
+    return spawn_ranks(_worker, world, lambda init, d: (world, init, d, cases, backend))
 
 
 def test_fsdp2_fp8_all_gather_2_ranks_delayed_current_and_bf16_policy():

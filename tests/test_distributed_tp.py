@@ -7,24 +7,23 @@ against single-process training; two TP+SP layers chained through ``residual`` /
 ``return_residual``; torch.compile(fullgraph=True) of a TP+SP layer;
 uneven splits and bad arguments raise clear errors.
 
-Each world size is one ``mp.spawn``: every rank runs every case and records mismatches instead of
-raising (so that no rank is left waiting in a collective); the test asserts on the records."""
+Each world size is one ``spawn_ranks`` (``mp.spawn``, started again once if a rank dies by a
+signal): every rank runs every case and records mismatches instead of raising (so that no rank is
+left waiting in a collective); the test asserts on the records."""
 
 from __future__ import annotations
 
 import datetime
 import importlib
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils import _pytree as pytree
 
 import fp8ops
-from fp8ops.testing.distributed import TPLayer
+from fp8ops.testing.distributed import TPLayer, spawn_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -530,9 +529,7 @@ def _worker(rank, world, init_file, out_dir, cases):
 
 
 def _spawn(world, cases):
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, cases), nprocs=world, join=True)
-        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    return spawn_ranks(_worker, world, lambda init, d: (world, init, d, cases))
 
 
 def test_tp_layer_two_ranks_equals_single_process():
@@ -612,9 +609,7 @@ def test_tp_layer_nccl_two_gpus_equals_single_process():
     """The 2-rank cases over NCCL, one rank per GPU, float32 on the GPU (Triton kernels, FP8 all-gathers
     of the sequence-parallel inputs and output gradients as bytes)."""
     cases = [(n, r, sp) for n in CONFIGS for r in RECIPES for sp in (False, True)]
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_nccl_worker, args=(2, os.path.join(d, "init"), d, cases), nprocs=2, join=True)
-        bad = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
+    bad = spawn_ranks(_nccl_worker, 2, lambda init, d: (2, init, d, cases))
     assert bad == [[], []], "\n".join(sum(bad, []))
 
 
@@ -662,9 +657,7 @@ def test_tp_sp_layer_compiles_fullgraph():
     """torch.compile(fullgraph=True) captures an FP8 TP+SP layer with its collectives (the FP8
     all-gathers with the group's amax all-reduce, the reduce-scatters), forward and backward, and
     computes what eager computes."""
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_compile_worker, args=(2, os.path.join(d, "init"), d), nprocs=2, join=True)
-        bad = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
+    bad = spawn_ranks(_compile_worker, 2, lambda init, d: (2, init, d))
     assert bad == [[], []], "\n".join(sum(bad, []))
 
 

@@ -6,11 +6,15 @@
   module (for data parallelism over another mesh dimension).
 - :func:`count_all_reduces`: counts ``torch.distributed.all_reduce`` calls (e.g. the one batched
   all-reduce of ``fp8ops.update(..., group=)``).
+- :func:`spawn_ranks`: runs a worker on N spawned ranks and returns what each rank saved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +22,7 @@ import torch
 
 import fp8ops
 
-__all__ = ["Chain", "OpModule", "TPLayer", "count_all_reduces"]
+__all__ = ["Chain", "OpModule", "TPLayer", "count_all_reduces", "spawn_ranks"]
 
 
 class OpModule(torch.nn.Module):
@@ -82,3 +86,30 @@ def count_all_reduces() -> Iterator[list[int]]:
         yield calls
     finally:
         dist.all_reduce = orig
+
+
+def spawn_ranks(worker: Callable[..., None], nprocs: int, args: Callable[[str, str], tuple[Any, ...]],
+                retries: int = 1) -> list[Any]:
+    """Runs ``worker(rank, *args(init_file, out_dir))`` on ``nprocs`` spawned processes
+    (``torch.multiprocessing.spawn``) and returns ``torch.load(out_dir/rank{r}.pt)`` for each rank.
+
+    ``init_file`` is a fresh rendezvous file for ``init_method=f"file://{init_file}"`` and
+    ``out_dir`` a fresh folder where each rank saves ``rank{r}.pt`` (say, the mismatches it found).
+    A run in which a rank was killed by a signal (a crash inside the process, not a Python
+    exception) is started again from scratch up to ``retries`` times, with a warning naming the
+    signal; a rank that raises fails at once, as does a crash in the last attempt.
+    """
+    import torch.multiprocessing as mp
+
+    for attempt in range(retries + 1):
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                mp.spawn(worker, args=args(os.path.join(d, "init"), d), nprocs=nprocs, join=True)
+            except mp.ProcessExitedException as e:
+                if not e.signal_name or attempt == retries:
+                    raise
+                warnings.warn(f"spawn_ranks: rank {e.error_index} of {nprocs} was killed by {e.signal_name}; "
+                              f"running all ranks again (attempt {attempt + 2} of {retries + 1})", stacklevel=2)
+                continue
+            return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(nprocs)]
+    raise AssertionError("unreachable")
