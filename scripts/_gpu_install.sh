@@ -33,17 +33,22 @@ gpu_begin() {
 }
 
 # The GPU tests of a check script: pytest -m gpu over TEST_ARGS (split as a command line; default:
-# the arguments given), side by side on the machine's cores, log OUT/gpu_tests.log; FAILED=1 when
-# they fail. TESTS_LIMIT_S (default 240) bounds the run, each test 200 s.
+# the arguments given), spread over worker processes as scripts/gpu_check.sh does (the cores less
+# two, at most 14, each compiling with one Inductor thread; work stealing), log OUT/gpu_tests.log
+# with a line per test as it ends, so that a run cut by its time limit still names what passed;
+# FAILED=1 when they fail. TESTS_LIMIT_S (default 240) bounds the run, each test 200 s. The log's
+# tests per file and outcome are printed at the end.
 #
 #   gpu_tests DEFAULT_PYTEST_ARGS...
 gpu_tests() {
-    local workers=$(( $(nproc) > 16 ? 8 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
+    local workers=$(( $(nproc) > 16 ? 14 : ($(nproc) > 3 ? $(nproc) - 2 : 1) ))
     [ -n "${TEST_ARGS:-}" ] && eval "set -- $TEST_ARGS"
     echo "== GPU tests (t=$((SECONDS - START))s)"
-    timeout --kill-after=10 "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider \
-        -n "$workers" --timeout 200 "$@" > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
-    tail -4 "$OUT/gpu_tests.log"
+    TORCHINDUCTOR_COMPILE_THREADS=1 timeout --kill-after=10 "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -m gpu -v -rf \
+        -p no:cacheprovider -n "$workers" --dist worksteal --timeout 200 "$@" > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
+    grep -oE '(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) [^ ]+' "$OUT/gpu_tests.log" \
+        | sed -E 's/^([A-Z]+) ([^:]+)::.*/\2 \1/' | sort | uniq -c
+    tail -2 "$OUT/gpu_tests.log"
 }
 
 # `python -m fp8ops.bench layer` into OUT when LAYER is set and not 0 (LAYER_LIMIT_S, default 300,
