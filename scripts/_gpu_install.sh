@@ -46,7 +46,8 @@ gpu_tests() {
     echo "== GPU tests (t=$((SECONDS - START))s)"
     TORCHINDUCTOR_COMPILE_THREADS=1 timeout --kill-after=10 "${TESTS_LIMIT_S:-240}" "$PY" -m pytest -m gpu -v -rf \
         -p no:cacheprovider -n "$workers" --dist worksteal --timeout 200 "$@" > "$OUT/gpu_tests.log" 2>&1 || FAILED=1
-    grep -oE '(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) [^ ]+' "$OUT/gpu_tests.log" \
+    # the workers' result lines ("[gw3] [ 12%] PASSED tests/x.py::test"), not -rf's summary of failures
+    grep -E '^\[gw[0-9]+\]' "$OUT/gpu_tests.log" | grep -oE '(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) [^ ]+' \
         | sed -E 's/^([A-Z]+) ([^:]+)::.*/\2 \1/' | sort | uniq -c
     tail -2 "$OUT/gpu_tests.log"
 }
