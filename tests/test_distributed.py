@@ -72,7 +72,7 @@ def _crashing_worker(rank: int, out_dir: str, marker_dir: str, mode: str) -> Non
         os._exit(3)
     if rank == 1 and (mode == "always" or run == 0):
         os.kill(os.getpid(), signal.SIGABRT)
-    torch.save({"rank": rank, "run": run}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"rank": rank, "run": run, "dir": out_dir}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_spawn_ranks_runs_again_after_a_crash_and_only_then(tmp_path):
@@ -84,7 +84,10 @@ def test_spawn_ranks_runs_again_after_a_crash_and_only_then(tmp_path):
 
     with pytest.warns(UserWarning, match=r"rank 1 of 2 was killed by SIGABRT; running all ranks again"):
         res = spawn("once", "once")
-    assert res == [{"rank": 0, "run": 1}, {"rank": 1, "run": 1}]  # the second run's results, every rank's
+    # every rank's results, all from the second run: rank 1's second run, and rank 0's last run in
+    # the same output folder (rank 0 may have been stopped before it started in the first run)
+    assert [r["rank"] for r in res] == [0, 1] and res[1]["run"] == 1 and res[0]["dir"] == res[1]["dir"]
+    assert res[0]["run"] == len(list((tmp_path / "once").glob("rank0.*"))) - 1
     with pytest.warns(UserWarning), pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
         spawn("always", "always")
     assert len(list((tmp_path / "always").glob("rank1.*"))) == 2  # one retry, then the crash is raised
