@@ -48,7 +48,7 @@ from .transformer_layer import (
 )
 from .parallel import all_gather_weight, gather_transformer_params, shard_transformer_params
 from .graph_step import GraphStep, graph_step
-from .optim import adamw_quantize_
+from .optim import adamw_, adamw_quantize_
 
 __version__ = "0.1.0"
 
@@ -76,6 +76,7 @@ __all__ = [
     "ScoreMod",
     "TransformerConfig",
     "WeightCache",
+    "adamw_",
     "adamw_quantize_",
     "alibi",
     "all_gather_weight",

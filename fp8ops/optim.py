@@ -1,4 +1,5 @@
-"""adamw_quantize_: an AdamW step that also writes the weight's FP8 copy for the next forward.
+"""adamw_quantize_: an AdamW step that also writes the weight's FP8 copy for the next forward;
+adamw_: the same AdamW step alone, over a list of parameters (those without an FP8 copy).
 
 With delayed scaling a weight's FP8 copy for step t+1 depends only on the weight after the
 optimizer step of step t and on the scale :func:`fp8ops.update` computed at the end of step t. So
@@ -6,6 +7,10 @@ the optimizer, which reads and writes the whole weight anyway, can write that co
 pass: one kernel instead of the AdamW kernel plus a cast of the weight (its read of the weight and
 its launch) at the next forward. The copy is a :class:`fp8ops.WeightCache`, passed to the ops'
 ``weight_cache``, whose buffers are overwritten in place at every step.
+
+The parameters a model keeps in high precision (embeddings, norms, biases, an output head) take
+:func:`adamw_`: the same math, one kernel per group of tensors, at about the copy bandwidth of
+the GPU, where torch's fused AdamW ran at about three quarters of it (docs/linear.md).
 """
 
 from __future__ import annotations
@@ -26,29 +31,30 @@ from .recipes import Recipe
 from .reference import optim as _ref
 from .state import ScalingState, validate_state
 
-__all__ = ["adamw_quantize_"]
+__all__ = ["adamw_", "adamw_quantize_"]
 
 _define(_K.adamw_cast_transpose, cpu=_ref.adamw_cast_transpose)
+_define(_K.adamw, cpu=_ref.adamw)
 
 
-def _check_like(t: Any, name: str, weight: Tensor, where: str) -> Tensor:
+def _check_like(t: Any, name: str, weight: Tensor, where: str, of: str = "the weight") -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{where}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
     if tuple(t.shape) != tuple(weight.shape):
-        raise ValueError(f"{where}: {name} must have the weight's shape {tuple(weight.shape)}, got {tuple(t.shape)}")
+        raise ValueError(f"{where}: {name} must have {of}'s shape {tuple(weight.shape)}, got {tuple(t.shape)}")
     if t.device != weight.device:
-        raise ValueError(f"{where}: {name} is on {t.device}, the weight on {weight.device}")
+        raise ValueError(f"{where}: {name} is on {t.device}, {of} on {weight.device}")
     if not t.is_contiguous():
         raise ValueError(f"{where}: {name} must be contiguous, got strides {tuple(t.stride())}")
     return t
 
 
-def _check_scalar_tensor(t: Any, name: str, weight: Tensor, where: str) -> Tensor:
+def _check_scalar_tensor(t: Any, name: str, weight: Tensor, where: str, whose: str = "the weight's") -> Tensor:
     if not isinstance(t, Tensor) or t.dim() != 0 or t.dtype != torch.float32 or t.device != weight.device:
         got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, Tensor) else type(t).__name__)
-        raise ValueError(f"{where}: {name} must be a 0-d float32 tensor on the weight's device ({weight.device}), "
+        raise ValueError(f"{where}: {name} must be a 0-d float32 tensor on {whose} device ({weight.device}), "
                          f"got {got}")
     return t
 
@@ -59,6 +65,102 @@ def _check_hyper(value: Any, name: str, where: str, lo: float, hi: float, hi_ope
         bound = f"[{lo}, {hi})" if hi_open else f"[{lo}, {hi}]"
         raise ValueError(f"{where}: {name} must be a finite number in {bound}, got {value!r}")
     return float(value)
+
+
+def _check_lr_and_coefficients(lr: Any, betas: Any, eps: Any, weight_decay: Any, device: torch.device,
+                               like: Tensor, where: str, whose: str) -> tuple[Tensor, float, float, float, float]:
+    if isinstance(lr, Tensor):
+        lr_t = _check_scalar_tensor(lr, "lr", like, where, whose)
+    else:
+        # a fill kernel with the value, not a copy from host memory (capturable in a CUDA graph)
+        lr_t = torch.full((), _check_hyper(lr, "lr", where, 0.0, math.inf, False), device=device)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1 = _check_hyper(betas[0], "betas[0]", where, 0.0, 1.0, True)
+    beta2 = _check_hyper(betas[1], "betas[1]", where, 0.0, 1.0, True)
+    eps = _check_hyper(eps, "eps", where, 0.0, math.inf, False)
+    weight_decay = _check_hyper(weight_decay, "weight_decay", where, 0.0, math.inf, False)
+    return lr_t, beta1, beta2, eps, weight_decay
+
+
+def adamw_(
+    params: list[Tensor] | tuple[Tensor, ...],
+    grads: list[Tensor] | tuple[Tensor, ...],
+    exp_avgs: list[Tensor] | tuple[Tensor, ...],
+    exp_avg_sqs: list[Tensor] | tuple[Tensor, ...],
+    step: Tensor,
+    *,
+    lr: float | Tensor,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> None:
+    """One AdamW step on every parameter of a list, in place: the math of :func:`adamw_quantize_`
+    (that is, of ``torch.optim.AdamW``) without an FP8 copy.
+
+    For the parameters that :func:`adamw_quantize_` does not step: embeddings, norms, biases, an
+    output head kept in high precision. On the GPU one kernel steps up to eight tensors
+    (``fp8ops::adamw``), at about the copy bandwidth (docs/linear.md); the call is captured by CUDA
+    graphs (:func:`fp8ops.graph_step`) and traced whole by ``torch.compile(fullgraph=True)``.
+
+    Math per element (float32; ``t`` is ``step`` after this call adds one)::
+
+        w = w - lr * weight_decay * w
+        m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g * g
+        w = w - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    Args:
+        params: the parameters (any shape, float32, bfloat16 or float16, contiguous, all on one
+            device); updated in place.
+        grads: their gradients, one per parameter, same shape and device, contiguous.
+        exp_avgs, exp_avg_sqs: the first and second moments, one per parameter, same shape and
+            device, contiguous (any of the three float dtypes; start them at zeros); updated in
+            place.
+        step: 0-d float32 tensor on the parameters' device, the number of steps these parameters
+            have taken; this call adds one (in place) and uses the new count for the bias
+            corrections. Give each group of parameters stepped by its own call its own count.
+        lr: learning rate, a float or a 0-d float32 tensor on the parameters' device.
+        betas, eps, weight_decay: AdamW's coefficients.
+
+    Raises:
+        TypeError, ValueError: bad input; the message names the argument (with its index in the
+            list) and what was expected. Nothing is changed by a refused call.
+
+    Example:
+        >>> import torch, fp8ops
+        >>> ps = [torch.ones(3), torch.ones(2, 2)]
+        >>> gs = [torch.full((3,), 0.5), torch.full((2, 2), -0.5)]
+        >>> ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        >>> t = torch.zeros(())
+        >>> fp8ops.adamw_(ps, gs, ms, vs, t, lr=0.1, weight_decay=0.0)
+        >>> t.item(), ps[0], ps[1][0]
+        (1.0, tensor([0.9000, 0.9000, 0.9000]), tensor([1.1000, 1.1000]))
+    """
+    where = "adamw_"
+    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    for name, seq in lists.items():
+        if not isinstance(seq, (list, tuple)):
+            raise TypeError(f"{where}: {name} must be a list or tuple of tensors, got {type(seq).__name__}")
+        if len(seq) != len(params):
+            raise ValueError(f"{where}: {name} must have one tensor per parameter ({len(params)}), got {len(seq)}")
+    if not params:
+        raise ValueError(f"{where}: params is empty")
+    first = params[0]
+    for i, w in enumerate(params):
+        check_float_tensor(w, f"params[{i}]", where)
+        if w.device != first.device:
+            raise ValueError(f"{where}: params[{i}] is on {w.device}, params[0] on {first.device}")
+        if not w.is_contiguous():
+            raise ValueError(f"{where}: params[{i}] must be contiguous, got strides {tuple(w.stride())}")
+        for name in ("grads", "exp_avgs", "exp_avg_sqs"):
+            _check_like(lists[name][i], f"{name}[{i}]", w, where, f"params[{i}]")
+    _check_scalar_tensor(step, "step", first, where, "the parameters'")
+    lr_t, beta1, beta2, eps, weight_decay = _check_lr_and_coefficients(lr, betas, eps, weight_decay, first.device,
+                                                                       first, where, "the parameters'")
+    with torch.no_grad():
+        step.add_(1.0)
+        OPS.adamw(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), step, lr_t, beta1, beta2, eps,
+                  weight_decay)
 
 
 def adamw_quantize_(
@@ -146,17 +248,8 @@ def adamw_quantize_(
     if not isinstance(ws, ScalingState):
         raise TypeError(f"{where}: state must be a ScalingState or a LinearState, got {type(state).__name__}")
     validate_state(ws, where=f"{where}: state", device=weight.device, recipe=recipe)
-    if isinstance(lr, Tensor):
-        lr_t = _check_scalar_tensor(lr, "lr", weight, where)
-    else:
-        # a fill kernel with the value, not a copy from host memory (capturable in a CUDA graph)
-        lr_t = torch.full((), _check_hyper(lr, "lr", where, 0.0, math.inf, False), device=weight.device)
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-    beta1 = _check_hyper(betas[0], "betas[0]", where, 0.0, 1.0, True)
-    beta2 = _check_hyper(betas[1], "betas[1]", where, 0.0, 1.0, True)
-    eps = _check_hyper(eps, "eps", where, 0.0, math.inf, False)
-    weight_decay = _check_hyper(weight_decay, "weight_decay", where, 0.0, math.inf, False)
+    lr_t, beta1, beta2, eps, weight_decay = _check_lr_and_coefficients(lr, betas, eps, weight_decay, weight.device,
+                                                                       weight, where, "the weight's")
     spec = QuantSpec.of(recipe, "forward", ws.calibrated)
     if spec.mode == "rowwise":
         raise ValueError(f"{where}: row-wise scaling is not supported (its transposed copy has scales of its own); "

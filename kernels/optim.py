@@ -34,12 +34,39 @@ import triton.language as tl
 from ._jit import abs_bits, atomic_amax, cast_fp8, clear_next_amax, fp8_scale, grouped_tile
 from ._library import AMAX_CHAIN, OpSpec, cdiv, fast_launch, merge_config, tma_store_wanted, transposed_store
 
-__all__ = ["adamw_cast_transpose", "adamw_cast_transpose_launch"]
+__all__ = ["adamw", "adamw_cast_transpose", "adamw_cast_transpose_launch", "adamw_launch"]
 
 # 12288 x 4096 bf16 on an H100 (scripts/adamw_cast_check.py --sweep), µs: 32 x 128 with 4 warps 322,
 # 64 x 64 / 4 324, 32 x 256 / 8 348, 128 x 64 / 8 357, 16 x 256 / 4 409, 64 x 128 / 8 427, 64 x 128 / 4
-# 494, 128 x 128 / 8 496; torch's fused AdamW alone took 329 and with the library's cast 417.
-_CFG = {"BLOCK_M": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "TMA": False}
+# 494, 128 x 128 / 8 496; torch's fused AdamW alone took 329 and with the library's cast 417. Later
+# (scripts/adamw_bw_probe.py, docs/benchmarks/adamw_bw_probe_h100.json): 32 x 128 with 8 warps 286
+# against 316 with 4 (4096 x 4096: 98.7 against 111.9), 64 x 64 / 8 287, 32 x 64 / 4 290; the flat
+# AdamW without the copies runs at the copy bandwidth there (2.94 against 3.02 TB/s).
+_CFG = {"BLOCK_M": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "TMA": False}
+_FLAT_CFG = {"BLOCK": 2048, "num_warps": 4, "SLOTS": 8}
+"""The multi-tensor AdamW (:func:`adamw_launch`): elements per program, warps, and tensors per
+launch (scripts/adamw_bw_probe.py: blocks of 1024 to 8192 elements with 4 or 8 warps within 2 %
+of each other at 12288 x 4096, a grid-stride loop 5-10 % slower)."""
+
+
+@triton.jit
+def _adamw_bias(step_ptr, beta1, beta2):
+    # the bias corrections 1 - beta1**t and sqrt(1 - beta2**t) of the step count t in step_ptr
+    t = tl.load(step_ptr)
+    bias1 = 1.0 - tl.math.exp2(t * tl.math.log2(beta1))
+    bias2_sqrt = tl.math.sqrt_rn(1.0 - tl.math.exp2(t * tl.math.log2(beta2)))
+    return bias1, bias2_sqrt
+
+
+@triton.jit
+def _adamw_math(w, g, m, v, lr, bias1, bias2_sqrt, beta1, beta2, eps, weight_decay):
+    # torch's AdamW on float32 tiles: returns the new (w, m, v)
+    w = w - lr * weight_decay * w
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    denom = tl.math.sqrt_rn(v) / bias2_sqrt + eps
+    w = w - (lr / bias1) * (m / denom)
+    return w, m, v
 
 
 @fast_launch
@@ -77,10 +104,8 @@ def _adamw_cast_transpose_kernel(
     pid_m, pid_k = grouped_tile(pid, GROUP_M * num_k, num_m, GROUP_M=GROUP_M)
     scale = fp8_scale(scale_ptr, scale_ptr, inv_ptr, pid, FP8_MAX=FP8_MAX, MARGIN=0, SCALE_FROM_AMAX=False,
                       POWER_2=False)  # the given scale; program 0 writes 1 / scale
-    t = tl.load(step_ptr)
     lr = tl.load(lr_ptr)
-    bias1 = 1.0 - tl.math.exp2(t * tl.math.log2(beta1))
-    bias2_sqrt = tl.math.sqrt_rn(1.0 - tl.math.exp2(t * tl.math.log2(beta2)))
+    bias1, bias2_sqrt = _adamw_bias(step_ptr, beta1, beta2)
     # Step 2: AdamW on the tile, in float32; the weight and the moments written back.
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -90,11 +115,7 @@ def _adamw_cast_transpose_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w = w - lr * weight_decay * w
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    denom = tl.math.sqrt_rn(v) / bias2_sqrt + eps
-    w = w - (lr / bias1) * (m / denom)
+    w, m, v = _adamw_math(w, g, m, v, lr, bias1, bias2_sqrt, beta1, beta2, eps, weight_decay)
     w_out = w.to(w_ptr.dtype.element_ty)
     tl.store(w_ptr + offs, w_out, mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
@@ -171,3 +192,98 @@ adamw_cast_transpose = OpSpec(
     fake=_adamw_cast_transpose_fake,
 )
 """``fp8ops::adamw_cast_transpose``: see :func:`adamw_cast_transpose_launch`; returns the amax."""
+
+
+# ------------------------------------------------------------------------------------------------
+# AdamW alone over a list of tensors (the parameters without an FP8 copy: embeddings, norms, biases)
+
+
+@triton.jit
+def _adamw_kernel(
+    ws,  # tuple of SLOTS pointers: the parameters, contiguous, read and written
+    gs,  # tuple of SLOTS pointers: their gradients, contiguous
+    ms,  # tuple of SLOTS pointers: first moments, read and written
+    vs,  # tuple of SLOTS pointers: second moments, read and written
+    ns,  # tuple of SLOTS element counts
+    ends,  # tuple of SLOTS: the number of programs up to and including each tensor's
+    step_ptr,  # () fp32: the step count t after this step
+    lr_ptr,  # () fp32 learning rate
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Program pid steps BLOCK elements of the tensor whose range of programs holds pid.
+    pid = tl.program_id(0)
+    lr = tl.load(lr_ptr)
+    bias1, bias2_sqrt = _adamw_bias(step_ptr, beta1, beta2)
+    start = 0
+    for i in tl.static_range(SLOTS):
+        if (pid >= start) & (pid < ends[i]):
+            offs = (pid - start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < ns[i]
+            w = tl.load(ws[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(gs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(ms[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(vs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            w, m, v = _adamw_math(w, g, m, v, lr, bias1, bias2_sqrt, beta1, beta2, eps, weight_decay)
+            tl.store(ws[i] + offs, w.to(ws[i].dtype.element_ty), mask=mask)
+            tl.store(ms[i] + offs, m.to(ms[i].dtype.element_ty), mask=mask)
+            tl.store(vs[i] + offs, v.to(vs[i].dtype.element_ty), mask=mask)
+        start = ends[i]
+
+
+def adamw_launch(
+    ws: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    *,
+    config: dict[str, Any] | None = None,
+) -> None:
+    """One AdamW step on every ``ws[i]``, ``ms[i]``, ``vs[i]`` in place (the math of
+    :func:`adamw_cast_transpose_launch` without the FP8 copy), ``SLOTS`` tensors per launch.
+
+    ``ws[i]``, ``gs[i]``, ``ms[i]``, ``vs[i]``: one shape, contiguous, on one device, each
+    float32/bfloat16/float16; ``step``, ``lr``: () float32 (``step`` already counts this step).
+    Empty tensors are skipped. The caller validates.
+    """
+    cfg = merge_config(_FLAT_CFG, config, name="adamw")
+    block, slots = cfg["BLOCK"], cfg["SLOTS"]
+    items = [(w, g, m, v) for w, g, m, v in zip(ws, gs, ms, vs) if w.numel()]
+    for first in range(0, len(items), slots):
+        group = items[first:first + slots]
+        ends, total = [], 0
+        for w, *_ in group:
+            total += cdiv(w.numel(), block)
+            ends.append(total)
+        pad = slots - len(group)  # unused slots: no programs (their end is the last one's)
+        cols = [tuple(x[j] for x in group) + (group[-1][j],) * pad for j in range(4)]
+        _adamw_kernel[(total,)](
+            *cols, tuple(x[0].numel() for x in group) + (0,) * pad, tuple(ends) + (total,) * pad, step, lr,
+            float(beta1), float(beta2), float(eps), float(weight_decay), SLOTS=slots, BLOCK=block,
+            num_warps=cfg["num_warps"],
+        )
+
+
+def _adamw_fake(w, g, m, v, step, lr, beta1, beta2, eps, weight_decay):  # type: ignore[no-untyped-def]
+    return None
+
+
+adamw = OpSpec(
+    "adamw(Tensor(a!)[] w, Tensor[] g, Tensor(b!)[] m, Tensor(c!)[] v, Tensor step, Tensor lr, float beta1,"
+    " float beta2, float eps, float weight_decay) -> ()",
+    cuda=lambda w, g, m, v, step, lr, beta1, beta2, eps, weight_decay: adamw_launch(
+        w, g, m, v, step, lr, beta1, beta2, eps, weight_decay
+    ),
+    fake=_adamw_fake,
+)
+"""``fp8ops::adamw``: see :func:`adamw_launch`."""

@@ -90,7 +90,7 @@ def test_the_fused_build_runs_only_when_named():
     gpt.add_arguments(parser)
     default = {i for i, _ in gpt._builds(parser.parse_args(["--no-torchao"]))}
     assert default == {"torch", "fp8ops FP8", "fp8ops FP8, FP8 head", bench_step.FUSED_LOSS}
-    assert bench_step.FUSED_ADAMW not in default
+    assert not default & {bench_step.FUSED_ADAMW, bench_step.FUSED_ALL, bench_step.TORCH_LIBRARY_ADAMW}
     named = gpt._builds(parser.parse_args(["--no-eager", "--impls", "torch", bench_step.FUSED_ADAMW]))
     assert named == [("torch", "compile"), (bench_step.FUSED_ADAMW, "compile")]
 
@@ -169,3 +169,36 @@ def test_ratios_report_the_fused_loss_build_beside():
             {"impl": bench_step.FUSED_LOSS, "mode": "compile + graph", "ms": 64.0}]
     r = _ratios(rows, 2048)
     assert r["fp8_over_bf16"] == 60.0 / 80.0 and r["fused_loss_over_bf16"] == 64.0 / 80.0
+
+
+def test_library_loss_and_adamw_build_trains_as_the_fused_loss_build():
+    """``fp8ops FP8, fused loss + AdamW``: the fused-loss model with every parameter stepped by the
+    library (adamw_quantize_ on the GEMM weights, adamw_ on the rest): the same losses."""
+    _, _, plain = _run(bench_step.FUSED_LOSS, 4)
+    step, _, both = _run(bench_step.FUSED_ALL, 4)
+    assert plain[0] == both[0] and plain[-1] < plain[0] - 1e-3
+    torch.testing.assert_close(torch.tensor(both), torch.tensor(plain), rtol=2e-4, atol=0)
+    params, opt, fused = step.stepped
+    assert isinstance(opt, bench_step.LibraryAdamW)
+    assert sorted([id(p) for p in opt.params] + [id(w) for w in fused]) == sorted(id(p) for p in pytree.tree_leaves(params))
+
+
+def test_library_adamw_steps_as_torch_adamw():
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=g).requires_grad_() for s in ((4, 3), (5,), (2,))]
+    refs = [p.detach().clone().requires_grad_() for p in ps]
+    ours = bench_step.LibraryAdamW(ps, device="cpu")
+    theirs = bench_step._optimizer(refs, device="cpu")
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in ps]
+        ours.zero_grad(set_to_none=True)
+        theirs.zero_grad(set_to_none=True)
+        for p, r, gr in zip(ps, refs, grads):
+            p.grad, r.grad = gr.clone(), gr.clone()
+        ours.step()
+        theirs.step()
+        for p, r in zip(ps, refs):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+    ps[1].grad = None  # one step count for all: a parameter without a gradient is refused
+    with pytest.raises(ValueError, match=r"LibraryAdamW.step: parameters \[1\] have no gradient"):
+        ours.step()

@@ -199,3 +199,139 @@ def test_compile_fullgraph_matches_eager():
                      st_out.weight.pending_amax))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# adamw_: the same step over a list of parameters, no FP8 copy
+
+
+def _params(shapes=((5,), (3, 4), (2, 3, 2), (1,)), seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=g) * 0.5).to(dtype) for s in shapes], g
+
+
+def test_adamw_by_hand():
+    # step 0 -> 1, fresh moments, lr 0.1, g = +-0.5: m = +-0.05, v = 0.00025, bias corrections 0.1
+    # and 0.001, so the step is lr / 0.1 * 0.05 / (sqrt(0.00025) / sqrt(0.001) + 1e-8) = 0.1:
+    #   weight decay 0:   w = 1 -+ 0.1              -> 0.9 and 1.1
+    #   weight decay 0.1: w = 1 - 0.1 * 0.1 -+ 0.1  -> 0.89 and 1.09
+    for wd, want in ((0.0, (0.9, 1.1)), (0.1, (0.89, 1.09))):
+        ps = [torch.ones(3), torch.ones(2, 2)]
+        gs = [torch.full((3,), 0.5), torch.full((2, 2), -0.5)]
+        ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        t = torch.zeros(())
+        fp8ops.adamw_(ps, gs, ms, vs, t, lr=0.1, weight_decay=wd)
+        assert t.item() == 1.0
+        assert torch.allclose(ps[0], torch.full((3,), want[0]), rtol=1e-6)
+        assert torch.allclose(ps[1], torch.full((2, 2), want[1]), rtol=1e-6)
+        assert torch.allclose(ms[1], torch.full((2, 2), -0.05), rtol=1e-6)
+        # (1 - 0.999 in float32 is 0.99998713e-3, hence the tolerance)
+        assert torch.allclose(vs[0], torch.full((3,), 0.00025), rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_matches_torch_adamw(dtype):
+    ps, g = _params(dtype=dtype)
+    refs = [p.clone().requires_grad_() for p in ps]
+    opt = torch.optim.AdamW(refs, lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, foreach=False)
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    t = torch.zeros(())
+    lr = torch.tensor(3e-2)
+    for _ in range(4):
+        gs = [torch.randn(p.shape, generator=g).to(dtype) for p in ps]
+        for r, gr in zip(refs, gs):
+            r.grad = gr.clone()
+        opt.step()
+        fp8ops.adamw_(ps, gs, ms, vs, t, lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        for p, m, v, r in zip(ps, ms, vs, refs):
+            torch.testing.assert_close(p.float(), r.detach().float(), rtol=tol, atol=tol)
+            torch.testing.assert_close(m.float(), opt.state[r]["exp_avg"].float(), rtol=tol, atol=tol)
+            torch.testing.assert_close(v.float(), opt.state[r]["exp_avg_sq"].float(), rtol=tol, atol=1e-8)
+    assert t.item() == 4.0
+
+
+def test_adamw_steps_a_weight_as_adamw_quantize_does():
+    # the two functions are one AdamW: the same weight stepped by each agrees bit for bit
+    r = fp8ops.DelayedScaling()
+    w, st, cache, g = _setup(r)
+    w2 = w.clone()
+    m, v, t = torch.zeros_like(w), torch.zeros_like(w), torch.zeros(())
+    m2, v2, t2 = torch.zeros_like(w), torch.zeros_like(w), torch.zeros(())
+    for _ in range(2):
+        grad = torch.randn(w.shape, generator=g)
+        st = st.replace(weight=st.weight.replace(pending_amax=torch.zeros(())))
+        cache, st = fp8ops.adamw_quantize_(w, grad, m, v, t, st, recipe=r, lr=1e-2, out=cache)
+        fp8ops.adamw_([w2], [grad], [m2], [v2], t2, lr=1e-2)
+    assert torch.equal(w, w2) and torch.equal(m, m2) and torch.equal(v, v2) and torch.equal(t, t2)
+
+
+def test_adamw_errors():
+    ps, _ = _params()
+    gs = [torch.zeros_like(p) for p in ps]
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    t = torch.zeros(())
+    before = [p.clone() for p in ps]
+
+    def call(params=ps, grads=gs, exp_avgs=ms, exp_avg_sqs=vs, step=t, **kw):
+        kw.setdefault("lr", 1e-3)
+        return fp8ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, step, **kw)
+
+    with pytest.raises(TypeError, match="adamw_: params must be a list or tuple of tensors, got Tensor"):
+        call(params=ps[0])
+    with pytest.raises(ValueError, match=r"adamw_: grads must have one tensor per parameter \(4\), got 3"):
+        call(grads=gs[:3])
+    with pytest.raises(ValueError, match="adamw_: params is empty"):
+        call(params=[], grads=[], exp_avgs=[], exp_avg_sqs=[])
+    with pytest.raises(ValueError, match=r"adamw_: grads\[1\] must have params\[1\]'s shape \(3, 4\), got \(4, 3\)"):
+        call(grads=[gs[0], torch.zeros(4, 3), *gs[2:]])
+    with pytest.raises(TypeError, match=r"adamw_: exp_avgs\[2\] must be a torch.Tensor, got float"):
+        call(exp_avgs=[ms[0], ms[1], 0.0, ms[3]])
+    with pytest.raises(ValueError, match=r"adamw_: exp_avg_sqs\[0\] must be float32, bfloat16 or float16"):
+        call(exp_avg_sqs=[vs[0].int(), *vs[1:]])
+    with pytest.raises(ValueError, match=r"adamw_: params\[1\] must be contiguous"):
+        call(params=[ps[0], torch.zeros(4, 3).t(), *ps[2:]])
+    with pytest.raises(ValueError, match="adamw_: step must be a 0-d float32 tensor on the parameters' device"):
+        call(step=torch.zeros(1))
+    with pytest.raises(ValueError, match="adamw_: lr must be a finite number"):
+        call(lr=float("nan"))
+    with pytest.raises(ValueError, match=r"adamw_: betas\[0\] must be a finite number in \[0.0, 1.0\)"):
+        call(betas=(1.5, 0.9))
+    with pytest.raises(ValueError, match="adamw_: weight_decay must be a finite number"):
+        call(weight_decay=-1.0)
+    assert t.item() == 0.0 and all(torch.equal(a, b) for a, b in zip(ps, before))  # nothing changed
+
+
+def test_adamw_reference_and_opcheck():
+    from fp8ops.reference import optim as ref
+
+    ps, g = _params()
+    gs = [torch.randn(p.shape, generator=g) for p in ps]
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    t = torch.zeros(())
+    ps2, ms2, vs2 = [p.clone() for p in ps], [m.clone() for m in ms], [v.clone() for v in vs]
+    fp8ops.adamw_(ps, gs, ms, vs, t, lr=1e-2)
+    ref.adamw(ps2, gs, ms2, vs2, torch.ones(()), torch.tensor(1e-2), 0.9, 0.999, 1e-8, 1e-2)
+    for a, b in zip(ps + ms + vs, ps2 + ms2 + vs2):
+        assert torch.equal(a, b)
+    args = (ps2, gs, ms2, vs2, torch.ones(()), torch.tensor(1e-3), 0.9, 0.999, 1e-8, 0.01)
+    torch.library.opcheck(torch.ops.fp8ops.adamw.default, args)
+
+
+def test_adamw_compile_fullgraph_matches_eager():
+    runs = []
+    for compiled in (False, True):
+        ps, g = _params(seed=3)
+        gs = [torch.randn(p.shape, generator=g) for p in ps]
+        ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        t = torch.zeros(())
+
+        def f(ps_, gs_, ms_, vs_, t_):
+            fp8ops.adamw_(ps_, gs_, ms_, vs_, t_, lr=1e-3)
+
+        fn = torch.compile(f, fullgraph=True) if compiled else f
+        fn(ps, gs, ms, vs, t)
+        fn(ps, gs, ms, vs, t)
+        runs.append(ps + ms + vs + [t])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -109,3 +109,78 @@ def test_transposed_copy_through_a_tensor_map_equals_pointer_stores(shape):
     for i, (a, b) in enumerate(zip(outs[True], outs[False], strict=True)):
         assert torch.equal(a, b), f"output {i} differs"
     assert torch.equal(outs[True][4], outs[True][3].t().contiguous())
+
+
+# ------------------------------------------------------------------------------------------------
+# adamw_ (fp8ops::adamw, several tensors per launch)
+
+
+def _param_set(seed=0):
+    # a GPT's kinds of parameters, small: an embedding, norm weights and biases, a weight matrix;
+    # more tensors than one launch takes
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(1000, 64), (64,), (64,), (192, 64), (192,), (64, 64), (64,), (1,), (3000,), (64,), (255, 257)]
+    ps = [(torch.randn(s, device="cuda", generator=g) * 0.05).bfloat16() for s in shapes]
+    grads = [[(torch.randn(s, device="cuda", generator=g) * 1e-3).bfloat16() for s in shapes] for _ in range(3)]
+    return ps, grads
+
+
+def test_adamw_equals_the_fused_kernels_step_bit_for_bit():
+    # the same AdamW math as fp8ops::adamw_cast_transpose: a weight stepped by each is equal
+    r = fp8ops.DelayedScaling()
+    w, grads = _weights(N=700, K=900, seed=3)
+    st = calibrate(fp8ops.LinearState.init(r, device="cuda"), r, forward=512.0).weight
+    cache, st = fp8ops.quantize_weight(w, st, recipe=r)
+    w2 = w.clone()
+    m, v, t = torch.zeros_like(w), torch.zeros_like(w), torch.zeros((), device="cuda")
+    m2, v2, t2 = torch.zeros_like(w), torch.zeros_like(w), torch.zeros((), device="cuda")
+    for grad in grads:
+        st = st.replace(pending_amax=torch.zeros((), device="cuda"))
+        cache, st = fp8ops.adamw_quantize_(w, grad, m, v, t, st, recipe=r, lr=1e-3, out=cache)
+        fp8ops.adamw_([w2], [grad], [m2], [v2], t2, lr=1e-3)
+    assert torch.equal(w, w2) and torch.equal(m, m2) and torch.equal(v, v2)
+
+
+def test_adamw_against_torch_fused_adamw():
+    ps, grads = _param_set()
+    refs = [p.clone().requires_grad_() for p in ps]
+    lr = torch.tensor(1e-3, device="cuda")
+    opt = torch.optim.AdamW(refs, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, fused=True, capturable=True)
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    t = torch.zeros((), device="cuda")
+    for gs in grads:
+        for r, g in zip(refs, gs):
+            r.grad = g.clone()
+        opt.step()
+        fp8ops.adamw_(ps, gs, ms, vs, t, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD)
+        # as in test_against_torch_fused_adamw_and_torch_cast: float32 math in another order
+        for p, m, v, r in zip(ps, ms, vs, refs):
+            torch.testing.assert_close(p.float(), r.detach().float(), rtol=1.6e-2, atol=5e-5)
+            torch.testing.assert_close(m.float(), opt.state[r]["exp_avg"].float(), rtol=1.6e-2, atol=4e-6)
+            torch.testing.assert_close(v.float(), opt.state[r]["exp_avg_sq"].float(), rtol=1.6e-2, atol=3e-10)
+    assert t.item() == 3.0
+
+
+def test_adamw_graph_replays_equal_eager_steps():
+    runs = []
+    for graphed in (False, True):
+        ps, grads = _param_set(seed=1)
+        ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        t = torch.zeros((), device="cuda")
+        lr = torch.tensor(2e-3, device="cuda")
+        g_in = [torch.empty_like(p) for p in ps]
+
+        def step(carry, gs):
+            fp8ops.adamw_(ps, gs, ms, vs, t, lr=lr)
+            return carry, ps[0].float().sum()
+
+        fn = fp8ops.graph_step(step, args_by_reference=(0,)) if graphed else step
+        for i in range(6):
+            for a, b in zip(g_in, grads[i % 3]):
+                a.copy_(b)
+            fn(None, g_in)
+        if graphed:
+            assert fn.stats["replays"] >= 1, fn.stats
+        runs.append([x.clone() for x in ps + ms + vs + [t]])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -60,3 +60,32 @@ def test_weight_decay_and_bias_correction_by_hand():
     assert w.item() == pytest.approx(1.4, rel=1e-5) and m.item() == pytest.approx(0.4, rel=1e-6)
     assert v.item() == pytest.approx(0.016, rel=1e-4)
     assert amax.item() == pytest.approx(1.4, rel=1e-5)
+
+
+@pytest.mark.parametrize("config", [None, {"BLOCK": 64, "SLOTS": 3}])
+def test_multi_tensor_adamw_against_the_reference(config):
+    # kernels/optim.adamw_launch over 11 tensors (an empty one, one element, sizes across the block
+    # edge, mixed dtypes), in groups of SLOTS per launch with unused slots in the last group
+    from fp8ops.kernels.optim import adamw_launch
+
+    g = torch.Generator().manual_seed(2)
+    sizes = [(0,), (1,), (63,), (64, 1), (65,), (7, 19), (130,), (3, 2, 11), (2049,), (5,), (64, 3)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float16, torch.float32,
+              torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    ws = [(torch.randn(s, generator=g) * 0.05).to(d) for s, d in zip(sizes, dtypes)]
+    gs = [(torch.randn(s, generator=g) * 1e-2).to(d) for s, d in zip(sizes, dtypes)]
+    ms = [(torch.randn(s, generator=g) * 1e-3).float() for s in sizes]
+    vs = [(torch.rand(s, generator=g) * 1e-5).to(d) for s, d in zip(sizes, dtypes)]
+    step, lr = torch.tensor(3.0), torch.tensor(2e-3)
+    refs = [[x.clone() for x in xs] for xs in (ws, ms, vs)]
+    m0 = [m.clone() for m in ms]
+    ref.adamw(refs[0], gs, refs[1], refs[2], step, lr, 0.9, 0.95, 1e-8, 0.1)
+    adamw_launch(ws, gs, ms, vs, step, lr, 0.9, 0.95, 1e-8, 0.1, config=config)
+    for i, d in enumerate(dtypes):
+        tol = dict(rtol=1e-5, atol=1e-7) if d == torch.float32 else dict(rtol=1e-2, atol=1e-5)
+        torch.testing.assert_close(ws[i].float(), refs[0][i].float(), **tol, msg=f"w {i}")
+        torch.testing.assert_close(ms[i], refs[1][i], rtol=1e-5, atol=1e-9, msg=f"m {i}")
+        torch.testing.assert_close(vs[i].float(), refs[2][i].float(), rtol=1e-4 if d == torch.float32 else 1e-2,
+                                   atol=1e-12, msg=f"v {i}")
+    # every tensor's every element moved (none skipped by the slot search)
+    assert all(bool((ms[i] != m0[i]).all()) for i in range(1, len(sizes)))

@@ -21,8 +21,14 @@ head tied to the embedding), (hidden, layers, heads) = (512, 6, 8), (768, 12, 12
   of, the bf16-head ones (``scripts/gpt_fp8_head.py`` compares the training losses of the two heads);
 - ``fp8ops FP8 + fused AdamW``: the ``fp8ops FP8`` model with its layers' GEMM weights stepped by
   :func:`fp8ops.adamw_quantize_`, which writes each weight's FP8 copy for the next forward in the
-  optimizer's pass (no cast of the weights in the step), the other parameters by torch's AdamW;
-  the same model and AdamW coefficients, compiled; run only when ``--impls`` names it.
+  optimizer's pass (no cast of the weights in the step), the other parameters by
+  :func:`fp8ops.adamw_` (the same AdamW alone, several tensors per kernel); the same model and
+  AdamW coefficients, compiled; run only when ``--impls`` names it;
+- ``fp8ops FP8, fused loss + AdamW``: both of the above, the library's own loss and optimizer; run
+  only when named;
+- ``torch + fp8ops AdamW``: the ``torch`` model stepped by :func:`fp8ops.adamw_` instead of
+  torch's fused AdamW, compiled; run only when named. The builds with the library's AdamW are also
+  reported over it: how much of their lead is the optimizer's, which a bf16 model can use too.
 
 A step is a whole training step: fresh probes, forward, backward, fused capturable AdamW and (FP8)
 :func:`fp8ops.update`. A compiled fp8ops build runs its first step, over uncalibrated states, eagerly,
@@ -50,7 +56,7 @@ from typing import Any
 import torch
 
 from .common import Progress, environment, format_table, write_bar_chart, write_json
-from .step import FUSED_ADAMW, FUSED_LOSS, _measure, _variant
+from .step import FUSED_ADAMW, FUSED_ALL, FUSED_LOSS, TORCH_LIBRARY_ADAMW, _measure, _variant
 
 __all__ = ["add_arguments", "run"]
 
@@ -61,11 +67,12 @@ TARGET_VS_BF16 = {512: 1.0, 768: 0.95, 2048: 0.75, 4096: 0.70}
 TARGET_VS_TORCHAO = {2048: 0.9, 4096: 0.9}
 BUILDS = [("torch", "eager"), ("torch", "compile"), ("torchao", "compile"), ("fp8ops FP8", "eager"),
           ("fp8ops FP8", "compile"), ("fp8ops FP8, FP8 head", "compile"), (FUSED_ADAMW, "compile"),
-          (FUSED_LOSS, "compile")]
+          (FUSED_LOSS, "compile"), (FUSED_ALL, "compile"), (TORCH_LIBRARY_ADAMW, "compile")]
 """(impl, build); each build is measured as built and then as one CUDA graph per step."""
-ON_REQUEST = {FUSED_ADAMW}
-"""Implementations run only when ``--impls`` names them (docs/benchmarks/gpt.md: the fused AdamW
-measured no faster than ``fp8ops FP8``)."""
+ON_REQUEST = {FUSED_ADAMW, FUSED_ALL, TORCH_LIBRARY_ADAMW}
+"""Implementations run only when ``--impls`` names them (docs/benchmarks/gpt.md: the builds with
+the library's AdamW, and the torch model with that AdamW, which says how much of their speed is the
+optimizer's)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +133,8 @@ def _builds(args: argparse.Namespace) -> list[tuple[str, str]]:
 def _ratios(rows: list[dict[str, Any]], hidden: int) -> dict[str, Any]:
     """Fastest mode of each implementation and the ratios the targets are stated in."""
     best = {}
-    for impl in ("torch", "torchao", "fp8ops FP8", "fp8ops FP8, FP8 head", FUSED_ADAMW, FUSED_LOSS):
+    for impl in ("torch", "torchao", "fp8ops FP8", "fp8ops FP8, FP8 head", FUSED_ADAMW, FUSED_LOSS, FUSED_ALL,
+                 TORCH_LIBRARY_ADAMW):
         mine = [r for r in rows if r["impl"] == impl]
         if mine:
             b = min(mine, key=lambda r: r["ms"])
@@ -147,11 +155,14 @@ def _ratios(rows: list[dict[str, Any]], hidden: int) -> dict[str, Any]:
         out["fused_loss_over_bf16"] = fused_loss["ms"] / best["torch"]["ms"]
     if fused_loss is not None and "torchao" in best:
         out["fused_loss_over_torchao"] = fused_loss["ms"] / best["torchao"]["ms"]
-    fused = best.get(FUSED_ADAMW)
-    if fused is not None and "torch" in best:
-        out["fused_adamw_over_bf16"] = fused["ms"] / best["torch"]["ms"]
-    if fused is not None and "torchao" in best:
-        out["fused_adamw_over_torchao"] = fused["ms"] / best["torchao"]["ms"]
+    for impl, key in ((FUSED_ADAMW, "fused_adamw"), (FUSED_ALL, "fused_all")):
+        fused = best.get(impl)
+        if fused is not None and "torch" in best:
+            out[f"{key}_over_bf16"] = fused["ms"] / best["torch"]["ms"]
+        if fused is not None and "torchao" in best:
+            out[f"{key}_over_torchao"] = fused["ms"] / best["torchao"]["ms"]
+        if fused is not None and TORCH_LIBRARY_ADAMW in best:  # both models with the library's AdamW
+            out[f"{key}_over_bf16_library_adamw"] = fused["ms"] / best[TORCH_LIBRARY_ADAMW]["ms"]
     return out
 
 
@@ -205,9 +216,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 ("fused_adamw_over_bf16", "target_vs_bf16", "bf16 (fused AdamW)"),
                                 ("fused_adamw_over_torchao", "target_vs_torchao", "torchao (fused AdamW)"),
                                 ("fused_loss_over_bf16", "target_vs_bf16", "bf16 (fused loss)"),
-                                ("fused_loss_over_torchao", "target_vs_torchao", "torchao (fused loss)")):
+                                ("fused_loss_over_torchao", "target_vs_torchao", "torchao (fused loss)"),
+                                ("fused_all_over_bf16", "target_vs_bf16", "bf16 (fused loss + AdamW)"),
+                                ("fused_all_over_torchao", "target_vs_torchao", "torchao (fused loss + AdamW)"),
+                                ("fused_adamw_over_bf16_library_adamw", "", "bf16 with the library's AdamW (fused AdamW)"),
+                                ("fused_all_over_bf16_library_adamw", "", "bf16 with the library's AdamW (fused loss + AdamW)")):
             if key in s:
-                t = s[tkey]
+                t = s.get(tkey)
                 verdict = "" if t is None else (f" (target <= {t:.2f}: " + ("met" if s[key] <= t else "MISSED") + ")")
                 parts.append(f"FP8 / {peer} {s[key]:.3f}{verdict}")
         print("; ".join(parts))

@@ -105,10 +105,48 @@ def _optimizer(params: list[torch.Tensor], device: str = "cuda") -> torch.optim.
 
 
 FUSED_ADAMW = "fp8ops FP8 + fused AdamW"
-"""The gpt build whose layers' GEMM weights are stepped by :func:`fp8ops.adamw_quantize_`."""
+"""The gpt build whose layers' GEMM weights are stepped by :func:`fp8ops.adamw_quantize_` and its
+other parameters by :func:`fp8ops.adamw_`."""
 FUSED_LOSS = "fp8ops FP8, fused loss"
 """The ``fp8ops FP8`` GPT with its head and loss in one :func:`fp8ops.linear_cross_entropy` (the other
 fp8ops GPT builds: the head as a matmul and torch's ``F.cross_entropy``, as the torch model)."""
+FUSED_ALL = "fp8ops FP8, fused loss + AdamW"
+""":data:`FUSED_ADAMW` with the head and loss of :data:`FUSED_LOSS`: the library's own loss and
+optimizer."""
+TORCH_LIBRARY_ADAMW = "torch + fp8ops AdamW"
+"""The torch bf16 GPT stepped by :func:`fp8ops.adamw_` instead of torch's fused AdamW: what the
+library's optimizer alone gives a model without FP8."""
+
+
+class LibraryAdamW:
+    """The parameters ``params`` stepped by :func:`fp8ops.adamw_` (the coefficients of
+    :func:`_optimizer`, a learning-rate tensor, one step count), in the interface of a torch
+    optimizer that the steps use: ``zero_grad(set_to_none=True)``, ``step()``, ``param_groups``.
+    Unlike torch's AdamW, which skips a parameter without a gradient and counts steps per
+    parameter, it steps every parameter with one count, so a missing gradient is an error."""
+
+    def __init__(self, params: list[torch.Tensor], device: str = "cuda") -> None:
+        self.params = list(params)
+        self.param_groups = [{"params": self.params}]
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params]
+        self.count = torch.zeros((), device=device)
+        self.lr = torch.full((), LR, device=device)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        import fp8ops
+
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:  # one step count for all: a parameter skipped once would take the others' count after
+            raise ValueError(f"LibraryAdamW.step: parameters {missing} have no gradient; every parameter must "
+                             f"have one (they share one step count)")
+        fp8ops.adamw_(self.params, [p.grad for p in self.params], self.exp_avgs, self.exp_avg_sqs, self.count,
+                      lr=self.lr)
 
 
 def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], states: list[Any], recipe: Any,
@@ -116,11 +154,11 @@ def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], state
     """``(step, carry)`` of a GPT whose layers' GEMM weights are stepped by
     :func:`fp8ops.adamw_quantize_`, which also writes each weight's FP8 copy (under the scale that
     the step's :func:`fp8ops.update` just computed) for the next forward's ``weight_cache``; the
-    other parameters (embeddings, norms, biases) by torch's AdamW. The same AdamW coefficients for
-    all. ``loss_of(states, probes, caches, *batch)``; the first caches come from
+    other parameters (embeddings, norms, biases) by :func:`fp8ops.adamw_` (:class:`LibraryAdamW`).
+    The same AdamW coefficients for all. ``loss_of(states, probes, caches, *batch)``; the first caches come from
     :func:`fp8ops.quantize_weight`. The step function's ``caches(states)`` builds the caches that
-    a forward from ``states`` would take, and ``stepped`` is (the parameters, torch's optimizer, the
-    weights stepped by the fused one), for tests."""
+    a forward from ``states`` would take, and ``stepped`` is (the parameters, the optimizer of the
+    other parameters, the weights stepped by the fused one), for tests."""
     import fp8ops
     from fp8ops._transformer_checks import WEIGHT_ROLES
 
@@ -138,7 +176,7 @@ def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], state
             fused.append((i, key, skey, role, w, torch.zeros_like(w), torch.zeros_like(w),
                           torch.zeros((), device=device), cache.value))
     taken = {id(f[4]) for f in fused}
-    opt = _optimizer([p for p in pytree.tree_leaves(params) if id(p) not in taken], device)
+    opt = LibraryAdamW([p for p in pytree.tree_leaves(params) if id(p) not in taken], device)
     compiled = torch.compile(loss_of, fullgraph=True) if mode.startswith("compile") else loss_of
     first = [True] if eager_first else []
 
@@ -178,7 +216,9 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
     ``impl`` ("torch", "torchao" (gpt2 only), "fp8ops bf16", "fp8ops FP8", "fp8ops FP8, FP8 head" (gpt2
     only: the tied output head through ``fp8_linear`` too), :data:`FUSED_LOSS` (gpt2 only: the head and
     its loss through ``linear_cross_entropy``), :data:`FUSED_ADAMW` (gpt2 only: the
-    layers' GEMM weights stepped by :func:`fp8ops.adamw_quantize_`, :func:`_fused_adamw_step`)); ``mode`` starting with
+    layers' GEMM weights stepped by :func:`fp8ops.adamw_quantize_`, :func:`_fused_adamw_step`),
+    :data:`FUSED_ALL` (both), :data:`TORCH_LIBRARY_ADAMW` (the torch GPT stepped by
+    :func:`fp8ops.adamw_`)); ``mode`` starting with
     "compile" compiles the model (torch) or the loss (fp8ops, ``fullgraph=True``); ``eager_first``:
     an fp8ops step's first call, over uncalibrated states, runs the loss eagerly (it is then compiled
     once, for calibrated states); ``device``: "cuda", or "cpu" for tests of the fp8ops builds."""
@@ -191,14 +231,15 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
         tokens = torch.randint(0, V, (B, S), device=device, generator=g)
         targets = torch.randint(0, V, (B, S), device=device, generator=g)
         batch: tuple[Any, ...] = (tokens, targets)
-        if impl in ("torch", "torchao"):
+        if impl in ("torch", "torchao", TORCH_LIBRARY_ADAMW):
             net = TorchGPT(L, H, heads, S, V).cuda().bfloat16()
             if impl == "torchao":  # float8 tensorwise training of every block's Linear (the head stays bf16)
                 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
                 convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name("tensorwise"))
             loss_fn: Callable[..., Any] = torch.compile(net) if mode.startswith("compile") else net
-            opt = _optimizer(list(net.parameters()))
+            opt = (LibraryAdamW(list(net.parameters())) if impl == TORCH_LIBRARY_ADAMW
+                   else _optimizer(list(net.parameters())))
 
             def torch_step(carry: Any, tok: torch.Tensor, tgt: torch.Tensor) -> tuple[Any, torch.Tensor]:
                 opt.zero_grad(set_to_none=True)
@@ -212,11 +253,11 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
 
         fp8_head = impl == "fp8ops FP8, FP8 head"
         gpt, params = composition.make_model(device, layers=L, hidden=H, heads=heads, seq=S, batch=B, vocab=V,
-                                             steps=1, fp8_head=fp8_head, fused_loss=impl == FUSED_LOSS)
+                                             steps=1, fp8_head=fp8_head, fused_loss=impl in (FUSED_LOSS, FUSED_ALL))
         params = pytree.tree_map(lambda t: t.bfloat16().requires_grad_(), params)
         states = composition.init_states(gpt, recipe, device)
 
-        if impl == FUSED_ADAMW:
+        if impl in (FUSED_ADAMW, FUSED_ALL):
             def loss_cached(st: Any, pr: Any, wc: Any, tok: torch.Tensor, tgt: torch.Tensor) -> Any:
                 return composition.gpt_loss(params, st, pr, tok, tgt, model=gpt, recipe=recipe, dtype=torch.bfloat16,
                                             weight_caches=wc)

@@ -1,4 +1,5 @@
-"""FP32 reference of ``fp8ops::adamw_cast_transpose`` (the CPU kernel of the library op).
+"""FP32 reference of ``fp8ops::adamw_cast_transpose`` and ``fp8ops::adamw`` (the CPU kernels of the
+library ops).
 
 The math of :mod:`fp8ops.kernels.optim`, in float32 with torch operations: one AdamW step on the
 weight and its moments (written back in place in their dtypes), then the saturating FP8 cast of
@@ -12,7 +13,7 @@ from torch import Tensor
 
 from . import quantize as _q
 
-__all__ = ["adamw_cast_transpose", "adamw_quantize_", "adamw_step"]
+__all__ = ["adamw", "adamw_cast_transpose", "adamw_quantize_", "adamw_step"]
 
 
 def adamw_step(w: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, lr: Tensor, beta1: float, beta2: float,
@@ -36,6 +37,13 @@ def adamw_step(w: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, lr: Ten
     w.copy_(wf)
     m.copy_(mf)
     v.copy_(vf)
+
+
+def adamw(ws: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], step: Tensor, lr: Tensor,
+          beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """Reference of ``fp8ops::adamw``: :func:`adamw_step` on each ``(ws[i], gs[i], ms[i], vs[i])``."""
+    for w, g, m, v in zip(ws, gs, ms, vs, strict=True):
+        adamw_step(w, g, m, v, step, lr, beta1, beta2, eps, weight_decay)
 
 
 def adamw_cast_transpose(w: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, lr: Tensor, scale: Tensor,
