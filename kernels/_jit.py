@@ -6,9 +6,7 @@ The FP8 cast (``kernels/quantize.py`` gives the math)::
     q    = rne(clamp(y * s, -fmax, fmax))                   (saturate, cast_fp8)
     amax = max |y|                                          (abs_bits, atomic_amax)
 
-- ``saturate``: clamps to the format's finite range; a NaN passes through. Every use is followed by
-  a conversion to FP8; where that conversion saturates by itself (``converts_saturating``: CUDA,
-  compute capability 8.9+), the clamp is left out, with the same bits.
+- ``saturate``: clamps to the format's finite range; a NaN passes through.
 - ``scale_from_amax``: the current-scaling scale of an amax (a scalar or a tile of row amaxes):
   ``fmax / amax / 2**margin``, clamped to the normal float32 range, optionally rounded down to a
   power of two; ``fallback`` where the amax is 0 or not finite. ``scale_from_fmax``: the same with
@@ -49,24 +47,9 @@ __all__ = [
 ]
 
 
-@triton.constexpr_function
-def converts_saturating():
-    # Whether the conversion of float32 to FP8 saturates by itself: on CUDA GPUs of compute
-    # capability 8.9 and newer, where Triton converts with cvt.rn.satfinite (finite values beyond
-    # the format's largest round to it, infinities become it, NaN stays NaN: the bits of the clamp
-    # below followed by a conversion). Not under the interpreter, whose conversion does not saturate,
-    # and not on older GPUs, where the E5M2 conversion is emulated without saturation.
-    target = tl.target_info.current_target()
-    return target is not None and target.backend == "cuda" and tl.target_info.cuda_capability_geq(8, 9)
-
-
 @triton.jit
 def saturate(y, FP8_MAX: tl.constexpr):
-    # Clamp to the finite range; a NaN passes through unchanged (min/max would drop it). Every use is
-    # followed by a conversion to FP8: where that conversion saturates, the clamp is left to it (two
-    # instructions and a select fewer per element, in kernels bound by instruction issue).
-    if converts_saturating():
-        return y
+    # Clamp to the finite range; a NaN passes through unchanged (min/max would drop it).
     return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
 
 
