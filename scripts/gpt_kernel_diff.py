@@ -20,8 +20,8 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fp8ops.bench.gpt import SIZES, _size
-from fp8ops.bench.step import FUSED_ADAMW, _variant
+from fp8ops.bench.gpt import BUILDS, SIZES, _size
+from fp8ops.bench.step import _variant
 
 KINDS = [
     ("gemm", r"nvjet|gemm|cutlass|sm90_xmma|_scaled_mm"),
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=60)
     ap.add_argument("--json", default=None)
     ap.add_argument("--impls", nargs="+", default=["torch", "fp8ops FP8"],
-                    choices=["torch", "fp8ops FP8", "fp8ops FP8, FP8 head", FUSED_ADAMW])
+                    choices=sorted({i for i, _ in BUILDS} - {"torchao"}))
     args = ap.parse_args()
     layers, heads = SIZES[args.hidden]
     size = _size(args.hidden, layers, heads, 50304, False)
