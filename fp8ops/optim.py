@@ -67,13 +67,13 @@ def _check_hyper(value: Any, name: str, where: str, lo: float, hi: float, hi_ope
     return float(value)
 
 
-def _check_lr_and_coefficients(lr: Any, betas: Any, eps: Any, weight_decay: Any, device: torch.device,
-                               like: Tensor, where: str, whose: str) -> tuple[Tensor, float, float, float, float]:
+def _check_lr_and_coefficients(lr: Any, betas: Any, eps: Any, weight_decay: Any, like: Tensor, where: str,
+                               whose: str) -> tuple[Tensor, float, float, float, float]:
     if isinstance(lr, Tensor):
         lr_t = _check_scalar_tensor(lr, "lr", like, where, whose)
     else:
         # a fill kernel with the value, not a copy from host memory (capturable in a CUDA graph)
-        lr_t = torch.full((), _check_hyper(lr, "lr", where, 0.0, math.inf, False), device=device)
+        lr_t = torch.full((), _check_hyper(lr, "lr", where, 0.0, math.inf, False), device=like.device)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
     beta1 = _check_hyper(betas[0], "betas[0]", where, 0.0, 1.0, True)
@@ -155,8 +155,8 @@ def adamw_(
         for name in ("grads", "exp_avgs", "exp_avg_sqs"):
             _check_like(lists[name][i], f"{name}[{i}]", w, where, f"params[{i}]")
     _check_scalar_tensor(step, "step", first, where, "the parameters'")
-    lr_t, beta1, beta2, eps, weight_decay = _check_lr_and_coefficients(lr, betas, eps, weight_decay, first.device,
-                                                                       first, where, "the parameters'")
+    lr_t, beta1, beta2, eps, weight_decay = _check_lr_and_coefficients(lr, betas, eps, weight_decay, first, where,
+                                                                       "the parameters'")
     with torch.no_grad():
         step.add_(1.0)
         OPS.adamw(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), step, lr_t, beta1, beta2, eps,
@@ -248,8 +248,8 @@ def adamw_quantize_(
     if not isinstance(ws, ScalingState):
         raise TypeError(f"{where}: state must be a ScalingState or a LinearState, got {type(state).__name__}")
     validate_state(ws, where=f"{where}: state", device=weight.device, recipe=recipe)
-    lr_t, beta1, beta2, eps, weight_decay = _check_lr_and_coefficients(lr, betas, eps, weight_decay, weight.device,
-                                                                       weight, where, "the weight's")
+    lr_t, beta1, beta2, eps, weight_decay = _check_lr_and_coefficients(lr, betas, eps, weight_decay, weight, where,
+                                                                       "the weight's")
     spec = QuantSpec.of(recipe, "forward", ws.calibrated)
     if spec.mode == "rowwise":
         raise ValueError(f"{where}: row-wise scaling is not supported (its transposed copy has scales of its own); "

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8ops.kernels.optim import _adamw_bias, _adamw_math  # the library's AdamW body, in every variant
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_host_check import device_us  # noqa: E402  (CUDA events around 20 calls, median of 5)
 
@@ -37,10 +39,8 @@ BETAS, EPS, WD = (0.9, 0.999), 1e-8, 1e-2
 @triton.jit
 def _flat_adamw(w_ptr, g_ptr, m_ptr, v_ptr, q_ptr, step_ptr, lr_ptr, scale_ptr, n, beta1, beta2, eps, wd,
                 BLOCK: tl.constexpr, Q: tl.constexpr, EVICT: tl.constexpr, STRIDE: tl.constexpr):
-    t = tl.load(step_ptr)
     lr = tl.load(lr_ptr)
-    bias1 = 1.0 - tl.math.exp2(t * tl.math.log2(beta1))
-    bias2_sqrt = tl.math.sqrt_rn(1.0 - tl.math.exp2(t * tl.math.log2(beta2)))
+    bias1, bias2_sqrt = _adamw_bias(step_ptr, beta1, beta2)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nblocks = tl.cdiv(n, BLOCK)
@@ -57,11 +57,7 @@ def _flat_adamw(w_ptr, g_ptr, m_ptr, v_ptr, q_ptr, step_ptr, lr_ptr, scale_ptr, 
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w = w - lr * wd * w
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        denom = tl.math.sqrt_rn(v) / bias2_sqrt + eps
-        w = w - (lr / bias1) * (m / denom)
+        w, m, v = _adamw_math(w, g, m, v, lr, bias1, bias2_sqrt, beta1, beta2, eps, wd)
         w_out = w.to(w_ptr.dtype.element_ty)
         tl.store(w_ptr + offs, w_out, mask=mask)
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
@@ -86,11 +82,9 @@ def _tile_adamw(w_ptr, g_ptr, m_ptr, v_ptr, q_ptr, qt_ptr, step_ptr, lr_ptr, sca
     gsize = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % gsize)
     pid_k = (pid % width) // gsize
-    t = tl.load(step_ptr)
     lr = tl.load(lr_ptr)
     s = tl.load(scale_ptr)
-    bias1 = 1.0 - tl.math.exp2(t * tl.math.log2(beta1))
-    bias2_sqrt = tl.math.sqrt_rn(1.0 - tl.math.exp2(t * tl.math.log2(beta2)))
+    bias1, bias2_sqrt = _adamw_bias(step_ptr, beta1, beta2)
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rm[:, None] < N) & (rk[None, :] < K)
@@ -99,11 +93,7 @@ def _tile_adamw(w_ptr, g_ptr, m_ptr, v_ptr, q_ptr, qt_ptr, step_ptr, lr_ptr, sca
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w = w - lr * wd * w
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    denom = tl.math.sqrt_rn(v) / bias2_sqrt + eps
-    w = w - (lr / bias1) * (m / denom)
+    w, m, v = _adamw_math(w, g, m, v, lr, bias1, bias2_sqrt, beta1, beta2, eps, wd)
     w_out = w.to(w_ptr.dtype.element_ty)
     if CS:
         tl.store(w_ptr + offs, w_out, mask=mask, cache_modifier=".cs")

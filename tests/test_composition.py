@@ -251,3 +251,19 @@ def test_fp8_head_recipe_of_its_own() -> None:
         out[name] = (float(loss.detach()), ps["tok"].grad.clone())
     assert out["hybrid"][0] == out["e4m3"][0]
     assert not torch.equal(out["hybrid"][1], out["e4m3"][1]), "the head's gradient ignored head_recipe"
+
+
+@pytest.mark.parametrize("recipe", ["none", "delayed"])
+def test_library_optimizer_trains_as_torch_adamw(recipe: str) -> None:
+    """The harness's ``optimizer="fp8ops"`` (fp8ops.adamw_ over every parameter): the loss curve
+    and the last step's gradients of torch's AdamW, to float32 reassociation (with FP8, the weights'
+    last-bit differences move some FP8 codes by a step, hence the looser gradient bound)."""
+    torch_run = C.train("eager", recipe=C.make_recipe(recipe), dtype=torch.float32, device="cpu", steps=4)
+    ours = C.train("eager", recipe=C.make_recipe(recipe), dtype=torch.float32, device="cpu", steps=4,
+                   optimizer="fp8ops")
+    assert torch_run.losses[-1] < torch_run.losses[0]
+    torch.testing.assert_close(torch.tensor(ours.losses), torch.tensor(torch_run.losses), rtol=1e-5, atol=0)
+    err, key = C.max_rel_error(torch_run.last_grads, ours.last_grads)
+    assert err <= (1e-4 if recipe == "none" else 2e-2), (err, key)
+    with pytest.raises(ValueError, match="train: optimizer must be 'torch' or 'fp8ops', got 'sgd'"):
+        C.train("eager", recipe=None, dtype=torch.float32, device="cpu", steps=1, optimizer="sgd")

@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 import fp8ops
 from fp8ops._transformer_checks import WEIGHT_ROLES
 from fp8ops.bench import step as bench_step
+from fp8ops.testing.composition import LibraryAdamW
 
 SIZE = {"layers": 2, "hidden": 32, "heads": 4, "seq": 8, "batch": 2, "vocab": 64}
 
@@ -179,7 +180,7 @@ def test_library_loss_and_adamw_build_trains_as_the_fused_loss_build():
     assert plain[0] == both[0] and plain[-1] < plain[0] - 1e-3
     torch.testing.assert_close(torch.tensor(both), torch.tensor(plain), rtol=2e-4, atol=0)
     params, opt, fused = step.stepped
-    assert isinstance(opt, bench_step.LibraryAdamW)
+    assert isinstance(opt, LibraryAdamW)
     assert sorted([id(p) for p in opt.params] + [id(w) for w in fused]) == sorted(id(p) for p in pytree.tree_leaves(params))
 
 
@@ -187,7 +188,7 @@ def test_library_adamw_steps_as_torch_adamw():
     g = torch.Generator().manual_seed(0)
     ps = [torch.randn(s, generator=g).requires_grad_() for s in ((4, 3), (5,), (2,))]
     refs = [p.detach().clone().requires_grad_() for p in ps]
-    ours = bench_step.LibraryAdamW(ps, device="cpu")
+    ours = bench_step._library_adamw(ps, device="cpu")
     theirs = bench_step._optimizer(refs, device="cpu")
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=g) for p in ps]

@@ -219,10 +219,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 ("fused_loss_over_torchao", "target_vs_torchao", "torchao (fused loss)"),
                                 ("fused_all_over_bf16", "target_vs_bf16", "bf16 (fused loss + AdamW)"),
                                 ("fused_all_over_torchao", "target_vs_torchao", "torchao (fused loss + AdamW)"),
-                                ("fused_adamw_over_bf16_library_adamw", "", "bf16 with the library's AdamW (fused AdamW)"),
-                                ("fused_all_over_bf16_library_adamw", "", "bf16 with the library's AdamW (fused loss + AdamW)")):
+                                ("fused_adamw_over_bf16_library_adamw", None, "bf16 with the library's AdamW (fused AdamW)"),
+                                ("fused_all_over_bf16_library_adamw", None, "bf16 with the library's AdamW (fused loss + AdamW)")):
             if key in s:
-                t = s.get(tkey)
+                t = None if tkey is None else s[tkey]  # no target for the comparison with bf16 on adamw_
                 verdict = "" if t is None else (f" (target <= {t:.2f}: " + ("met" if s[key] <= t else "MISSED") + ")")
                 parts.append(f"FP8 / {peer} {s[key]:.3f}{verdict}")
         print("; ".join(parts))

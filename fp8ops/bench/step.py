@@ -118,35 +118,11 @@ TORCH_LIBRARY_ADAMW = "torch + fp8ops AdamW"
 library's optimizer alone gives a model without FP8."""
 
 
-class LibraryAdamW:
-    """The parameters ``params`` stepped by :func:`fp8ops.adamw_` (the coefficients of
-    :func:`_optimizer`, a learning-rate tensor, one step count), in the interface of a torch
-    optimizer that the steps use: ``zero_grad(set_to_none=True)``, ``step()``, ``param_groups``.
-    Unlike torch's AdamW, which skips a parameter without a gradient and counts steps per
-    parameter, it steps every parameter with one count, so a missing gradient is an error."""
+def _library_adamw(params: list[torch.Tensor], device: str = "cuda") -> Any:
+    """``params`` stepped by :func:`fp8ops.adamw_` with the coefficients of :func:`_optimizer`."""
+    from fp8ops.testing.composition import LibraryAdamW
 
-    def __init__(self, params: list[torch.Tensor], device: str = "cuda") -> None:
-        self.params = list(params)
-        self.param_groups = [{"params": self.params}]
-        self.exp_avgs = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params]
-        self.count = torch.zeros((), device=device)
-        self.lr = torch.full((), LR, device=device)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        import fp8ops
-
-        missing = [i for i, p in enumerate(self.params) if p.grad is None]
-        if missing:  # one step count for all: a parameter skipped once would take the others' count after
-            raise ValueError(f"LibraryAdamW.step: parameters {missing} have no gradient; every parameter must "
-                             f"have one (they share one step count)")
-        fp8ops.adamw_(self.params, [p.grad for p in self.params], self.exp_avgs, self.exp_avg_sqs, self.count,
-                      lr=self.lr)
+    return LibraryAdamW(params, lr=LR, device=device)
 
 
 def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], states: list[Any], recipe: Any,
@@ -154,7 +130,7 @@ def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], state
     """``(step, carry)`` of a GPT whose layers' GEMM weights are stepped by
     :func:`fp8ops.adamw_quantize_`, which also writes each weight's FP8 copy (under the scale that
     the step's :func:`fp8ops.update` just computed) for the next forward's ``weight_cache``; the
-    other parameters (embeddings, norms, biases) by :func:`fp8ops.adamw_` (:class:`LibraryAdamW`).
+    other parameters (embeddings, norms, biases) by :func:`fp8ops.adamw_` (:func:`_library_adamw`).
     The same AdamW coefficients for all. ``loss_of(states, probes, caches, *batch)``; the first caches come from
     :func:`fp8ops.quantize_weight`. The step function's ``caches(states)`` builds the caches that
     a forward from ``states`` would take, and ``stepped`` is (the parameters, the optimizer of the
@@ -176,7 +152,7 @@ def _fused_adamw_step(loss_of: Callable[..., Any], params: dict[str, Any], state
             fused.append((i, key, skey, role, w, torch.zeros_like(w), torch.zeros_like(w),
                           torch.zeros((), device=device), cache.value))
     taken = {id(f[4]) for f in fused}
-    opt = LibraryAdamW([p for p in pytree.tree_leaves(params) if id(p) not in taken], device)
+    opt = _library_adamw([p for p in pytree.tree_leaves(params) if id(p) not in taken], device)
     compiled = torch.compile(loss_of, fullgraph=True) if mode.startswith("compile") else loss_of
     first = [True] if eager_first else []
 
@@ -238,7 +214,7 @@ def _variant(model: str, impl: str, mode: str, size: dict[str, int], eager_first
 
                 convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name("tensorwise"))
             loss_fn: Callable[..., Any] = torch.compile(net) if mode.startswith("compile") else net
-            opt = (LibraryAdamW(list(net.parameters())) if impl == TORCH_LIBRARY_ADAMW
+            opt = (_library_adamw(list(net.parameters())) if impl == TORCH_LIBRARY_ADAMW
                    else _optimizer(list(net.parameters())))
 
             def torch_step(carry: Any, tok: torch.Tensor, tgt: torch.Tensor) -> tuple[Any, torch.Tensor]:

@@ -224,10 +224,43 @@ def _grads(params: list[Tensor]) -> dict[str, Tensor]:
     return {str(i): p.grad.detach().clone() for i, p in enumerate(params)}
 
 
+class LibraryAdamW:
+    """``params`` stepped by :func:`fp8ops.adamw_` (one step count, a learning-rate tensor), in the
+    interface of a torch optimizer that training steps use: ``zero_grad(set_to_none=True)``,
+    ``step()``, ``param_groups``. Unlike torch's AdamW, which skips a parameter without a gradient and
+    counts steps per parameter, it steps every parameter with one count, so a missing gradient is
+    an error."""
+
+    def __init__(self, params: list[Tensor], *, lr: float, weight_decay: float = 1e-2,
+                 device: torch.device | str = "cuda") -> None:
+        self.params = list(params)
+        self.param_groups = [{"params": self.params}]
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params]
+        self.count = torch.zeros((), device=device)
+        self.lr = torch.full((), lr, device=device)
+        self.weight_decay = weight_decay
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        import fp8ops
+
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:  # one step count for all: a parameter skipped once would take the others' count after
+            raise ValueError(f"LibraryAdamW.step: parameters {missing} have no gradient; every parameter must "
+                             f"have one (they share one step count)")
+        fp8ops.adamw_(self.params, [p.grad for p in self.params], self.exp_avgs, self.exp_avg_sqs, self.count,
+                      lr=self.lr, weight_decay=self.weight_decay)
+
+
 def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | str, steps: int = 8,
           lr: float = 1e-2, backend: str = "inductor", model: Model | None = None,
           params: dict[str, Any] | None = None, capturable: bool | None = None,
-          fp8_head: bool = False, fused_loss: bool = False) -> StepResult:
+          fp8_head: bool = False, fused_loss: bool = False, optimizer: str = "torch") -> StepResult:
     """Train the model for ``steps`` AdamW steps in ``mode``; see the module docstring.
 
     Args:
@@ -242,6 +275,8 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
             fp8_head=fp8_head, fused_loss=fused_loss)``).
         capturable: AdamW's ``capturable`` flag; default True for the graph modes on CUDA, else
             False.
+        optimizer: "torch" (``torch.optim.AdamW``) or "fp8ops" (:func:`fp8ops.adamw_` over every
+            parameter, :class:`LibraryAdamW`; ``capturable`` does not apply).
 
     Returns:
         A :class:`StepResult`.
@@ -258,7 +293,10 @@ def train(mode: str, *, recipe: Any, dtype: torch.dtype, device: torch.device | 
     master = [t.detach().clone().requires_grad_() for t in leaves]
     if capturable is None:
         capturable = mode.startswith("graph_step") and torch.device(device).type == "cuda"
-    opt = torch.optim.AdamW(master, lr=lr, weight_decay=0.0, capturable=capturable)
+    if optimizer not in ("torch", "fp8ops"):
+        raise ValueError(f"train: optimizer must be 'torch' or 'fp8ops', got {optimizer!r}")
+    opt: Any = (LibraryAdamW(master, lr=lr, weight_decay=0.0, device=device) if optimizer == "fp8ops"
+                else torch.optim.AdamW(master, lr=lr, weight_decay=0.0, capturable=capturable))
     states = init_states(model, recipe, device)
 
     def loss_fn(ps: Any, st: Any, pr: Any, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Any]:
