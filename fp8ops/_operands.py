@@ -34,12 +34,14 @@ __all__ = [
     "gemm_dgrad",
     "gemm_fprop",
     "gemm_wgrad",
+    "head_views",
     "hp_linear",
     "norm_backward",
     "norm_operands",
     "or_empty",
     "quantize_grad",
     "quantize_grad_db",
+    "quantize_grad_heads",
     "quantize_pair",
     "quantize_weight_operands",
 ]
@@ -119,6 +121,31 @@ def quantize_grad_db(dy: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bo
         return q, inv, q_t, inv, amax, db.to(db_dtype)
     q, inv, q_t, inv_t, amax = quantize_pair(dy, scale, spec, need_t)
     return q, inv, q_t, inv_t, amax, (bias_grad(dy, db_dtype) if need_db else None)
+
+
+def quantize_grad_heads(dq: Tensor, dk: Tensor, dv: Tensor, g_scale: Tensor, spec: QuantSpec, has_probe: bool,
+                        db_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`quantize_grad_db` (both operands, the bias sums) of a QKV projection's output gradient
+    given as attention's dq, dk, dv (B, H, S, D): one pass over them where they lie
+    (``fp8ops::cast_transpose_heads``), without their concatenation. Per-tensor scaling only."""
+    if not has_probe:
+        spec = spec._replace(calibrated=False)
+    scale = g_scale if has_probe else torch.ones((), dtype=torch.float32, device=dq.device)
+    amax_in = None
+    if spec.mode != "delayed" or not spec.calibrated:  # the scale from this gradient's amax, first
+        amax_in = torch.maximum(torch.maximum(_ops.amax(dq.contiguous()), _ops.amax(dk.contiguous())),
+                                _ops.amax(dv.contiguous()))
+    q, q_t, amax, inv, db = _ops.cast_transpose_heads(dq, dk, dv, scale, amax_in, spec.margin, spec.power_2,
+                                                      spec.dtype)
+    return q, inv, q_t, inv, amax, db.to(db_dtype)
+
+
+def head_views(y: Tensor, batch: int, hq: int, hkv: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention's q, k, v (B, h, S, d) views of a QKV projection output y: (S B, (hq + 2 hkv) d)
+    rows in (s, b) order, or (S, B, (hq + 2 hkv) d)."""
+    y3 = y.reshape(-1, batch, y.shape[-1])
+    q, k, v = y3.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return tuple(t.unflatten(-1, (t.shape[-1] // d, d)).permute(1, 2, 0, 3) for t in (q, k, v))  # type: ignore[return-value]
 
 
 def gemm_fprop(xq: Tensor | None, x_inv: Tensor | None, x: Tensor | None, wq: Tensor | None,

@@ -40,11 +40,13 @@ from ._operands import (
     gemm_dgrad,
     gemm_fprop,
     gemm_wgrad,
+    head_views,
     hp_linear,
     norm_backward,
     norm_operands,
     or_empty,
     quantize_grad_db,
+    quantize_grad_heads,
     quantize_weight_operands,
 )
 from .fp8_linear import LinearState, WeightCache, _check_cache_transpose, _same_tensor, _same_weight, fp8_linear
@@ -120,6 +122,7 @@ class _Cfg(NamedTuple):
     need_dw: bool
     need_db: bool
     use_cache: bool  # the weight's FP8 operands come from a WeightCache
+    heads: tuple[int, int, int, int] | None = None  # (B, hq, hkv, d): y returned as attention's head views
 
 
 class _LayerNormLinear(torch.autograd.Function):
@@ -163,21 +166,27 @@ class _LayerNormLinear(torch.autograd.Function):
         y = gemm_fprop(lnq, ln_inv, ln, wq, w_inv, w, bias, cfg.fprop, x.dtype)
         if not need_wt:
             wq_t = w_inv_t = None
-        return (y, or_empty(ln, x), or_empty(s, x), ln_amax, w_amax, mean, rstd, or_empty(lnq_t, x),
+        rest = (or_empty(ln, x), or_empty(s, x), ln_amax, w_amax, mean, rstd, or_empty(lnq_t, x),
                 or_empty(ln_inv_t, x), or_empty(wq_t, x), or_empty(w_inv_t, x))
+        if cfg.heads is None:
+            return (y, *rest)
+        # attention's q, k, v views of y: their gradients come back separately (backward, Step 1)
+        q4, k4, v4 = head_views(y, *cfg.heads)
+        return (q4, *rest, k4, v4)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, r, ln_w, _, w, bias, _, _, g_scale, _, c_data, c_data_t, c_inv, c_inv_t, cfg = inputs
-        _, ln, s, _, _, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t = output
+        _, ln, s, _, _, mean, rstd, lnq_t, ln_inv_t, wq_t, w_inv_t = output[:11]
         ctx.w_t_later = False
         if cfg.use_cache and cfg.need_dx and cfg.dgrad.precision == "fp8":
             wq_t, w_inv_t, ctx.w_t_later = cached_dgrad_operand(c_data, c_data_t, c_inv, c_inv_t)
         # one call: a second mark_non_differentiable replaces the first set
-        ctx.mark_non_differentiable(*output[3:], *(() if cfg.return_ln else (ln,)), *(() if r is not None else (s,)))
+        ctx.mark_non_differentiable(*output[3:11], *(() if cfg.return_ln else (ln,)), *(() if r is not None else (s,)))
         # No zero gradients for the outputs that never get one; dy or dln_out may then be None.
         ctx.set_materialize_grads(False)
         ctx.y_shape = output[0].shape
+        ctx.head_shapes = None if cfg.heads is None else tuple(o.shape for o in (output[0], *output[11:]))
         keep_ln = cfg.need_dw and cfg.wgrad.precision != "fp8"
         keep_w = cfg.need_dx and cfg.dgrad.precision != "fp8"
         ctx.save_for_backward(
@@ -190,7 +199,7 @@ class _LayerNormLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor | None, dln_out: Tensor | None, ds: Tensor | None,  # type: ignore[override]
-                 *_: Any) -> tuple[Any, ...]:
+                 *rest: Any) -> tuple[Any, ...]:
         # x is the normalised input (s = x + r with a residual); ds: the gradient that reached s
         # directly (the residual stream), added into dx by the norm's backward.
         if not ctx.has_residual:
@@ -200,13 +209,26 @@ class _LayerNormLinear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dx = dln_w = dln_b = dw = db = None
         with torch.no_grad():
-            if dy is None:  # only the returned norm output is used downstream
-                dy = torch.zeros(ctx.y_shape, dtype=x_dtype, device=ln_w.device)
-            dy = dy.contiguous()
             fp8_dgrad = cfg.need_dx and cfg.dgrad.precision == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
+            if cfg.heads is not None:
+                # Step 1 (head views): dy is [dq | dk | dv], quantized (with its transpose and bias
+                # sums) in one pass over the three gradients where attention wrote them.
+                parts = tuple(g if g is not None else torch.zeros(shape, dtype=x_dtype, device=ln_w.device)
+                              for g, shape in zip((dy, rest[-2], rest[-1]), ctx.head_shapes))
+                dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db = quantize_grad_heads(
+                    *parts, g_scale, cfg.g_spec, cfg.has_probe, b_dtype or torch.float32)
+                dy = None  # the GEMMs take the FP8 operands (heads needs FP8 dgrad and wgrad)
+                if not cfg.need_db:
+                    db = None
+            elif dy is None:  # only the returned norm output is used downstream
+                dy = torch.zeros(ctx.y_shape, dtype=x_dtype, device=ln_w.device)
+            if dy is not None:
+                dy = dy.contiguous()
             # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
-            if cfg.fp8:  # the bias gradient from the same pass where it writes dy's transposed copy
+            if cfg.heads is not None:
+                pass
+            elif cfg.fp8:  # the bias gradient from the same pass where it writes dy's transposed copy
                 dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db = quantize_grad_db(
                     dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db, b_dtype or torch.float32
                 )
@@ -233,6 +255,34 @@ class _LayerNormLinear(torch.autograd.Function):
 _LayerNormLinear.forward.__signature__ = inspect.signature(_LayerNormLinear.forward)  # type: ignore[attr-defined]
 
 
+def _check_qkv_heads(qkv_heads: Any, x: Any, weight: Any, return_ln: bool, tp_group: Any, where: str
+                     ) -> tuple[int, int, int] | None:
+    """Validate ``qkv_heads``; None where the backward cannot take the three gradients as they come
+    (the caller then takes the views of y as it is)."""
+    if (not isinstance(qkv_heads, tuple) or len(qkv_heads) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in qkv_heads)):
+        raise TypeError(f"{where}: qkv_heads must be a tuple (hq, hkv, d) of ints > 0, got {qkv_heads!r}")
+    hq, hkv, d = qkv_heads
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"{where}: qkv_heads needs x as (S, B, K), got shape "
+                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != (hq + 2 * hkv) * d:
+        raise ValueError(f"{where}: qkv_heads={qkv_heads} needs a weight of (hq + 2 hkv) d = {(hq + 2 * hkv) * d} "
+                         f"rows, got {tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
+    if return_ln or tp_group is not None:
+        raise ValueError(f"{where}: qkv_heads is not available with return_layernorm_output or tp_group")
+    return qkv_heads
+
+
+def _heads_fused(qkv_heads: tuple[int, int, int], x: Tensor, weight: Tensor, recipe: Any, fp8: bool) -> bool:
+    """Whether the backward quantizes the head views' gradients in one pass: a per-tensor FP8
+    recipe with FP8 dgrad and wgrad GEMMs, head widths the kernel tiles."""
+    from .kernels.quantize import heads_block_k
+
+    return (fp8 and recipe.mode != "rowwise" and recipe.dgrad.precision == "fp8" and recipe.wgrad.precision == "fp8"
+            and weight.shape[1] > 0 and heads_block_k(*qkv_heads) is not None)
+
+
 def layernorm_linear(
     x: Tensor,
     ln_weight: Tensor,
@@ -252,6 +302,7 @@ def layernorm_linear(
     parallel_mode: str | None = None,
     sequence_parallel: bool = False,
     residual: Tensor | None = None,
+    qkv_heads: tuple[int, int, int] | None = None,
 ) -> tuple[Any, LayerNormLinearState | None]:
     """LayerNorm / RMSNorm followed by an FP8 linear layer, with the norm writing the FP8 operand.
 
@@ -302,6 +353,14 @@ def layernorm_linear(
             writes s in the same pass and, in the backward, adds the gradient that reaches s
             directly into its dx. With ``tp_group`` and no sequence parallelism (or K = 0) the add
             runs in front, unfused; with ``sequence_parallel`` the slice's norm kernel adds it.
+        qkv_heads: ``(hq, hkv, d)`` with x (S, B, K) and N = (hq + 2 hkv) d: y is returned as
+            attention's head views ``(q, k, v)``, (B, hq, S, d), (B, hkv, S, d) and (B, hkv, S, d)
+            views of the projection (its last dim [q heads | k heads | v heads]), as
+            ``torch.nn.functional.scaled_dot_product_attention`` takes them. Under a per-tensor FP8
+            recipe (FP8 dgrad and wgrad GEMMs) the backward then reads their three gradients where
+            they arrive and quantizes them in one pass (``fp8ops::cast_transpose_heads``, the bias
+            gradient from the same pass) instead of autograd concatenating them first; otherwise the
+            views are taken of y as it is. Not with ``return_layernorm_output`` or ``tp_group``.
 
     All tensors must be on x's device.
 
@@ -335,6 +394,8 @@ def layernorm_linear(
         Normalization" (2019); NVIDIA Transformer Engine ``LayerNormLinear``.
     """
     where = "layernorm_linear"
+    if qkv_heads is not None:
+        _check_qkv_heads(qkv_heads, x, weight, return_layernorm_output, tp_group, where)
     tp = tp_config(where, tp_group, parallel_mode, sequence_parallel, modes=("column",))
     if residual is not None:
         check_residual(residual, x, where)
@@ -380,11 +441,20 @@ def layernorm_linear(
             return layernorm_linear(
                 x, ln_weight, ln_bias, weight, bias, state, recipe=recipe, normalization=normalization, eps=eps,
                 zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output,
-                grad_probe=grad_probe, weight_cache=weight_cache, residual=residual)
+                grad_probe=grad_probe, weight_cache=weight_cache, residual=residual, qkv_heads=qkv_heads)
     K = check_norm_args(x, ln_weight, ln_bias, normalization, eps, zero_centered_gamma, where)
     N = check_weight(weight, bias, K, x, "weight", where)
     fp8 = check_state_recipe(state, recipe, LayerNormLinearState, x, where)
     check_probe(grad_probe, where, device=x.device)
+    if qkv_heads is not None and not _heads_fused(qkv_heads, x, weight, recipe, fp8):
+        # the views of y as it is: autograd concatenates their gradients
+        out, new_state = layernorm_linear(
+            x, ln_weight, ln_bias, weight, bias, state, recipe=recipe, normalization=normalization, eps=eps,
+            zero_centered_gamma=zero_centered_gamma, grad_probe=grad_probe, weight_cache=weight_cache,
+            residual=residual)
+        y = out[0] if residual is not None else out
+        views = head_views(y, x.shape[1], *qkv_heads)
+        return ((views, out[1]) if residual is not None else views), new_state
     if grad_probe is not None and not fp8:
         raise ValueError(f"{where}: grad_probe is only meaningful with FP8 (a state and a recipe); pass grad_probe=None")
     use_cache = weight_cache is not None
@@ -418,6 +488,7 @@ def layernorm_linear(
         has_probe=grad_probe is not None, return_ln=bool(return_layernorm_output),
         need_dx=need_norm_grad, need_dw=grad_on and weight.requires_grad,
         need_db=grad_on and bias is not None and bias.requires_grad, use_cache=use_cache,
+        heads=None if qkv_heads is None else (x.shape[1], *qkv_heads),
     )
     x_scale, w_scale, g_scale = scales
     if fp8:  # autograd.Function under torch.compile rejects one tensor passed twice
@@ -433,7 +504,10 @@ def layernorm_linear(
         None if c is None else c.data, None if c is None else c.data_t, None if c is None else c.inv_scale,
         None if weight_cache is None else weight_cache.inv_scale_t, cfg,
     )
-    y = y.reshape(*lead, N)
+    if qkv_heads is not None:
+        y = (y, *_[-2:])  # q, k, v
+    else:
+        y = y.reshape(*lead, N)
     new_state = None
     if fp8:
         assert state is not None

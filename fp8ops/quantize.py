@@ -259,6 +259,7 @@ _define(_K.amax, cpu=_ref.amax)
 _define(_K.cast, cpu=_ref.cast)
 _define(_K.cast_transpose, cpu=_ref.cast_transpose)
 _define(_K.cast_transpose_dbias, cpu=_ref.cast_transpose_dbias)
+_define(_K.cast_transpose_heads, cpu=_ref.cast_transpose_heads)
 _define(_K.cast_rowwise, cpu=_ref.cast_rowwise)
 _define(_K.transpose_bytes, cpu=_ref.transpose_bytes)
 
@@ -285,6 +286,7 @@ def _loop_vmap(op: Any) -> Any:
     return rule
 
 
-for _name in ("amax", "cast", "cast_transpose", "cast_transpose_dbias", "cast_rowwise", "transpose_bytes"):
+for _name in ("amax", "cast", "cast_transpose", "cast_transpose_dbias", "cast_transpose_heads", "cast_rowwise",
+              "transpose_bytes"):
     torch.library.register_vmap(f"fp8ops::{_name}", _loop_vmap(getattr(_ops, _name)))
 

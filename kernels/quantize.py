@@ -75,6 +75,8 @@ __all__ = [
     "cast_launch",
     "cast_rowwise_launch",
     "cast_transpose_dbias_launch",
+    "cast_transpose_heads_launch",
+    "heads_block_k",
     "cast_transpose_launch",
     "transpose_bytes_launch",
 ]
@@ -172,6 +174,79 @@ def _cast_transpose_fwd_kernel(
 
 @fast_launch
 @triton.jit
+def _cast_transpose_heads_kernel(
+    x0_ptr,  # (B, H0, S, D) first part (query heads), any strides
+    x1_ptr,  # (B, H1, S, D) second part (key heads)
+    x2_ptr,  # (B, H1, S, D) third part (value heads)
+    q_ptr,  # (M, K) fp8 output, contiguous, M = S * B rows in (s, b) order, K = (H0 + 2 H1) D
+    qt_ptr,  # (K, M) fp8 output, contiguous
+    scale_ptr,
+    amax_in_ptr,
+    amax_ptr,
+    amax_next_ptr,
+    inv_ptr,
+    dbias_ptr,  # (cdiv(M, BLOCK_M), K) fp32 with DBIAS
+    M,
+    K,
+    NB,  # B: row m is (s, b) = (m // B, m % B)
+    W0,  # H0 * D: the first column of the second part
+    W01,  # (H0 + H1) * D: the first column of the third part
+    s0b, s0h, s0s, s1b, s1h, s1s, s2b, s2h, s2s,  # strides of each part along B, H, S (unit along D)
+    D: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MARGIN: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POWER_2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DBIAS: tl.constexpr,
+):
+    # _cast_transpose_fwd_kernel over the concatenation [x0 | x1 | x2] of three head tensors, read
+    # where they are: each tile lies in one part (W0 and W01 are multiples of BLOCK_K).
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid_m, pid_k = grouped_tile(pid, GROUP_M * num_k, num_m, GROUP_M=GROUP_M)
+    scale = fp8_scale(scale_ptr, amax_in_ptr, inv_ptr, pid,
+                      FP8_MAX=FP8_MAX, MARGIN=MARGIN, SCALE_FROM_AMAX=SCALE_FROM_AMAX, POWER_2=POWER_2)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = pid_k * BLOCK_K
+    if k0 < W0:
+        base = x0_ptr
+        sb = s0b
+        sh = s0h
+        ss = s0s
+        c0 = 0
+    elif k0 < W01:
+        base = x1_ptr
+        sb = s1b
+        sh = s1h
+        ss = s1s
+        c0 = W0
+    else:
+        base = x2_ptr
+        sb = s2b
+        sh = s2h
+        ss = s2s
+        c0 = W01
+    col = rk - c0
+    row_off = (rm // NB) * ss + (rm % NB) * sb
+    col_off = (col // D) * sh + (col % D)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(base + row_off[:, None] + col_off[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = cast_fp8(x, scale, q_ptr, FP8_MAX=FP8_MAX)
+    tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+    tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    atomic_amax(amax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+    clear_next_amax(amax_next_ptr, pid)
+    if DBIAS:
+        tl.store(dbias_ptr + pid_m.to(tl.int64) * K + rk, tl.sum(x, axis=0), mask=rk < K)
+
+
+@fast_launch
+@triton.jit
 def _cast_rowwise_fwd_kernel(
     x_ptr,  # (M, K) input, row stride stride_xm, unit column stride
     q_ptr,  # (M, K) fp8 output, contiguous
@@ -260,6 +335,7 @@ _CAST_T_CFG_TMA = {"BLOCK_M": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "
 _ROWWISE_CFG = {"BLOCK_M": 1, "BLOCK_K": 2048, "num_warps": 8}
 _AMAX_CFG = {"BLOCK": 16384, "num_warps": 4}
 _TRANSPOSE_CFG = {"BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8}
+_HEADS_CFG = {"BLOCK_M": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4}
 
 
 def _check_input(name: str, x: torch.Tensor, *, flat: bool) -> None:
@@ -461,6 +537,73 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax_in: torch.Tensor 
     return q, qt, amax, inv, partial
 
 
+def _heads_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    name = "cast_transpose_heads"
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _IN_DTYPES or t.dim() != 4 or (t.shape[3] > 1 and t.stride(3) != 1):
+            raise ValueError(f"{name}: {n} must be a (B, H, S, D) float32/bfloat16/float16 tensor with unit stride "
+                             f"along D, got {t.dtype} of shape {tuple(t.shape)} and strides {tuple(t.stride())}")
+    B, H0, S, D = q.shape
+    if k.shape[0] != B or k.shape[2:] != (S, D) or v.shape != k.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{name}: k and v must be (B, Hkv, S, D) = ({B}, Hkv, {S}, {D}) of q's dtype, got "
+                         f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+    return B, H0, k.shape[1], S, D
+
+
+def heads_block_k(hq: int, hkv: int, d: int) -> int | None:
+    """The column tile of ``fp8ops::cast_transpose_heads`` for heads (hq, hkv) of dim d: the largest
+    of 128, 64, 32 that divides hq * d and hkv * d (a tile lies in one part), or None."""
+    return next((b for b in (128, 64, 32) if (hq * d) % b == 0 and (hkv * d) % b == 0), None)
+
+
+def cast_transpose_heads_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: torch.Tensor,
+    amax_in: torch.Tensor | None,
+    margin: int,
+    power_2: bool,
+    out_dtype: torch.dtype,
+    *,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_transpose_dbias_launch` of the (S B, (Hq + 2 Hkv) D) matrix whose row (s, b) is
+    ``[q[b, :, s, :] | k[b, :, s, :] | v[b, :, s, :]]`` flattened: the gradient of a QKV projection
+    assembled from attention's dq, dk, dv (B, H, S, D) where they lie, without writing the
+    concatenation.
+
+    Returns:
+        ``(x_q (M, K), x_q_t (K, M), amax, inv_scale, dbias (K,) float32)``, M = S B.
+    """
+    name = "cast_transpose_heads"
+    B, H0, H1, S, D = _heads_check(q, k, v)
+    fp8_max = _check_out_dtype(name, out_dtype)
+    _check_scalar(name, "scale", scale)
+    _check_scalar(name, "amax_in", amax_in)
+    bk = heads_block_k(H0, H1, D)
+    if bk is None:
+        raise ValueError(f"{name}: Hq * D = {H0 * D} and Hkv * D = {H1 * D} must be multiples of 32")
+    cfg = merge_config({**_HEADS_CFG, "BLOCK_K": bk}, config, name=name)
+    M, K = S * B, (H0 + 2 * H1) * D
+    inv = torch.empty((), dtype=torch.float32, device=q.device)
+    xq = torch.empty((M, K), dtype=out_dtype, device=q.device)
+    xqt = torch.empty((K, M), dtype=out_dtype, device=q.device)
+    partial = torch.empty((max(1, cdiv(M, cfg["BLOCK_M"])), K), dtype=torch.float32, device=q.device)
+    grid = (max(1, cdiv(M, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_K"])),)
+    with AMAX_CHAIN.output(q.device, False) as (amax, amax_next):
+        _cast_transpose_heads_kernel[grid](
+            q, k, v, xq, xqt, scale, amax_in if amax_in is not None else scale, amax, amax_next, inv, partial,
+            M, K, max(B, 1), H0 * D, (H0 + H1) * D,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            D=D, FP8_MAX=fp8_max, MARGIN=margin, SCALE_FROM_AMAX=amax_in is not None, POWER_2=power_2,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DBIAS=True,
+            num_warps=cfg["num_warps"],
+        )
+    return xq, xqt, amax, inv, column_sums(partial)[0]
+
+
 def cast_rowwise_launch(
     x: torch.Tensor,
     margin: int,
@@ -575,6 +718,24 @@ cast_transpose_dbias = OpSpec(
 )
 """``fp8ops::cast_transpose_dbias``: :data:`cast_transpose` plus the column sums of x (float32),
 ``(q, q_t, amax, inv_scale, dbias)``: an output gradient's bias gradient from the same pass."""
+
+
+def _cast_transpose_heads_fake(q, k, v, scale, amax_in, margin, power_2, out_dtype):  # type: ignore[no-untyped-def]
+    B, H0, S, D = q.shape
+    M, K = S * B, (H0 + 2 * k.shape[1]) * D
+    return (q.new_empty((M, K), dtype=out_dtype), q.new_empty((K, M), dtype=out_dtype),
+            q.new_empty((), dtype=torch.float32), q.new_empty((), dtype=torch.float32),
+            q.new_empty((K,), dtype=torch.float32))
+
+
+cast_transpose_heads = OpSpec(
+    "cast_transpose_heads(Tensor q, Tensor k, Tensor v, Tensor scale, Tensor? amax_in, int margin, bool power_2, "
+    "ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    cuda=cast_transpose_heads_launch,
+    fake=_cast_transpose_heads_fake,
+)
+"""``fp8ops::cast_transpose_heads``: :data:`cast_transpose_dbias` of the QKV projection's gradient
+assembled from attention's dq, dk, dv (B, H, S, D) in place; ``(q, q_t, amax, inv_scale, dbias)``."""
 
 cast_rowwise = OpSpec(
     "cast_rowwise(Tensor x, int margin, bool power_2, ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",

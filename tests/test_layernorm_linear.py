@@ -406,3 +406,49 @@ def test_residual_errors_and_unfused_paths():
     (y, s), _ = fp8ops.layernorm_linear(x0, torch.ones(0), None, torch.zeros(8, 0), b, None, recipe=None,
                                         residual=x0 + 1)
     assert s.shape == (5, 0) and torch.equal(y, b.expand(5, 8))
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "rowwise", "none"])
+def test_qkv_heads_views_and_gradients_match_the_plain_projection(recipe_name, monkeypatch):
+    """``qkv_heads``: y as attention's (B, h, S, d) views; under a per-tensor recipe the backward
+    quantizes the three gradients in one op call (counted), giving the gradients of the plain
+    projection whose views autograd concatenates."""
+    from fp8ops._operands import head_views
+    from fp8ops.testing.composition import make_recipe
+
+    recipe = make_recipe(recipe_name)
+    g = torch.Generator().manual_seed(0)
+    S, B, K, hq, hkv, d = 5, 3, 32, 2, 1, 32
+    N = (hq + 2 * hkv) * d
+    x, r = torch.randn(S, B, K, generator=g), torch.randn(S, B, K, generator=g)
+    lw, lb = torch.randn(K, generator=g), torch.randn(K, generator=g)
+    w, b = torch.randn(N, K, generator=g) * 0.2, torch.randn(N, generator=g)
+    leaves = [t.requires_grad_() for t in (x, r, lw, lb, w, b)]
+    calls = []
+    real = fp8ops._operands._ops.cast_transpose_heads
+    monkeypatch.setattr(fp8ops._operands._ops, "cast_transpose_heads", lambda *a: calls.append(1) or real(*a))
+    results = []
+    for heads in (None, (hq, hkv, d)):
+        st = fp8ops.LayerNormLinearState.init(recipe) if recipe is not None else None
+        probe = torch.zeros((), requires_grad=True) if recipe is not None else None
+        (y, s), _ = fp8ops.layernorm_linear(x, lw, lb, w, b, st, recipe=recipe, grad_probe=probe, residual=r,
+                                           qkv_heads=heads)
+        views = y if heads is not None else head_views(y, B, hq, hkv, d)
+        assert [tuple(t.shape) for t in views] == [(B, hq, S, d), (B, hkv, S, d), (B, hkv, S, d)]
+        o = torch.nn.functional.scaled_dot_product_attention(*views, is_causal=True)
+        loss = o.square().sum() + s.sum()
+        results.append((views, torch.autograd.grad(loss, leaves + ([probe] if probe is not None else []))))
+    (v0, g0), (v1, g1) = results
+    assert all(torch.equal(a, c) for a, c in zip(v0, v1))
+    assert all(torch.equal(a, c) for a, c in zip(g0, g1))
+    assert len(calls) == (1 if recipe_name in ("delayed", "current") else 0)
+
+
+def test_qkv_heads_rejects_bad_arguments():
+    x, lw, w = torch.randn(4, 2, 8), torch.ones(8), torch.randn(3 * 8, 8)
+    with pytest.raises(TypeError, match=r"layernorm_linear: qkv_heads must be a tuple \(hq, hkv, d\)"):
+        fp8ops.layernorm_linear(x, lw, None, w, None, None, recipe=None, qkv_heads=(1, 1))
+    with pytest.raises(ValueError, match="layernorm_linear: qkv_heads=.* needs a weight of"):
+        fp8ops.layernorm_linear(x, lw, None, w, None, None, recipe=None, qkv_heads=(2, 1, 8))
+    with pytest.raises(ValueError, match=r"layernorm_linear: qkv_heads needs x as \(S, B, K\)"):
+        fp8ops.layernorm_linear(x[0], lw, None, w, None, None, recipe=None, qkv_heads=(1, 1, 8))

@@ -180,3 +180,32 @@ def test_quantize_under_compile_fullgraph():
     comp = torch.compile(f, fullgraph=True)(x, s)
     assert torch.equal(eager[0], comp[0]) and torch.equal(_u8(eager[1]), _u8(comp[1]))
     assert torch.equal(eager[2].pending_amax, comp[2].pending_amax)
+
+
+def test_cast_transpose_heads_reference_by_hand():
+    # q (B=2, H=1, S=2, D=2), k and v (B=2, H=1, S=2, D=2): row (s, b) = [q[b,0,s] | k[b,0,s] | v[b,0,s]]
+    q = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]], [[[5.0, 6.0], [7.0, 8.0]]]])
+    k, v = -q, q / 4
+    x = R.heads_2d(q, k, v)
+    assert x.tolist() == [[1.0, 2.0, -1.0, -2.0, 0.25, 0.5],  # (s=0, b=0)
+                          [5.0, 6.0, -5.0, -6.0, 1.25, 1.5],  # (s=0, b=1)
+                          [3.0, 4.0, -3.0, -4.0, 0.75, 1.0],  # (s=1, b=0)
+                          [7.0, 8.0, -7.0, -8.0, 1.75, 2.0]]  # (s=1, b=1)
+    xq, xqt, amax, inv, db = torch.ops.fp8ops.cast_transpose_heads(q, k, v, torch.tensor(2.0), None, 0, False, E4M3)
+    assert db.tolist() == [16.0, 20.0, -16.0, -20.0, 4.0, 5.0]
+    assert xq.float().tolist() == (2 * x).tolist() and torch.equal(xqt.float(), xq.float().t())
+    assert amax.item() == 8.0 and inv.item() == 0.5
+    # 8 * 64 = 512 saturates to 448 (E4M3's largest value)
+    xq, _, _, _, _ = torch.ops.fp8ops.cast_transpose_heads(q, k, v, torch.tensor(64.0), None, 0, False, E4M3)
+    assert xq[3].float().tolist() == [448.0, 448.0, -448.0, -448.0, 112.0, 128.0]
+
+
+def test_cast_transpose_heads_opcheck():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    k, v = torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 3, 8, generator=g)
+    ops = torch.ops.fp8ops
+    torch.library.opcheck(ops.cast_transpose_heads.default, (q, k, v, torch.tensor(2.0), None, 0, False, E4M3))
+    torch.library.opcheck(ops.cast_transpose_heads.default,
+                          (q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.tensor(1.0), torch.tensor(3.0), 1, True,
+                           E5M2))

@@ -251,3 +251,44 @@ def test_transpose_bytes_rejects_wider_elements():
         K.transpose_bytes_launch(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="one-byte elements"):
         R.transpose_bytes(torch.zeros(2, 3, dtype=torch.uint8)[None])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("dims", [(2, 2, 1, 5, 32), (3, 1, 1, 4, 64), (1, 4, 2, 7, 32)])
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd"])
+def test_cast_transpose_heads_exact(dtype, dims, layout):
+    # three (B, H, S, D) parts, contiguous or permuted views of (S, B, H, D) storage; delayed scale
+    B, Hq, Hkv, S, D = dims
+    scale = torch.tensor(0.5)
+
+    def part(h, seed):
+        x = (_grid((B, h, S, D), dtype, seed) / scale).to(torch.bfloat16)
+        return x if layout == "bhsd" else x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+
+    q, k, v = part(Hq, 3), part(Hkv, 4), part(Hkv, 5)
+    got = K.cast_transpose_heads_launch(q, k, v, scale, None, 0, False, dtype, config={"BLOCK_M": 16})
+    want = R.cast_transpose_heads(q, k, v, scale, None, 0, False, dtype)
+    assert torch.equal(_u8(got[0]), _u8(want[0])) and torch.equal(_u8(got[1]), _u8(want[1]))
+    assert got[2].item() == want[2].item() and got[3].item() == want[3].item() == 2.0
+    torch.testing.assert_close(got[4], want[4], rtol=1e-6, atol=1e-5)
+
+
+def test_cast_transpose_heads_current_scaling():
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, h, 3, 32, generator=g) for h in (2, 1, 1))
+    amax_in = R.amax(R.heads_2d(q, k, v))
+    got = K.cast_transpose_heads_launch(q, k, v, torch.tensor(1.0), amax_in, 0, False, torch.float8_e4m3fn)
+    want = R.cast_transpose_heads(q, k, v, torch.tensor(1.0), amax_in, 0, False, torch.float8_e4m3fn)
+    _close_scale(got[3], want[3])
+    assert torch.equal(_u8(got[1]), _u8(got[0].t().contiguous()))
+    _check_dequantized(R.heads_2d(q, k, v), got[0], got[3], want[0], want[3], torch.float8_e4m3fn)
+
+
+def test_cast_transpose_heads_rejects_bad_parts():
+    q = torch.zeros(2, 2, 3, 32)
+    with pytest.raises(ValueError, match="cast_transpose_heads: k and v must be"):
+        K.cast_transpose_heads_launch(q, torch.zeros(2, 1, 4, 32), torch.zeros(2, 1, 4, 32), torch.tensor(1.0),
+                                      None, 0, False, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        K.cast_transpose_heads_launch(torch.zeros(2, 1, 3, 8), torch.zeros(2, 1, 3, 8), torch.zeros(2, 1, 3, 8),
+                                      torch.tensor(1.0), None, 0, False, torch.float8_e4m3fn)

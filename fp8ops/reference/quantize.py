@@ -21,6 +21,8 @@ __all__ = [
     "cast_rowwise",
     "cast_transpose",
     "cast_transpose_dbias",
+    "cast_transpose_heads",
+    "heads_2d",
     "dequantize",
     "quantize",
     "saturating_cast",
@@ -77,6 +79,22 @@ def cast_transpose_dbias(
     """Reference of ``fp8ops::cast_transpose_dbias``: :func:`cast_transpose` and the float32
     column sums of x, ``(q, q_t, amax, inv_scale, dbias (K,))``."""
     return (*cast_transpose(x, scale, amax_in, margin, power_2, out_dtype), x.to(torch.float32).sum(0))
+
+
+def heads_2d(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The (S B, (Hq + 2 Hkv) D) matrix whose row (s, b) is ``[q[b, :, s] | k[b, :, s] | v[b, :, s]]``
+    flattened, from (B, H, S, D) tensors: a QKV projection's gradient from attention's dq, dk, dv."""
+    return torch.cat([t.permute(2, 0, 1, 3).reshape(t.shape[2] * t.shape[0], t.shape[1] * t.shape[3])
+                      for t in (q, k, v)], dim=1)
+
+
+def cast_transpose_heads(
+    q: Tensor, k: Tensor, v: Tensor, scale: Tensor, amax_in: Tensor | None, margin: int, power_2: bool,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Reference of ``fp8ops::cast_transpose_heads``: :func:`cast_transpose_dbias` of
+    :func:`heads_2d` ``(q, k, v)``."""
+    return cast_transpose_dbias(heads_2d(q, k, v), scale, amax_in, margin, power_2, out_dtype)
 
 
 def cast_rowwise(x: Tensor, margin: int, power_2: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
