@@ -226,7 +226,7 @@ class _LayerNormLinear(torch.autograd.Function):
             if dy is not None:
                 dy = dy.contiguous()
             # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
-            if cfg.heads is not None:
+            if cfg.heads is not None:  # done above, from the three gradients
                 pass
             elif cfg.fp8:  # the bias gradient from the same pass where it writes dy's transposed copy
                 dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db = quantize_grad_db(
