@@ -17,7 +17,7 @@ from .fused_ln_mlp import LayerNormMLPState
 from .layernorm_linear import LayerNormLinearState, check_weight_cache
 from .quantize import Float8Value
 
-__all__ = ["STATE_KEYS", "WEIGHT_ROLES", "check_params", "check_state", "check_weight_caches", "qkv_weight_cache"]
+__all__ = ["STATE_KEYS", "WEIGHT_ROLES", "check_params", "check_state", "check_weight_caches", "qkv_weight_cache", "sdpa_head_views"]
 
 STATE_KEYS = ("qkv", "proj", "mlp")
 # GEMM weight key -> (its state's key, its role in that state)
@@ -175,3 +175,26 @@ def attention_mask_mod(attention_mask: Any, cfg: Any, x: Tensor, packed: bool, b
     if attention_mask.device != x.device:
         raise ValueError(f"{where}: attention_mask is on {attention_mask.device} but x is on {x.device}")
     return _padding_mask_mod(attention_mask)
+
+
+def sdpa_head_views(cfg: Any, x: Tensor, packed: bool, tp: Any, mask_mod: Any, block_mask: Any, training: bool,
+                    d: int) -> bool:
+    """Whether the layer's attention runs on SDPA (a dense causal or unmasked CUDA call in bf16/fp16,
+    no dropout, no mods; :func:`fp8ops.attention`'s ``backend="auto"`` choice) with a pre-norm QKV
+    projection: the projection then hands SDPA its head views (``layernorm_linear(qkv_heads=)``)."""
+    return (HEAD_VIEWS and cfg.norm_position == "pre" and not packed and tp is None and mask_mod is None
+            and block_mask is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and (not training or cfg.attention_dropout == 0.0) and d % 8 == 0 and d <= 256)
+
+
+HEAD_VIEWS = True
+"""Whether a pre-norm layer whose attention runs on SDPA takes q, k, v as the QKV projection's head
+views (:func:`sdpa_head_views`; False: views of the projection output taken outside it, whose
+gradients autograd concatenates; for measurements and tests)."""
+
+
+def _check_layout(layout: Any, where: str) -> str:
+    """``layout`` if it is one of ``LAYOUTS`` ("sbh", "bsh"); a ValueError naming it otherwise."""
+    if not isinstance(layout, str) or layout not in ("sbh", "bsh"):
+        raise ValueError(f"{where}: layout must be 'sbh' (x is (S, B, H)) or 'bsh' (x is (B, S, H)), got {layout!r}")
+    return layout

@@ -56,7 +56,9 @@ from ._transformer_checks import (
     check_residual_args,
     check_state,
     check_weight_caches,
+    _check_layout,
     qkv_weight_cache,
+    sdpa_head_views,
 )
 from .activation import ACTIVATIONS, GATED
 from .attention import BlockMask
@@ -223,13 +225,6 @@ class TransformerConfig:
 
 # ------------------------------------------------------------------------------------------------
 # Parameters and state
-
-
-def _check_layout(layout: Any, where: str) -> str:
-    """``layout`` if it is one of :data:`LAYOUTS` ("sbh", "bsh"); a ValueError naming it otherwise."""
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"{where}: layout must be 'sbh' (x is (S, B, H)) or 'bsh' (x is (B, S, H)), got {layout!r}")
-    return layout
 
 
 def _check_config(config: Any, where: str) -> TransformerConfig:
@@ -431,21 +426,6 @@ def _hp_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
 
 
-def _sdpa_heads(cfg: TransformerConfig, x: Tensor, packed: bool, tp: Any, mask_mod: Any, block_mask: Any,
-                training: bool, d: int) -> bool:
-    """Whether the layer's attention runs on SDPA (a dense causal or unmasked CUDA call in bf16/fp16,
-    no dropout, no mods; :func:`fp8ops.attention`'s ``backend="auto"`` choice) with a pre-norm QKV
-    projection: the projection then hands SDPA its head views (``layernorm_linear(qkv_heads=)``)."""
-    return (HEAD_VIEWS and cfg.norm_position == "pre" and not packed and tp is None and mask_mod is None
-            and block_mask is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and (not training or cfg.attention_dropout == 0.0) and d % 8 == 0 and d <= 256)
-
-
-HEAD_VIEWS = True
-"""Whether a pre-norm layer whose attention runs on SDPA takes q, k, v as the QKV projection's head
-views (:func:`_sdpa_heads`; False: views of the projection output taken outside it, whose
-gradients autograd concatenates; for measurements and tests)."""
-
 
 def transformer_layer(
     params: Mapping[str, Tensor],
@@ -643,22 +623,13 @@ def transformer_layer(
             pn = {k: copy_to_tp(v, tp.group) for k, v in p.items() if k.startswith("ln")} if tp.sp else p
 
         # Step 2: the QKV projection (fused with LN1 in pre-norm).
-        qkv4 = None
-        if _sdpa_heads(cfg, x, packed, tp, mask_mod, block_mask, training, d):
-            # Attention runs on SDPA: the projection returns its (B, h, S, d) head views, whose
-            # three gradients its backward quantizes where SDPA writes them (no concatenation).
-            qkv4, new_state["qkv"] = layernorm_linear(
-                x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
-                grad_probe=pr["qkv"], weight_cache=c_qkv, residual=residual, qkv_heads=(hq, hkv, d), **norm_kw)
-            if residual is not None:
-                qkv4, x = qkv4
-            ctx, _ = _attention(*qkv4, causal=cfg.causal, layout="bhsd")
-            ctx = ctx.permute(2, 0, 1, 3).reshape(*x.shape[:-1], hq * d)
-        elif cfg.norm_position == "pre":
-            # with a residual, LN1's kernel writes x + residual (the layer's input) and normalises it
+        heads = sdpa_head_views(cfg, x, packed, tp, mask_mod, block_mask, training, d)
+        if cfg.norm_position == "pre":
+            # LN1's kernel writes x + residual (with one) and normalises it; for SDPA: the head views
             qkv, new_state["qkv"] = layernorm_linear(
                 x, p["ln1.weight"], p.get("ln1.bias"), w_qkv, b_qkv, st.get("qkv"), recipe=recipe,
-                grad_probe=pr["qkv"], weight_cache=c_qkv, residual=residual, **norm_kw, **col)
+                grad_probe=pr["qkv"], weight_cache=c_qkv, residual=residual, qkv_heads=(hq, hkv, d) if heads else None,
+                **norm_kw, **col)
             if residual is not None:
                 qkv, x = qkv
         elif fp8 or tp:  # post-norm: the QKV input is x itself (a LayerNormLinearState is a LinearState)
@@ -668,7 +639,9 @@ def transformer_layer(
             qkv = _hp_linear(x, w_qkv, b_qkv)
 
         # Step 3: attention on per-head views of the projection, (S, B, h, d) or packed (T, h, d).
-        if qkv4 is None:
+        if heads:
+            ctx = _attention(*qkv, causal=cfg.causal, layout="bhsd")[0].permute(2, 0, 1, 3).reshape(*x.shape[:-1], hq * d)
+        else:
             lead = qkv.shape[:-1]
             q, k, v = qkv_heads(qkv, hq, hkv, d)
             attn_kw: dict[str, Any] = {}

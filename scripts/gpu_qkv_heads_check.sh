@@ -8,7 +8,7 @@
 . "$(dirname "${BASH_SOURCE[0]}")/_gpu_install.sh"
 gpu_begin gpu_qkv_heads_check.sh "$@" || exit $?
 if [ "${TESTS:-1}" = 1 ]; then
-    TESTS_LIMIT_S=${TESTS_LIMIT_S:-420} gpu_tests tests/test_qkv_heads_gpu.py tests/test_layernorm_linear_gpu.py \
+    TESTS_LIMIT_S=${TESTS_LIMIT_S:-420} gpu_tests tests/test_layernorm_linear_gpu.py \
         tests/test_transformer_layer_gpu.py tests/test_composition_gpu.py tests/test_optim_gpu.py
 fi
 for h in ${BENCH_HIDDEN:-}; do
