@@ -211,23 +211,21 @@ class _LayerNormLinear(torch.autograd.Function):
         with torch.no_grad():
             fp8_dgrad = cfg.need_dx and cfg.dgrad.precision == "fp8"
             fp8_wgrad = cfg.need_dw and cfg.wgrad.precision == "fp8"
+            if cfg.heads is None:
+                if dy is None:  # only the returned norm output is used downstream
+                    dy = torch.zeros(ctx.y_shape, dtype=x_dtype, device=ln_w.device)
+                dy = dy.contiguous()
+            # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
             if cfg.heads is not None:
-                # Step 1 (head views): dy is [dq | dk | dv], quantized (with its transpose and bias
-                # sums) in one pass over the three gradients where attention wrote them.
+                # dy is [dq | dk | dv]: quantized (transpose and bias sums too) in one pass over the
+                # three gradients where attention wrote them; the GEMMs take only the FP8 operands.
                 parts = tuple(g if g is not None else torch.zeros(shape, dtype=x_dtype, device=ln_w.device)
                               for g, shape in zip((dy, rest[-2], rest[-1]), ctx.head_shapes))
                 dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db = quantize_grad_heads(
                     *parts, g_scale, cfg.g_spec, cfg.has_probe, b_dtype or torch.float32)
-                dy = None  # the GEMMs take the FP8 operands (heads needs FP8 dgrad and wgrad)
+                dy = None
                 if not cfg.need_db:
                     db = None
-            elif dy is None:  # only the returned norm output is used downstream
-                dy = torch.zeros(ctx.y_shape, dtype=x_dtype, device=ln_w.device)
-            if dy is not None:
-                dy = dy.contiguous()
-            # Step 1: quantize dy (and its transpose) in one pass; its amax is the observation.
-            if cfg.heads is not None:  # done above, from the three gradients
-                pass
             elif cfg.fp8:  # the bias gradient from the same pass where it writes dy's transposed copy
                 dyq, dy_inv, dyq_t, dy_inv_t, dy_amax, db = quantize_grad_db(
                     dy, g_scale, cfg.g_spec, cfg.has_probe, fp8_dgrad, fp8_wgrad, cfg.need_db, b_dtype or torch.float32
@@ -255,10 +253,9 @@ class _LayerNormLinear(torch.autograd.Function):
 _LayerNormLinear.forward.__signature__ = inspect.signature(_LayerNormLinear.forward)  # type: ignore[attr-defined]
 
 
-def _check_qkv_heads(qkv_heads: Any, x: Any, weight: Any, return_ln: bool, tp_group: Any, where: str
-                     ) -> tuple[int, int, int] | None:
-    """Validate ``qkv_heads``; None where the backward cannot take the three gradients as they come
-    (the caller then takes the views of y as it is)."""
+def _check_qkv_heads(qkv_heads: Any, x: Any, weight: Any, return_ln: bool, tp_group: Any, where: str) -> None:
+    """Validate ``qkv_heads`` (whether the backward takes the three gradients as they come is
+    :func:`_heads_fused`'s)."""
     if (not isinstance(qkv_heads, tuple) or len(qkv_heads) != 3
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in qkv_heads)):
         raise TypeError(f"{where}: qkv_heads must be a tuple (hq, hkv, d) of ints > 0, got {qkv_heads!r}")
@@ -271,7 +268,6 @@ def _check_qkv_heads(qkv_heads: Any, x: Any, weight: Any, return_ln: bool, tp_gr
                          f"rows, got {tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
     if return_ln or tp_group is not None:
         raise ValueError(f"{where}: qkv_heads is not available with return_layernorm_output or tp_group")
-    return qkv_heads
 
 
 def _heads_fused(qkv_heads: tuple[int, int, int], x: Tensor, weight: Tensor, recipe: Any, fp8: bool) -> bool:
