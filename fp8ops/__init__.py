@@ -31,6 +31,7 @@ from .layernorm_linear import LayerNormLinearState, layernorm_linear
 from .fp8_linear import LinearState, WeightCache, fp8_linear, quantize_weight
 from .fused_ln_mlp import LayerNormMLPState, fused_ln_mlp
 from .linear_cross_entropy import linear_cross_entropy
+from .tied_embedding import tied_embedding
 from .norm import layer_norm, rms_norm
 from .quantize import Float8Value, dequantize, quantize
 from .recipes import CurrentScaling, DelayedScaling, GemmSpec, Recipe, compute_scale
@@ -116,6 +117,7 @@ __all__ = [
     "sliding_window_mask",
     "softcap",
     "state_dict",
+    "tied_embedding",
     "transformer_layer",
     "update",
 ]

@@ -1,7 +1,9 @@
 """Time the output head and its loss on the GPU: torch's compiled ``F.cross_entropy(x @ W.t())``
 against ``fp8ops.linear_cross_entropy`` (eager and compiled), forward + backward with the gradients
 of x and W, at the GPT suite's shapes (8192 tokens, vocabulary 50304, bf16); and the loss kernel
-alone in a few launch configurations, with its bandwidth (2 bytes read and 2 written per logit).
+alone in a few launch configurations, with its bandwidth (2 bytes read and 2 written per logit)
+(``ROW_MAX``: one running maximum per row); and, with the loss, the gradient of an embedding tied to
+the head: ``F.embedding`` + the table used again against ``fp8ops.tied_embedding``, compiled.
 
 Usage: python scripts/cross_entropy_check.py [--hidden 512 2048] [--json OUT.json]
 """
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 import fp8ops
 from fp8ops.kernels import linear_cross_entropy as K
 
-CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
+CONFIGS = [(2048, 4, False), (2048, 4, True), (4096, 8, False), (4096, 8, True), (1024, 4, True), (4096, 4, True),
+           (8192, 8, True)]
 
 
 def _time(fn, reps: int = 20) -> float:
@@ -47,9 +50,10 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     z = torch.randn(M, V, device="cuda", generator=g).bfloat16() * 3
     t = torch.randint(0, V, (M,), device="cuda", generator=g)
-    for block, warps in CONFIGS:
-        ms = _time(lambda: K.linear_cross_entropy_fwd_launch(z, t, -100, config={"BLOCK_V": block, "num_warps": warps}))
-        row = {"case": "kernel", "BLOCK_V": block, "num_warps": warps, "ms": ms, "tb_s": 4 * M * V / ms / 1e9}
+    for block, warps, row_max in CONFIGS:
+        cfg = {"BLOCK_V": block, "num_warps": warps, "ROW_MAX": row_max}
+        ms = _time(lambda: K.linear_cross_entropy_fwd_launch(z, t, -100, config=cfg))
+        row = {"case": "kernel", **cfg, "ms": ms, "tb_s": 4 * M * V / ms / 1e9}
         out["rows"].append(row)
         print(row, flush=True)
     del z
@@ -60,6 +64,24 @@ def main() -> None:
         def torch_ce(a, b, c):
             return F.cross_entropy((a @ b.t()).float(), c)
 
+        def plain(tok, table):
+            return F.embedding(tok, table), table
+
+        tok = torch.randint(0, V, (M,), device="cuda", generator=g)
+        c = torch.randn(M, H, device="cuda", generator=g).bfloat16()
+        for name, emb in (("F.embedding, table used again", plain), ("fp8ops.tied_embedding", fp8ops.tied_embedding)):
+            def tied_loss(table, emb=emb):
+                rows, head = emb(tok, table)
+                return fp8ops.linear_cross_entropy(x.detach() + rows * c, head, t)
+
+            fn = torch.compile(tied_loss, fullgraph=True)
+
+            def step(fn=fn) -> None:
+                w.grad = None
+                fn(w).backward()
+            row = {"case": "embedding + head + loss", "hidden": H, "impl": name, "ms": _time(step)}
+            out["rows"].append(row)
+            print(row, flush=True)
         impls = {"torch compiled": torch.compile(torch_ce), "fp8ops eager": fp8ops.linear_cross_entropy,
                  "fp8ops compiled": torch.compile(fp8ops.linear_cross_entropy, fullgraph=True),
                  "head GEMMs alone (bf16 mm x3)": None}

@@ -154,6 +154,7 @@ OPS = {
     "linear_cross_entropy": "linear_cross_entropy",
     "quantize": "quantize",
     "rms_norm": "norm",
+    "tied_embedding": "tied_embedding",
     "transformer_layer": "transformer_layer",
 }
 # Library ops used inside several public ops, with the same stem in fp8ops/, reference/, kernels/

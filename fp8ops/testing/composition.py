@@ -2,10 +2,11 @@
 execution mode, so that every mode can be compared with eager on the loss curve and on every
 gradient.
 
-The model is a stack of :func:`fp8ops.transformer_layer` between a token embedding and a tied
-output head, with a final :func:`fp8ops.layer_norm`; float32 master parameters are cast to the
-compute dtype on the way in. A step is what a user runs: fresh probes, forward, backward (or a
-``torch.func`` transform), :func:`fp8ops.update` of every state, then the optimizer.
+The model is a stack of :func:`fp8ops.transformer_layer` between a token embedding and an
+output head tied to it (:func:`fp8ops.tied_embedding`), with a final :func:`fp8ops.layer_norm`;
+float32 master parameters are cast to the compute dtype on the way in. A step is what a user runs:
+fresh probes, forward, backward (or a ``torch.func`` transform), :func:`fp8ops.update` of every
+state, then the optimizer.
 
 Modes (:data:`MODES`):
 
@@ -142,6 +143,7 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
     layer. A cache refers to its weight tensor itself, so the layers' parameters must then be in
     ``dtype`` already (their conversion to ``dtype`` is then no copy)."""
     from fp8ops.norm import layer_norm
+    from fp8ops.tied_embedding import tied_embedding
     from fp8ops.transformer_layer import transformer_layer
 
     if weight_caches is not None and (not isinstance(weight_caches, (list, tuple))
@@ -149,7 +151,10 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
         got = f"{len(weight_caches)} entries" if isinstance(weight_caches, (list, tuple)) else type(weight_caches).__name__
         raise ValueError(f"gpt_loss: weight_caches must be a list with one weight_cache dict (or None) per layer "
                          f"({len(params['layers'])}), got {got}")
-    x = F.embedding(tokens, params["tok"]) + params["pos"][: tokens.shape[1]]  # (B, S, H)
+    # the head is tied to the token embedding: one op sees both uses of the table, and its
+    # backward adds the lookup's rows into the head's gradient
+    rows, tied_head = tied_embedding(tokens, params["tok"])
+    x = rows + params["pos"][: tokens.shape[1]]  # (B, S, H)
     x = x.to(dtype).transpose(0, 1)  # (S, B, H)
     new_states = []
     # Pre-norm: each layer hands on its residual stream unsummed, (m, s) with y = s + m, and the
@@ -172,7 +177,7 @@ def gpt_loss(params: Mapping[str, Any], states: list[Any] | None, probes: list[A
         (x, _), _ = layer_norm(x, *lnf, residual=residual)
     else:
         x, _ = layer_norm(x, *lnf)
-    head = params["tok"].to(dtype)  # the head is tied to the embedding
+    head = tied_head.to(dtype)
     if model.fp8_head:  # (S * B, V) logits from fp8_linear, the targets in the same (S, B) order
         from fp8ops.fp8_linear import fp8_linear
 
