@@ -22,7 +22,7 @@ from . import norm as _norm  # noqa: F401  (registers the fp8ops:: norm ops)
 from ._glue import cast
 from .gemm import scaled_mm
 from .kernels._library import OPS
-from .quantize import QuantSpec, quantize_2d, quantize_2d_dbias
+from .quantize import QuantSpec, cast_scale, quantize_2d, quantize_2d_dbias
 from .recipes import GemmSpec
 
 __all__ = [
@@ -130,11 +130,7 @@ def quantize_grad_heads(dq: Tensor, dk: Tensor, dv: Tensor, g_scale: Tensor, spe
     (``fp8ops::cast_transpose_heads``), without their concatenation. Per-tensor scaling only."""
     if not has_probe:
         spec = spec._replace(calibrated=False)
-    scale = g_scale if has_probe else torch.ones((), dtype=torch.float32, device=dq.device)
-    amax_in = None
-    if spec.mode != "delayed" or not spec.calibrated:  # the scale from this gradient's amax, first
-        amax_in = torch.maximum(torch.maximum(_ops.amax(dq.contiguous()), _ops.amax(dk.contiguous())),
-                                _ops.amax(dv.contiguous()))
+    scale, amax_in = cast_scale((dq, dk, dv), g_scale if has_probe else None, spec)
     q, q_t, amax, inv, db = _ops.cast_transpose_heads(dq, dk, dv, scale, amax_in, spec.margin, spec.power_2,
                                                       spec.dtype)
     return q, inv, q_t, inv, amax, db.to(db_dtype)

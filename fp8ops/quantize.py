@@ -7,6 +7,8 @@ same pass) and the state with this call's amax recorded in ``pending_amax``.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any, NamedTuple
 
@@ -126,7 +128,7 @@ def quantize_2d(
             )
         data, inv, amax = _ops.cast_rowwise(x2, spec.margin, spec.power_2, spec.dtype)
         return data, inv, None, amax
-    scale, amax_in = _cast_scale(x2, scale, spec)
+    scale, amax_in = cast_scale(x2, scale, spec)
     if transpose:
         data, data_t, amax, inv = _ops.cast_transpose(x2, scale, amax_in, spec.margin, spec.power_2, spec.dtype)
         return data, inv, data_t, amax
@@ -134,14 +136,19 @@ def quantize_2d(
     return data, inv, None, amax
 
 
-def _cast_scale(x2: Tensor, scale: Tensor | None, spec: QuantSpec) -> tuple[Tensor, Tensor | None]:
+def cast_scale(x2: Tensor | tuple[Tensor, ...], scale: Tensor | None, spec: QuantSpec
+               ) -> tuple[Tensor, Tensor | None]:
     """A per-tensor cast's ``(scale, amax_in)``: the state's scale (None: fallback 1) and, for
-    current scaling or an uncalibrated state, the amax the scale is computed from just in time."""
+    current scaling or an uncalibrated state, the amax the scale is computed from just in time (of
+    ``x2``, or of all the parts of one tensor given as a tuple). Internal to fp8ops ops."""
     if scale is None:
-        scale = torch.ones((), dtype=torch.float32, device=x2.device)
+        scale = torch.ones((), dtype=torch.float32, device=(x2 if isinstance(x2, Tensor) else x2[0]).device)
     amax_in = None
     if spec.mode != "delayed" or not spec.calibrated:
-        amax_in = _ops.amax(x2)
+        if isinstance(x2, Tensor):
+            amax_in = _ops.amax(x2)
+        else:  # the parts may be strided views: each read as one contiguous run
+            amax_in = functools.reduce(torch.maximum, [_ops.amax(p.contiguous()) for p in x2])
     return scale, amax_in
 
 
@@ -152,7 +159,7 @@ def quantize_2d_dbias(x2: Tensor, scale: Tensor | None, spec: QuantSpec
     Internal to fp8ops ops (an output gradient's bias gradient)."""
     if spec.mode == "rowwise":
         raise ValueError("quantize_2d_dbias: row-wise scaling has no single pass with the transposed copy")
-    scale, amax_in = _cast_scale(x2, scale, spec)
+    scale, amax_in = cast_scale(x2, scale, spec)
     data, data_t, amax, inv, dbias = _ops.cast_transpose_dbias(x2, scale, amax_in, spec.margin, spec.power_2,
                                                               spec.dtype)
     return data, inv, data_t, amax, dbias
