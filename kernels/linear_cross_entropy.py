@@ -22,10 +22,9 @@ gradient row the softmax alone), so that the mean is NaN: the kernel never reads
 Kernel:
 
 - ``_linear_cross_entropy_fwd_kernel``: one program per row. Pass 1 walks the row in blocks of
-  ``BLOCK_V`` with a running maximum and sum of exponentials (an online softmax), either per lane,
-  folded into ``lse`` at the end (two exps per logit), or per row (``ROW_MAX``: each block's
-  maximum first, then one exp per logit); pass 2 walks it again and writes ``d`` in the logits'
-  dtype. The exponentials are base 2, the logits scaled by log2(e) as they are loaded. Each row is
+  ``BLOCK_V`` with a running maximum and sum of exponentials per lane (an online softmax), folded
+  into ``lse`` at the end; pass 2 walks it again and writes ``d`` in the logits' dtype. The
+  exponentials are base 2, the logits scaled by log2(e) as they are loaded. Each row is
   read twice, but the second read of a row follows the first closely, so most of it comes from L2:
   the kernel moves about 2 bytes in and 2 out per bf16 logit.
 
@@ -52,11 +51,9 @@ __all__ = ["linear_cross_entropy_fwd_launch"]
 
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TARGET_DTYPES = (torch.int64, torch.int32)
-_CFG = {"BLOCK_V": 2048, "num_warps": 4, "ROW_MAX": False}
+_CFG = {"BLOCK_V": 2048, "num_warps": 4}
 """Block of the row walked per step and warps per program (one row per program): the fastest of five
-measured on an H200 at 8192 x 50304 bf16 (docs/benchmarks/gpt.md, the fused loss). ``ROW_MAX``: pass
-1 keeps one running maximum per row (a block's maximum, then one exp per logit) instead of one per
-lane (two exps per logit)."""
+measured on an H200 at 8192 x 50304 bf16 (docs/benchmarks/gpt.md, the fused loss)."""
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -75,7 +72,6 @@ def _linear_cross_entropy_fwd_kernel(
     stride_dm,  # row stride of d
     ignore_index,
     BLOCK_V: tl.constexpr,
-    ROW_MAX: tl.constexpr,  # one running maximum per row (one exp per logit in pass 1), else per lane
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_zm
@@ -84,33 +80,21 @@ def _linear_cross_entropy_fwd_kernel(
     cols = tl.arange(0, BLOCK_V)
     neg_inf = float("-inf")
 
-    # -- pass 1: running maximum and sum of exp, per row or per lane (a maximum of -inf adds 0);
-    # in base 2 (exp2 is the hardware's): lse2 = lse * log2(e)
-    if ROW_MAX:
-        m_r = tl.max(tl.full([BLOCK_V], neg_inf, tl.float32), axis=0)
-        s_r = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-        for start in range(0, V, BLOCK_V):
-            c = start + cols
-            z = tl.load(z_row + c, mask=c < V, other=neg_inf).to(tl.float32) * LOG2E
-            m_new = tl.maximum(m_r, tl.max(z, axis=0))
-            add = tl.sum(tl.exp2(z - m_new), axis=0)  # a NaN logit makes the sum NaN
-            s_r = tl.where(m_new != neg_inf, s_r * tl.exp2(m_r - m_new) + add, 0.0)
-            m_r = m_new
-        lse2 = m_r + tl.log2(s_r)
-    else:
-        m = tl.full([BLOCK_V], neg_inf, tl.float32)
-        s = tl.zeros([BLOCK_V], tl.float32)
-        for start in range(0, V, BLOCK_V):
-            c = start + cols
-            z = tl.load(z_row + c, mask=c < V, other=neg_inf).to(tl.float32) * LOG2E
-            m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
-            live = m_new != neg_inf
-            s = tl.where(live, s * tl.exp2(m - m_new) + tl.exp2(z - m_new), 0.0)
-            m = m_new
-        # a NaN logit makes its lane's maximum and sum NaN, and so the row's lse and loss
-        m_row = tl.max(m, axis=0)
-        s_row = tl.sum(tl.where(m != neg_inf, s * tl.exp2(m - m_row), 0.0), axis=0)
-        lse2 = m_row + tl.log2(s_row)
+    # -- pass 1: running maximum and sum of exp per lane (a lane whose maximum is -inf adds 0), in
+    # base 2 (exp2 is the hardware's): lse2 = lse * log2(e)
+    m = tl.full([BLOCK_V], neg_inf, tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        c = start + cols
+        z = tl.load(z_row + c, mask=c < V, other=neg_inf).to(tl.float32) * LOG2E
+        m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
+        live = m_new != neg_inf
+        s = tl.where(live, s * tl.exp2(m - m_new) + tl.exp2(z - m_new), 0.0)
+        m = m_new
+    # a NaN logit makes its lane's maximum and sum NaN, and so the row's lse and loss
+    m_row = tl.max(m, axis=0)
+    s_row = tl.sum(tl.where(m != neg_inf, s * tl.exp2(m - m_row), 0.0), axis=0)
+    lse2 = m_row + tl.log2(s_row)
     lse = lse2 * LN2
 
     # -- the row's loss: lse - z_t; NaN for a target outside the row (never loaded)
@@ -156,7 +140,7 @@ def linear_cross_entropy_fwd_launch(logits: torch.Tensor, target: torch.Tensor, 
         logits: (M, V) float32, bfloat16 or float16, unit column stride.
         target: (M,) int64 or int32 class indices; ``ignore_index`` marks rows left out.
         ignore_index: the target value of rows that contribute neither loss nor gradient.
-        config: overrides of ``BLOCK_V``, ``num_warps`` and ``ROW_MAX``.
+        config: overrides of ``BLOCK_V`` and ``num_warps``.
         traced: launch through ``torch.library.wrap_triton`` (inside a compiled graph).
 
     Returns:
@@ -174,7 +158,7 @@ def linear_cross_entropy_fwd_launch(logits: torch.Tensor, target: torch.Tensor, 
     block = min(cfg["BLOCK_V"], triton.next_power_of_2(max(V, 16)))
     graph_kernel(_linear_cross_entropy_fwd_kernel, traced)[(M,)](
         logits, target, loss, d, V, logits.stride(0), d.stride(0), ignore_index,
-        BLOCK_V=block, ROW_MAX=bool(cfg["ROW_MAX"]), num_warps=cfg["num_warps"],
+        BLOCK_V=block, num_warps=cfg["num_warps"],
     )
     return loss, d
 

@@ -43,15 +43,12 @@ def _grads(fn, x, w, t):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("V", [50304, 1000, 7])
-@pytest.mark.parametrize("row_max", [False, True])
-def test_kernel_matches_the_cpu_kernel(dtype: torch.dtype, V: int, row_max: bool) -> None:
-    from fp8ops.kernels.linear_cross_entropy import linear_cross_entropy_fwd_launch
-
+def test_kernel_matches_the_cpu_kernel(dtype: torch.dtype, V: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(V)
     z = (torch.randn(300, V, device="cuda", generator=g) * 3.0).to(dtype)
     t = torch.randint(0, V, (300,), device="cuda", generator=g)
     t[3] = -100
-    loss, d = linear_cross_entropy_fwd_launch(z, t, -100, config={"ROW_MAX": row_max})
+    loss, d = ops.linear_cross_entropy_fwd(z, t, -100)
     rl, rd = R.linear_cross_entropy_fwd(z.cpu(), t.cpu(), -100)
     torch.testing.assert_close(loss.cpu(), rl, rtol=2e-6, atol=2e-6)
     assert d.dtype == dtype and loss[3].item() == 0.0 and d[3].abs().sum().item() == 0
