@@ -8,7 +8,6 @@ same pass) and the state with this call's amax recorded in ``pending_amax``.
 from __future__ import annotations
 
 import functools
-
 import math
 from typing import Any, NamedTuple
 
