@@ -61,3 +61,17 @@ gpu_bench_layer() {
         > /tmp/layer.txt 2>&1 || FAILED=1
     tail -30 /tmp/layer.txt
 }
+
+# bench gpt for the torch build and the library's fused loss + AdamW build (--no-eager) at each
+# hidden size of BENCH_HIDDEN (default: the argument; none when both are empty), into OUT/gpt_<h>,
+# its log's last lines printed; FAILED=1 when one fails.
+#
+#   gpu_bench_gpt DEFAULT_HIDDEN_SIZES
+gpu_bench_gpt() {
+    for h in ${BENCH_HIDDEN:-$1}; do
+        echo "== bench gpt --hidden $h (t=$((SECONDS - START))s)"
+        "$PY" -m fp8ops.bench gpt --hidden "$h" --no-eager --impls torch "fp8ops FP8, fused loss + AdamW" \
+            --out "$OUT/gpt_$h" > "$OUT/gpt_$h.log" 2>&1 || FAILED=1
+        tail -n 14 "$OUT/gpt_$h.log"
+    done
+}

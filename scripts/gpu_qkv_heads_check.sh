@@ -11,10 +11,6 @@ if [ "${TESTS:-1}" = 1 ]; then
     TESTS_LIMIT_S=${TESTS_LIMIT_S:-420} gpu_tests tests/test_layernorm_linear_gpu.py \
         tests/test_transformer_layer_gpu.py tests/test_composition_gpu.py tests/test_optim_gpu.py
 fi
-for h in ${BENCH_HIDDEN:-}; do
-    "$PY" -m fp8ops.bench gpt --hidden "$h" --no-eager --impls torch "fp8ops FP8, fused loss + AdamW" \
-        --out "$OUT/gpt_$h" > "$OUT/gpt_$h.log" 2>&1 || FAILED=1
-    tail -n 30 "$OUT/gpt_$h.log"
-done
+gpu_bench_gpt ""
 echo "elapsed $((SECONDS - START)) s, failed=$FAILED"
 exit $FAILED

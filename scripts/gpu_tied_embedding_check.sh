@@ -17,11 +17,6 @@ TESTS_LIMIT_S=${TESTS_LIMIT_S:-240} gpu_tests tests/test_tied_embedding_gpu.py t
     tests/test_layernorm_linear_gpu.py tests/test_transformer_layer_gpu.py tests/test_composition_gpu.py \
     tests/test_optim_gpu.py
 grep -E "^FAILED|Error:" "$OUT/gpu_tests.log" | head -20
-for h in ${BENCH_HIDDEN:-4096}; do
-    echo "== bench gpt --hidden $h (t=$((SECONDS - START))s)"
-    "$PY" -m fp8ops.bench gpt --hidden "$h" --no-eager --impls torch "fp8ops FP8, fused loss + AdamW" \
-        --out "$OUT/gpt_$h" > "$OUT/gpt_$h.log" 2>&1 || FAILED=1
-    tail -n 14 "$OUT/gpt_$h.log"
-done
+gpu_bench_gpt 4096
 echo "elapsed $((SECONDS - START)) s, failed=$FAILED"
 exit $FAILED
