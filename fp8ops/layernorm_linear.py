@@ -270,7 +270,7 @@ def _check_qkv_heads(qkv_heads: Any, x: Any, weight: Any, return_ln: bool, tp_gr
         raise ValueError(f"{where}: qkv_heads is not available with return_layernorm_output or tp_group")
 
 
-def _heads_fused(qkv_heads: tuple[int, int, int], x: Tensor, weight: Tensor, recipe: Any, fp8: bool) -> bool:
+def _heads_fused(qkv_heads: tuple[int, int, int], weight: Tensor, recipe: Any, fp8: bool) -> bool:
     """Whether the backward quantizes the head views' gradients in one pass: a per-tensor FP8
     recipe with FP8 dgrad and wgrad GEMMs, head widths the kernel tiles."""
     from .kernels.quantize import heads_block_k
@@ -442,7 +442,7 @@ def layernorm_linear(
     N = check_weight(weight, bias, K, x, "weight", where)
     fp8 = check_state_recipe(state, recipe, LayerNormLinearState, x, where)
     check_probe(grad_probe, where, device=x.device)
-    if qkv_heads is not None and not _heads_fused(qkv_heads, x, weight, recipe, fp8):
+    if qkv_heads is not None and not _heads_fused(qkv_heads, weight, recipe, fp8):
         # the views of y as it is: autograd concatenates their gradients
         out, new_state = layernorm_linear(
             x, ln_weight, ln_bias, weight, bias, state, recipe=recipe, normalization=normalization, eps=eps,
@@ -495,13 +495,13 @@ def layernorm_linear(
     lead = x.shape[:-1]
     refuse_compiled_transform(where, x)
     c = weight_cache.value if weight_cache is not None else None
-    y, ln, s, ln_amax, w_amax, *_ = apply(
+    y, ln, s, ln_amax, w_amax, *outs = apply(
         _LayerNormLinear, x.reshape(-1, K), None if residual is None else residual.reshape(-1, K), ln_weight, ln_bias, weight, bias, x_scale, w_scale, g_scale, grad_probe,
         None if c is None else c.data, None if c is None else c.data_t, None if c is None else c.inv_scale,
         None if weight_cache is None else weight_cache.inv_scale_t, cfg,
     )
     if qkv_heads is not None:
-        y = (y, *_[-2:])  # q, k, v
+        y = (y, *outs[-2:])  # q, k, v
     else:
         y = y.reshape(*lead, N)
     new_state = None
