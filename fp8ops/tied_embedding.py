@@ -9,7 +9,10 @@ then converted), and the head's GEMM output, summed in another pass. At a vocabu
 This op hands the table on to the head as its second output, so that one backward sees both
 gradients: it adds the lookup's rows, summed per token in float32, into the head's gradient. Under
 ``torch.compile`` the add happens in place in the head's GEMM output; eagerly it writes a copy (an
-incoming gradient may be shared, so it is never changed in place).
+incoming gradient may be shared, so it is never changed in place). On CUDA one kernel does the add
+(``kernels/tied_embedding.py``: the tokens sorted, each token's rows summed by one program and its
+row of the gradient written once); on CPU and under ``torch.func`` transforms the same math runs
+out of place with torch ops.
 
 The math is in :mod:`fp8ops.reference.tied_embedding`.
 """
@@ -25,28 +28,24 @@ from torch import Tensor
 
 from ._checks import check_float_tensor
 from ._glue import apply, refuse_compiled_transform, values_readable
+from .kernels import tied_embedding as _K
+from .kernels._library import OPS, define as _define
+from .reference import tied_embedding as _ref
 
 __all__ = ["tied_embedding"]
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
-def _add_rows(g: Tensor, tokens: Tensor, rows: Tensor) -> Tensor:
-    """``g`` with each token's rows of ``rows`` added to its row: the rows of one token summed in
-    float32 first, then added once (the one rounding of ``g[v] + sum``, as a float32 buffer of the
-    lookup's gradient added to ``g`` would give; any order of the adds gives the same result).
+def _kernel_applies(*ts: Tensor) -> bool:
+    # the CUDA kernel writes g in place: plain CUDA tensors, or a compiled graph's (torch.func
+    # transforms, which would batch or differentiate the in-place op, take the out-of-place math)
+    if not ts[0].is_cuda or torch._C._are_functorch_transforms_active():
+        return False
+    return torch.compiler.is_compiling() or not any(_is_functorch_wrapped(t) for t in ts)
 
-    Static shapes, no host sync: the first position of each token (a (V,) minimum), the rows
-    summed at those positions in a (T, K) float32 buffer, then one accumulating write per
-    position, whose rows are zero except at first positions.
-    """
-    T = tokens.numel()
-    pos = torch.arange(T, device=tokens.device)
-    first = torch.full((g.shape[0],), T, device=tokens.device, dtype=torch.int64)
-    first = first.scatter_reduce(0, tokens, pos, "amin")  # (V,) the first position of each token
-    sums = torch.zeros(T, g.shape[1], device=g.device, dtype=torch.float32)
-    sums = sums.index_add(0, first[tokens], rows.to(torch.float32))
-    return torch.index_put(g, (tokens,), sums.to(g.dtype), accumulate=True)
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 class _TiedEmbedding(torch.autograd.Function):
@@ -69,9 +68,19 @@ class _TiedEmbedding(torch.autograd.Function):
         (tokens,) = ctx.saved_tensors
         shape, dtype = ctx.table
         with torch.no_grad():
-            g = torch.zeros(shape, device=tokens.device, dtype=dtype) if g_head is None else g_head
-            if g_rows is not None:
-                g = _add_rows(g, tokens.reshape(-1).long(), g_rows.reshape(-1, shape[1]))
+            if g_rows is None:
+                return None, torch.zeros(shape, device=tokens.device, dtype=dtype) if g_head is None else g_head
+            tok, rows = tokens.reshape(-1), g_rows.reshape(-1, shape[1])
+            if not _kernel_applies(tok, rows, *([] if g_head is None else [g_head])):
+                g = torch.zeros(shape, device=tokens.device, dtype=dtype) if g_head is None else g_head
+                return None, _ref.add_rows(g, tok.long(), rows)
+            if g_head is None:
+                g = torch.zeros(shape, device=tokens.device, dtype=dtype)
+            elif torch.compiler.is_compiling():
+                g = g_head.contiguous()  # changed in place in the graph (where nothing else reads it)
+            else:
+                g = g_head.clone(memory_format=torch.contiguous_format)  # the incoming gradient may be shared
+            OPS.tied_embedding_bwd(g, tok, rows)
         return None, g
 
 
@@ -147,3 +156,9 @@ def tied_embedding(tokens: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     refuse_compiled_transform(where, weight)
     rows, head = apply(_TiedEmbedding, tokens, weight)
     return rows, head
+
+
+# The library op: CUDA and fake kernels from kernels/tied_embedding.py, the CPU kernel is the
+# reference math. It writes its first argument, so it has no vmap rule: torch.func transforms take
+# the out-of-place math (_kernel_applies).
+_define(_K.tied_embedding_bwd, cpu=_ref.tied_embedding_bwd)

@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._dropout import _dropout_draw, _dropout_key, _dropout_row, _kept
+from ._library import num_sms
 
 try:  # Gluon (triton.experimental) with its Hopper dialect; absent on older Triton
     from triton.experimental import gluon
@@ -102,12 +103,6 @@ def hopper_config(d: int) -> HopperConfig:
     if d <= 128:
         return HopperConfig(128, 2, 2)
     return HopperConfig(64, 2, 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    # the persistent grid: one program per SM (each takes the whole SM's shared memory)
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
@@ -657,7 +652,8 @@ def hopper_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
     sp = sparse if sparse is not None else (lse, lse, lse, lse, 0, 0, 0, 0, 0, 0)
     n_items = B * H * (S // BLOCK_M)
     sched = torch.zeros(1, dtype=torch.int32, device=q.device)
-    _hopper_fwd_kernel[(min(n_items, _sm_count(q.device)),)](
+    # the persistent grid: one program per SM (each takes the whole SM's shared memory)
+    _hopper_fwd_kernel[(min(n_items, num_sms(q.device)),)](
         qv.desc, kv.desc, vv.desc, ov.desc, lse, sched,
         S, k.shape[2], H // k.shape[1], H, n_items, float(sm_scale),
         _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),

@@ -25,8 +25,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["AMAX_CHAIN", "INLINE_IN_GRAPHS", "OPAQUE_IN_GRAPHS_MIN_ELEMENTS", "OPS", "TMA_STORE_MIN_ELEMENTS", "AmaxChain", "EagerOp", "FastKernel",
-           "OpSpec", "analysis_key", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inductor_fallbacks", "inline_in_graphs", "install_analysis_memo",
-           "merge_config", "memoized_analysis", "next_pow2", "opaque_for_tma_store", "opaque_in_graphs", "tma_store_in_eager", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
+           "CPU_PROGRAMS", "OpSpec", "analysis_key", "cdiv", "contiguous_args", "define", "fast_launch", "graph_kernel", "inductor_fallbacks", "inline_in_graphs", "install_analysis_memo",
+           "merge_config", "memoized_analysis", "next_pow2", "num_sms", "opaque_for_tma_store", "opaque_in_graphs", "tma_store_in_eager", "tma_store_ok", "tma_store_wanted", "traced_kernel", "transposed_store"]
 
 _LIB = torch.library.Library("fp8ops", "FRAGMENT")  # kept alive for the process
 
@@ -585,6 +585,24 @@ def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of ints, as ``triton.cdiv``, for launch grids: Triton's is a constexpr
     function whose call layer costs a few µs of host time per call."""
     return -(-a // b)
+
+
+CPU_PROGRAMS = 4
+"""The "SMs" of a device that is not CUDA (the Triton interpreter) for :func:`num_sms`: few, so that
+tests run the loops of grids sized by the SM count."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """The SM count of a CUDA ``device`` (cached), :data:`CPU_PROGRAMS` for any other device; for
+    grids of a few programs per SM that walk their work in a loop."""
+    if device.type != "cuda":
+        return CPU_PROGRAMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_pow2(n: int) -> int:

@@ -79,7 +79,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._jit import grouped_tile
-from ._library import OpSpec, cdiv, merge_config
+from ._library import OpSpec, cdiv, merge_config, num_sms
 
 __all__ = [
     "FP8_DTYPES",
@@ -301,7 +301,6 @@ _TMA_PRECISE_CFG: dict[str, Any] = dict(_TMA_FAST_CFG, BLOCK_N=128, num_stages=4
 # The pointer kernel also serves GPUs with ~100 KiB of shared memory (sm_89) and stages its operands
 # through registers: 3 stages x (128 + 128) x 64 B = 48 KiB fits everywhere.
 _POINTER_CFG: dict[str, Any] = dict(_TMA_FAST_CFG, BLOCK_N=128, BLOCK_K=64, num_stages=3)
-_CPU_PROGRAMS = 4  # "SMs" of the interpreter: small, so that tests exercise the persistent loop
 
 
 def default_config(fast_accum: bool, *, tma: bool = True) -> dict[str, Any]:
@@ -344,19 +343,8 @@ def _cfg(fast_accum: bool, tma: bool, override: dict[str, Any] | None) -> dict[s
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
 def _has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _CPU_PROGRAMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _tma_obstacle(
@@ -539,7 +527,7 @@ def scaled_mm_launch(
         return (zeros + bias.to(torch.float32) if bias is not None else zeros).to(out_dtype)
     # Step 2: the persistent grid.
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    num_programs = _num_sms(a.device) * cfg["PROGRAMS_PER_SM"]
+    num_programs = num_sms(a.device) * cfg["PROGRAMS_PER_SM"]
     grid = (min(num_programs, cdiv(M, bm) * cdiv(N, bn)),)
     sa_stride = scale_a.stride(0) if rowwise_a else 0
     sb_stride = scale_b.stride(1) if rowwise_b else 0

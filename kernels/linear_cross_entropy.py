@@ -21,12 +21,16 @@ gradient row the softmax alone), so that the mean is NaN: the kernel never reads
 
 Kernel:
 
-- ``_linear_cross_entropy_fwd_kernel``: one program per row. Pass 1 walks the row in blocks of
-  ``BLOCK_V`` with a running maximum and sum of exponentials per lane (an online softmax), folded
-  into ``lse`` at the end; pass 2 walks it again and writes ``d`` in the logits' dtype. The
-  exponentials are base 2, the logits scaled by log2(e) as they are loaded. Each row is
-  read twice, but the second read of a row follows the first closely, so most of it comes from L2:
-  the kernel moves about 2 bytes in and 2 out per bf16 logit.
+- ``_linear_cross_entropy_fwd_kernel``: ``PROGRAMS_PER_SM`` programs per SM (0: one per row), each
+  walking rows ``pid, pid + programs, ...``. Per row, pass 1 walks the row in blocks of ``BLOCK_V``
+  with a running maximum and sum of exponentials per lane (an online softmax), folded into ``lse``
+  at the end; pass 2 walks it again, from its last block back when ``REVERSE`` (the blocks pass 1
+  read last are the likeliest still in L2), and writes ``d`` in the logits' dtype. The exponentials
+  are base 2, the logits scaled by log2(e) as they are loaded. The second read of a row comes from
+  L2 only while the rows in flight fit there: with one program per row, thousands of 100 KB rows
+  (at a vocabulary of 50304, bf16) are in flight at once, far more than L2 holds, and the logits
+  come from memory twice; a few programs per SM with many warps each keep a few hundred rows in
+  flight, so that the kernel moves about 2 bytes in and 2 out per bf16 logit.
 
 References: Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018); the fused
 linear cross-entropy of Liger-Kernel (Hsu et al., 2024).
@@ -45,15 +49,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._library import OpSpec, contiguous_args, fast_launch, graph_kernel, merge_config, traced_kernel
+from ._library import OpSpec, contiguous_args, fast_launch, graph_kernel, merge_config, num_sms, traced_kernel
 
 __all__ = ["linear_cross_entropy_fwd_launch"]
 
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TARGET_DTYPES = (torch.int64, torch.int32)
-_CFG = {"BLOCK_V": 2048, "num_warps": 4}
-"""Block of the row walked per step and warps per program (one row per program): the fastest of five
-measured on an H200 at 8192 x 50304 bf16 (docs/benchmarks/gpt.md, the fused loss)."""
+_CFG = {"BLOCK_V": 8192, "num_warps": 16, "PROGRAMS_PER_SM": 2, "REVERSE": True}
+"""Block of the row walked per step, warps per program, programs per SM (0: one per row) and the
+direction of pass 2 (docs/kernels/linear_cross_entropy.md, measured)."""
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -67,52 +71,59 @@ def _linear_cross_entropy_fwd_kernel(
     t_ptr,  # (M,) integer targets
     loss_ptr,  # (M,) float32 per-row loss
     d_ptr,  # (M, V) gradient of the row's loss by the logits, in the logits' dtype
+    M,
     V,
     stride_zm,  # row stride of z
     stride_dm,  # row stride of d
     ignore_index,
     BLOCK_V: tl.constexpr,
+    REVERSE: tl.constexpr,  # pass 2 walks the row from its end (the blocks pass 1 read last)
 ):
-    row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * stride_zm
-    d_row = d_ptr + row * stride_dm
-    t = tl.load(t_ptr + row).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
     neg_inf = float("-inf")
+    last = tl.cdiv(V, BLOCK_V) - 1
+    for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
+        z_row = z_ptr + row * stride_zm
+        d_row = d_ptr + row * stride_dm
+        t = tl.load(t_ptr + row).to(tl.int64)
 
-    # -- pass 1: running maximum and sum of exp per lane (a lane whose maximum is -inf adds 0), in
-    # base 2 (exp2 is the hardware's): lse2 = lse * log2(e)
-    m = tl.full([BLOCK_V], neg_inf, tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        c = start + cols
-        z = tl.load(z_row + c, mask=c < V, other=neg_inf).to(tl.float32) * LOG2E
-        m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
-        live = m_new != neg_inf
-        s = tl.where(live, s * tl.exp2(m - m_new) + tl.exp2(z - m_new), 0.0)
-        m = m_new
-    # a NaN logit makes its lane's maximum and sum NaN, and so the row's lse and loss
-    m_row = tl.max(m, axis=0)
-    s_row = tl.sum(tl.where(m != neg_inf, s * tl.exp2(m - m_row), 0.0), axis=0)
-    lse2 = m_row + tl.log2(s_row)
-    lse = lse2 * LN2
+        # -- pass 1: running maximum and sum of exp per lane (a lane whose maximum is -inf adds 0),
+        # in base 2 (exp2 is the hardware's): lse2 = lse * log2(e)
+        m = tl.full([BLOCK_V], neg_inf, tl.float32)
+        s = tl.zeros([BLOCK_V], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            c = start + cols
+            z = tl.load(z_row + c, mask=c < V, other=neg_inf).to(tl.float32) * LOG2E
+            m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
+            live = m_new != neg_inf
+            s = tl.where(live, s * tl.exp2(m - m_new) + tl.exp2(z - m_new), 0.0)
+            m = m_new
+        # a NaN logit makes its lane's maximum and sum NaN, and so the row's lse and loss
+        m_row = tl.max(m, axis=0)
+        s_row = tl.sum(tl.where(m != neg_inf, s * tl.exp2(m - m_row), 0.0), axis=0)
+        lse2 = m_row + tl.log2(s_row)
+        lse = lse2 * LN2
 
-    # -- the row's loss: lse - z_t; NaN for a target outside the row (never loaded)
-    ignored = t == ignore_index
-    inside = (t >= 0) & (t < V)
-    z_t = tl.load(z_row + tl.where(inside, t, 0)).to(tl.float32)
-    loss = tl.where(inside, lse - z_t, float("nan"))
-    tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
+        # -- the row's loss: lse - z_t; NaN for a target outside the row (never loaded)
+        ignored = t == ignore_index
+        inside = (t >= 0) & (t < V)
+        z_t = tl.load(z_row + tl.where(inside, t, 0)).to(tl.float32)
+        loss = tl.where(inside, lse - z_t, float("nan"))
+        tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
 
-    # -- pass 2: d = softmax - onehot(t), zero rows for ignored targets
-    keep = tl.where(ignored, 0.0, 1.0)
-    for start in range(0, V, BLOCK_V):
-        c = start + cols
-        inb = c < V
-        z = tl.load(z_row + c, mask=inb, other=neg_inf).to(tl.float32)
-        p = tl.exp2(z * LOG2E - lse2)
-        d = (p - tl.where(c == t, 1.0, 0.0)) * keep
-        tl.store(d_row + c, d.to(d_ptr.dtype.element_ty), mask=inb)
+        # -- pass 2: d = softmax - onehot(t), zero rows for ignored targets
+        keep = tl.where(ignored, 0.0, 1.0)
+        for i in range(0, last + 1):
+            if REVERSE:
+                start = (last - i) * BLOCK_V
+            else:
+                start = i * BLOCK_V
+            c = start + cols
+            inb = c < V
+            z = tl.load(z_row + c, mask=inb, other=neg_inf).to(tl.float32)
+            p = tl.exp2(z * LOG2E - lse2)
+            d = (p - tl.where(c == t, 1.0, 0.0)) * keep
+            tl.store(d_row + c, d.to(d_ptr.dtype.element_ty), mask=inb)
 
 
 def _check(logits: torch.Tensor, target: torch.Tensor) -> None:
@@ -156,9 +167,10 @@ def linear_cross_entropy_fwd_launch(logits: torch.Tensor, target: torch.Tensor, 
     if M == 0:
         return loss, d
     block = min(cfg["BLOCK_V"], triton.next_power_of_2(max(V, 16)))
-    graph_kernel(_linear_cross_entropy_fwd_kernel, traced)[(M,)](
-        logits, target, loss, d, V, logits.stride(0), d.stride(0), ignore_index,
-        BLOCK_V=block, num_warps=cfg["num_warps"],
+    programs = M if not cfg["PROGRAMS_PER_SM"] else min(M, cfg["PROGRAMS_PER_SM"] * num_sms(logits.device))
+    graph_kernel(_linear_cross_entropy_fwd_kernel, traced)[(programs,)](
+        logits, target, loss, d, M, V, logits.stride(0), d.stride(0), ignore_index,
+        BLOCK_V=block, REVERSE=bool(cfg["REVERSE"]), num_warps=cfg["num_warps"],
     )
     return loss, d
 

@@ -75,6 +75,7 @@ from ._library import (
     graph_kernel,
     merge_config,
     next_pow2,
+    num_sms,
     traced_kernel,
 )
 from ._reduce import column_sums
@@ -610,7 +611,6 @@ _BWD_ROW_LIMIT = 8192  # backward: rows up to this length stay in registers
 _FWD_T_CFG = {"BLOCK_M": 32, "BLOCK_K": 256, "num_warps": 4, "PROGRAMS_PER_SM": 1}
 _FWD_CHUNKED_CFG = {"BLOCK_M": 1, "BLOCK_K": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 1}
 _BWD_CHUNKED_CFG = {"BLOCK_M": 4, "BLOCK_K": 1024, "num_warps": 8, "PROGRAMS_PER_SM": 2}
-_CPU_PROGRAMS = 4  # "SMs" of a non-CUDA device (the interpreter), for the persistent grids
 
 
 def _fwd_default(K: int, transpose: bool) -> dict[str, Any]:
@@ -633,12 +633,6 @@ def _fwd_default(K: int, transpose: bool) -> dict[str, Any]:
         "num_warps": warps,
         "PROGRAMS_PER_SM": {4: 4, 8: 2, 16: 1}[warps],
     }
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _CPU_PROGRAMS
 
 
 def _bwd_default(K: int) -> dict[str, Any]:
@@ -802,7 +796,7 @@ def _launch_fwd(
     single = cfg["BLOCK_K"] >= K
     blocks = cdiv(M, cfg["BLOCK_M"])
     if single:
-        blocks = min(blocks, _num_sms(dev) * cfg["PROGRAMS_PER_SM"])
+        blocks = min(blocks, num_sms(dev) * cfg["PROGRAMS_PER_SM"])
     grid = (max(1, blocks),)
     kernel = graph_kernel(_norm_fwd_kernel, traced)
     with AMAX_CHAIN.output(dev, traced) as (amax, amax_next):
@@ -986,7 +980,7 @@ def _launch_bwd(name: str, dy: torch.Tensor, s: torch.Tensor, weight: torch.Tens
     single = cfg["BLOCK_K"] >= K
     dx = torch.empty((M, K), dtype=s.dtype, device=dev)
     dxb = torch.empty((M, K), dtype=s.dtype, device=dev) if drop is not None else s.new_empty(0)
-    G = max(1, min(cdiv(M, cfg["BLOCK_M"]), _num_sms(dev) * cfg["PROGRAMS_PER_SM"]))
+    G = max(1, min(cdiv(M, cfg["BLOCK_M"]), num_sms(dev) * cfg["PROGRAMS_PER_SM"]))
     alloc = torch.empty if single else torch.zeros  # chunked rows accumulate in place
     dw_part = alloc((G, K), dtype=torch.float32, device=dev)
     db_part = alloc((G, K), dtype=torch.float32, device=dev) if has_bias else dw_part

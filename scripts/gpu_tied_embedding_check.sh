@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The tied embedding on the GPU: unless CE=0, scripts/cross_entropy_check.py (the loss kernel's
 # configurations, the head + loss, and the embedding + head + loss with and without tied_embedding,
-# at hidden 2048 and 4096); then the GPU tests of the ops and models it touches, and bench gpt at
-# BENCH_HIDDEN (default 4096) for the torch and library-loss builds.
+# at CE_HIDDEN, default 2048 and 4096; the tied embedding's backward kernel alone); then the GPU tests of the ops and models it touches, and bench gpt at
+# BENCH_HIDDEN (default 4096; " " for none) for the torch and library-loss builds. TEST_ARGS
+# replaces the test files.
 #
 #   bash scripts/gpu_tied_embedding_check.sh OUTDIR
 . "$(dirname "${BASH_SOURCE[0]}")/_gpu_install.sh"
 gpu_begin gpu_tied_embedding_check.sh "$@" || exit $?
 if [ "${CE:-1}" = 1 ]; then
     echo "== cross_entropy_check (t=$((SECONDS - START))s)"
-    timeout 200 "$PY" scripts/cross_entropy_check.py --hidden 2048 4096 --json "$OUT/cross_entropy.json" \
+    timeout 200 "$PY" scripts/cross_entropy_check.py --hidden ${CE_HIDDEN:-2048 4096} --json "$OUT/cross_entropy.json" \
         > "$OUT/cross_entropy.log" 2>&1 || FAILED=1
     tail -n 14 "$OUT/cross_entropy.log"
 fi

@@ -70,6 +70,15 @@ def test_rows_of_a_token_are_summed_first_then_added_once() -> None:
     assert w.grad[1, 0].item() == 260.0 and w.grad[0, 0].item() == 0.0
 
 
+def test_library_op_adds_in_place_on_cpu() -> None:
+    # fp8ops::tied_embedding_bwd (the backward's CUDA kernel on the GPU) has the reference math as
+    # its CPU kernel: the same sum-first rule, written into its first argument
+    g = torch.tensor([[0.5, 1.0], [7.0, 7.0], [256.0, -256.0]], dtype=torch.bfloat16)
+    rows = torch.tensor([[1.0, -1.0], [0.25, 0.5], [1.0, -1.0], [1.0, -1.0], [1.0, -1.0]], dtype=torch.bfloat16)
+    assert torch.ops.fp8ops.tied_embedding_bwd(g, torch.tensor([2, 0, 2, 2, 2], dtype=torch.int32), rows) is None
+    assert torch.equal(g, torch.tensor([[0.75, 1.5], [7.0, 7.0], [260.0, -260.0]], dtype=torch.bfloat16))
+
+
 def test_no_head_gradient_and_no_rows_gradient() -> None:
     w = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
     rows, _ = tied_embedding(torch.tensor([1, 1, 0]), w)
