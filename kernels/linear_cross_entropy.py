@@ -26,11 +26,11 @@ Kernel:
   with a running maximum and sum of exponentials per lane (an online softmax), folded into ``lse``
   at the end; pass 2 walks it again, from its last block back when ``REVERSE`` (the blocks pass 1
   read last are the likeliest still in L2), and writes ``d`` in the logits' dtype. The exponentials
-  are base 2, the logits scaled by log2(e) as they are loaded. The second read of a row comes from
-  L2 only while the rows in flight fit there: with one program per row, thousands of 100 KB rows
-  (at a vocabulary of 50304, bf16) are in flight at once, far more than L2 holds, and the logits
-  come from memory twice; a few programs per SM with many warps each keep a few hundred rows in
-  flight, so that the kernel moves about 2 bytes in and 2 out per bf16 logit.
+  are base 2, the logits scaled by log2(e) as they are loaded. The second read of a row follows
+  the first closely; the kernel moves about 2 bytes in and 2 out per bf16 logit where the second
+  read comes from L2. Measured on an H100 at 8192 x 50304 bf16, fewer rows in flight (few
+  programs per SM) did not make it faster, and pass 2 from the row's end saved 2-4 %
+  (docs/kernels/linear_cross_entropy.md).
 
 References: Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018); the fused
 linear cross-entropy of Liger-Kernel (Hsu et al., 2024).
@@ -56,8 +56,10 @@ __all__ = ["linear_cross_entropy_fwd_launch"]
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TARGET_DTYPES = (torch.int64, torch.int32)
 _CFG = {"BLOCK_V": 8192, "num_warps": 16, "PROGRAMS_PER_SM": 2, "REVERSE": True}
-"""Block of the row walked per step, warps per program, programs per SM (0: one per row) and the
-direction of pass 2 (docs/kernels/linear_cross_entropy.md, measured)."""
+"""Block of the row walked per step, warps per program, programs per SM (0: one per row) and pass 2
+from the row's end. On an H100 at 8192 x 50304 bf16: 0.863 ms, within 0.3 % of the fastest of
+fifteen configurations (4096 / 8 warps / one per row / from the end, 0.861), against 0.933 for the
+previous default, 2048 / 4 warps / one per row / forward (docs/kernels/linear_cross_entropy.md)."""
 
 
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -41,7 +41,7 @@ __all__ = ["tied_embedding_bwd", "tied_embedding_bwd_launch"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TOKEN_DTYPES = (torch.int64, torch.int32)
-_CFG = {"BLOCK_K": 1024, "BLOCK_R": 16, "num_warps": 4}
+_CFG = {"BLOCK_K": 1024, "BLOCK_R": 8, "num_warps": 4}
 """Columns per program, positions of a run summed per step, warps per program."""
 
 
