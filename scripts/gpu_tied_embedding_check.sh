@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The tied embedding on the GPU: unless CE=0, scripts/cross_entropy_check.py (the loss kernel's
-# configurations, the head + loss, and the embedding + head + loss with and without tied_embedding,
-# at CE_HIDDEN, default 2048 and 4096; the tied embedding's backward kernel alone); then the GPU tests of the ops and models it touches, and bench gpt at
-# BENCH_HIDDEN (default 4096; " " for none) for the torch and library-loss builds. TEST_ARGS
-# replaces the test files.
+# configurations; at each hidden size of CE_HIDDEN, default "2048 4096", the tied embedding's
+# backward kernel alone, the head + loss, and the embedding + head + loss with and without
+# tied_embedding); then the GPU tests of the ops and models it touches (TEST_ARGS replaces the
+# list), and bench gpt at BENCH_HIDDEN (default 4096; " " for none) for the torch and library-loss
+# builds.
 #
 #   bash scripts/gpu_tied_embedding_check.sh OUTDIR
 . "$(dirname "${BASH_SOURCE[0]}")/_gpu_install.sh"
