@@ -131,10 +131,9 @@ def _tied_embedding_bwd_fake(g, tokens, rows):  # type: ignore[no-untyped-def]
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
-    # the kernel takes any row stride but needs unit column strides (and a 1-D tokens vector)
-    if t.dim() == 2:
-        return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
-    return t
+    # the kernel takes any row stride of the rows but needs a unit column stride (the tokens are
+    # read only through their sorted copy)
+    return t.contiguous() if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1 else t
 
 
 tied_embedding_bwd = OpSpec(

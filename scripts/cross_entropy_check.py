@@ -2,8 +2,9 @@
 against ``fp8ops.linear_cross_entropy`` (eager and compiled), forward + backward with the gradients
 of x and W, at the GPT suite's shapes (8192 tokens, vocabulary 50304, bf16); and the loss kernel
 alone in a few launch configurations, with its bandwidth (2 bytes read and 2 written per logit);
-the tied embedding's backward kernel alone (configurations, against the torch math); and, with the loss, the gradient of an embedding tied to the head: ``F.embedding`` + the table used
-again against ``fp8ops.tied_embedding``, compiled.
+the tied embedding's backward kernel alone (configurations, against the torch math); and, with the
+loss, the gradient of an embedding tied to the head: ``F.embedding`` + the table used again against
+``fp8ops.tied_embedding``, compiled.
 
 Usage: python scripts/cross_entropy_check.py [--hidden 512 2048] [--json OUT.json]
 """

@@ -12,39 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as Fn
 
 from fp8ops import tied_embedding
 from fp8ops._glue import GUARD_MESSAGE
 from fp8ops.reference import tied_embedding as R
 from fp8ops.testing import assert_close_rule
+from fp8ops.testing.tied_head import plain_tied as _plain, tied_grad as _grad, tied_inputs, tied_loss as _loss
 
 
 def _inputs(V: int, K: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(V, K, generator=g).to(dtype)
-    tokens = torch.randint(0, V, shape, generator=g)
-    x = torch.randn(*shape, K, generator=g).to(dtype)  # the head's input
-    c = torch.randn(*shape, K, generator=g).to(dtype)  # weights of the rows in the loss
-    return w, tokens, x, c
-
-
-def _loss(fn, w, tokens, x, c):
-    """A tied GPT's two uses of the table: the lookup (weighted by c) and the head (logits of x)."""
-    rows, head = fn(tokens, w)
-    logits = x.reshape(-1, x.shape[-1]) @ head.t()
-    return (rows.float() * c.float()).sum() + logits.float().sin().sum()
-
-
-def _grad(fn, w, tokens, x, c):
-    wl = w.detach().clone().requires_grad_()
-    _loss(fn, wl, tokens, x, c).backward()
-    return wl.grad
-
-
-def _plain(tokens, w):
-    """Plain PyTorch: the table looked up and used again."""
-    return Fn.embedding(tokens, w), w
+    return tied_inputs(V, K, shape, dtype, seed=seed)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as Fn
 
 import fp8ops
 from fp8ops import tied_embedding
 from fp8ops.reference import tied_embedding as R
 from fp8ops.testing import assert_close_rule
+from fp8ops.testing.tied_head import plain_tied as _plain, tied_grad as _grad, tied_inputs, tied_loss as _loss
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -22,28 +22,7 @@ if not torch.cuda.is_available():
 
 
 def _inputs(V: int, K: int, T: int, dtype: torch.dtype, seed: int = 0, few: int | None = None):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = (torch.randn(V, K, device="cuda", generator=g) * 0.05).to(dtype)
-    tokens = torch.randint(0, few or V, (2, T // 2), device="cuda", generator=g)
-    x = torch.randn(2, T // 2, K, device="cuda", generator=g).to(dtype)
-    c = torch.randn(2, T // 2, K, device="cuda", generator=g).to(dtype)
-    return w, tokens, x, c
-
-
-def _loss(fn, w, tokens, x, c):
-    rows, head = fn(tokens, w)
-    logits = x.reshape(-1, x.shape[-1]) @ head.t()
-    return (rows.float() * c.float()).sum() + logits.float().sin().sum()
-
-
-def _grad(fn, w, tokens, x, c):
-    wl = w.detach().clone().requires_grad_()
-    _loss(fn, wl, tokens, x, c).backward()
-    return wl.grad
-
-
-def _plain(tokens, w):
-    return Fn.embedding(tokens, w), w
+    return tied_inputs(V, K, (2, T // 2), dtype, seed=seed, device="cuda", few=few, w_scale=0.05)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -13,6 +13,8 @@ Public, so that tests of code built on fp8ops can use the same rules as fp8ops' 
   projection's strided slices and a causal document mask, on any device.
 - :mod:`fp8ops.testing.kernel_calls`: one call of each library op a model step runs, on any
   device (the traced kernels' checks).
+- :mod:`fp8ops.testing.tied_head`: seeded inputs and a loss for an embedding tied to its output
+  head (``fp8ops.tied_embedding`` against plain PyTorch and the reference), on any device.
 - :mod:`fp8ops.testing.dropout_hash`: the attention and norm kernels' dropout hash in plain Python
   integers, a model to pin their masks against.
 - :mod:`fp8ops.testing.strategies`: hypothesis strategies for shapes, tensors, recipes, scales,
