@@ -11,8 +11,9 @@ give; rows of tokens that do not occur are not read or written.
 
 Kernel:
 
-- The launcher sorts the tokens (stable, so the positions of one token stay in order): a run of
-  equal sorted tokens lists every position of one token.
+- The launcher sorts the tokens (stable, so the positions of one token stay in order; as int32
+  keys, half the radix passes of int64): a run of equal sorted tokens lists every position of one
+  token.
 - ``_add_rows_kernel``: one program per (sorted position, block of ``BLOCK_K`` columns). A program
   whose position does not start a run returns at once; the one that starts it walks the run
   ``BLOCK_R`` positions at a time (a (BLOCK_R, BLOCK_K) tile of rows gathered through the sort's
@@ -118,7 +119,10 @@ def tied_embedding_bwd_launch(g: torch.Tensor, tokens: torch.Tensor, rows: torch
     T, K = rows.shape
     if T == 0 or K == 0:
         return
-    sorted_tokens, order = torch.sort(tokens, stable=True)
+    # int32 keys where the table allows: a radix sort of half the key bits (15 device operations
+    # and 49 µs against 22 and 80 µs for 8192 int64 tokens on an H100, scripts/elementwise_ab.py)
+    keys = tokens.to(torch.int32) if tokens.dtype == torch.int64 and g.shape[0] <= 2**31 - 1 else tokens
+    sorted_tokens, order = torch.sort(keys, stable=True)
     block_k = min(cfg["BLOCK_K"], max(16, next_pow2(K)))
     _add_rows_kernel[(T, cdiv(K, block_k))](
         g, sorted_tokens, order, rows, T, K, g.stride(0), rows.stride(0),
