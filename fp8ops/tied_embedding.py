@@ -68,18 +68,16 @@ class _TiedEmbedding(torch.autograd.Function):
         (tokens,) = ctx.saved_tensors
         shape, dtype = ctx.table
         with torch.no_grad():
+            g = torch.zeros(shape, device=tokens.device, dtype=dtype) if g_head is None else g_head
             if g_rows is None:
-                return None, torch.zeros(shape, device=tokens.device, dtype=dtype) if g_head is None else g_head
+                return None, g
             tok, rows = tokens.reshape(-1), g_rows.reshape(-1, shape[1])
-            if not _kernel_applies(tok, rows, *([] if g_head is None else [g_head])):
-                g = torch.zeros(shape, device=tokens.device, dtype=dtype) if g_head is None else g_head
+            if not _kernel_applies(tok, rows, g):
                 return None, _ref.add_rows(g, tok.long(), rows)
-            if g_head is None:
-                g = torch.zeros(shape, device=tokens.device, dtype=dtype)
-            elif torch.compiler.is_compiling():
-                g = g_head.contiguous()  # changed in place in the graph (where nothing else reads it)
-            else:
-                g = g_head.clone(memory_format=torch.contiguous_format)  # the incoming gradient may be shared
+            if g_head is not None:
+                # changed in place: in a compiled graph nothing else reads it; eagerly the incoming
+                # gradient may be shared, so a copy
+                g = g.contiguous() if torch.compiler.is_compiling() else g.clone(memory_format=torch.contiguous_format)
             OPS.tied_embedding_bwd(g, tok, rows)
         return None, g
 

@@ -27,12 +27,11 @@ Kernel:
   at the end; pass 2 walks it again, from its last block back when ``REVERSE`` (the blocks pass 1
   read last are the likeliest still in L2), and writes ``d`` in the logits' dtype. The exponentials
   are base 2, the logits scaled by log2(e) as they are loaded. With ``EVICT`` pass 1's loads ask L2
-  to keep the row and pass 2's loads (and, at 2, the gradient's stores) to go first, so that the
-  second read comes from L2 and the kernel moves about 2 bytes in and 2 out per bf16 logit.
-  Measured on an H100 at 8192 x 50304 bf16: the hints took it from 783 to 672 µs (a copy of the
-  logits: 545), pass 2 from the row's end saved 2-4 %, fewer rows in flight did not help, and the
-  next block loaded ahead (``PREFETCH``) helps only blocks of 4096 or less
-  (docs/kernels/linear_cross_entropy.md).
+  to keep the row and pass 2's loads and the gradient's stores to go first, so that the second read
+  comes from L2 and the kernel moves about 2 bytes in and 2 out per bf16 logit. Measured on an
+  H100 at 8192 x 50304 bf16: the hints took it from 783 to 672 µs (a copy of the logits: 545), pass
+  2 from the row's end saved 2-4 %, fewer rows in flight did not help, and loading each next block
+  ahead did not beat the default (docs/kernels/linear_cross_entropy.md).
 
 References: Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018); the fused
 linear cross-entropy of Liger-Kernel (Hsu et al., 2024).
@@ -57,13 +56,12 @@ __all__ = ["linear_cross_entropy_fwd_launch"]
 
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TARGET_DTYPES = (torch.int64, torch.int32)
-_CFG = {"BLOCK_V": 8192, "num_warps": 16, "PROGRAMS_PER_SM": 0, "REVERSE": True, "EVICT": 2, "PREFETCH": False}
+_CFG = {"BLOCK_V": 8192, "num_warps": 16, "PROGRAMS_PER_SM": 0, "REVERSE": True, "EVICT": True}
 """Block of the row walked per step, warps per program, programs per SM (0: one per row), pass 2
-from the row's end, L2 eviction hints (0: none; 1: pass 1's loads kept, pass 2's dropped first; 2:
-the gradient's stores dropped first too) and the next block loaded ahead. On an H100 at 8192 x
-50304 bf16 (``scripts/elementwise_ab.py``): 672 µs, the fastest of the configurations measured with
-670-671 (4096 / 8 warps with the loads ahead, one program per row or three per SM), against 783 µs
-for the previous default (8192 / 16 warps / 2 per SM, no hints) and 545 µs for a copy of the logits
+from the row's end, and L2 eviction hints (pass 1's loads kept, pass 2's loads and the gradient's
+stores dropped first). On an H100 at 8192 x 50304 bf16 (``scripts/elementwise_ab.py``): 672 µs,
+within 0.3 % of the fastest setting measured, against 783 µs for the previous default (8192 / 16
+warps / 2 per SM, no hints) and 545 µs for a copy of the logits
 (docs/kernels/linear_cross_entropy.md)."""
 
 
@@ -85,15 +83,13 @@ def _linear_cross_entropy_fwd_kernel(
     ignore_index,
     BLOCK_V: tl.constexpr,
     REVERSE: tl.constexpr,  # pass 2 walks the row from its end (the blocks pass 1 read last)
-    EVICT: tl.constexpr,  # 1: pass 1 asks L2 to keep the row, pass 2's loads go first; 2: d's stores too
-    PREFETCH: tl.constexpr,  # each step loads the next block before it works on its own
+    EVICT: tl.constexpr,  # pass 1 asks L2 to keep the row; pass 2's loads and d's stores go first
 ):
     cols = tl.arange(0, BLOCK_V)
     neg_inf = float("-inf")
     last = tl.cdiv(V, BLOCK_V) - 1
     EV_1: tl.constexpr = "evict_last" if EVICT else ""
     EV_2: tl.constexpr = "evict_first" if EVICT else ""
-    EV_D: tl.constexpr = "evict_first" if EVICT >= 2 else ""
     for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
         z_row = z_ptr + row * stride_zm
         d_row = d_ptr + row * stride_dm
@@ -103,15 +99,9 @@ def _linear_cross_entropy_fwd_kernel(
         # in base 2 (exp2 is the hardware's): lse2 = lse * log2(e)
         m = tl.full([BLOCK_V], neg_inf, tl.float32)
         s = tl.zeros([BLOCK_V], tl.float32)
-        z_next = tl.load(z_row + cols, mask=cols < V, other=neg_inf, eviction_policy=EV_1)
         for start in range(0, V, BLOCK_V):
             c = start + cols
-            if PREFETCH:
-                z_raw = z_next
-                z_next = tl.load(z_row + c + BLOCK_V, mask=c + BLOCK_V < V, other=neg_inf, eviction_policy=EV_1)
-            else:
-                z_raw = tl.load(z_row + c, mask=c < V, other=neg_inf, eviction_policy=EV_1)
-            z = z_raw.to(tl.float32) * LOG2E
+            z = tl.load(z_row + c, mask=c < V, other=neg_inf, eviction_policy=EV_1).to(tl.float32) * LOG2E
             m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
             live = m_new != neg_inf
             s = tl.where(live, s * tl.exp2(m - m_new) + tl.exp2(z - m_new), 0.0)
@@ -136,19 +126,13 @@ def _linear_cross_entropy_fwd_kernel(
         if REVERSE:
             step = -BLOCK_V
             first = last * BLOCK_V
-        z_next = tl.load(z_row + first + cols, mask=first + cols < V, other=neg_inf, eviction_policy=EV_2)
         for i in range(0, last + 1):
             c = first + i * step + cols
             inb = c < V
-            if PREFETCH:  # the block after the last is masked out (c + step < 0 or >= V)
-                z_raw = z_next
-                z_next = tl.load(z_row + c + step, mask=(c + step >= 0) & (c + step < V), other=neg_inf,
-                                 eviction_policy=EV_2)
-            else:
-                z_raw = tl.load(z_row + c, mask=inb, other=neg_inf, eviction_policy=EV_2)
-            p = tl.exp2(z_raw.to(tl.float32) * LOG2E - lse2)
+            z = tl.load(z_row + c, mask=inb, other=neg_inf, eviction_policy=EV_2).to(tl.float32)
+            p = tl.exp2(z * LOG2E - lse2)
             d = (p - tl.where(c == t, 1.0, 0.0)) * keep
-            tl.store(d_row + c, d.to(d_ptr.dtype.element_ty), mask=inb, eviction_policy=EV_D)
+            tl.store(d_row + c, d.to(d_ptr.dtype.element_ty), mask=inb, eviction_policy=EV_2)
 
 
 def _check(logits: torch.Tensor, target: torch.Tensor) -> None:
@@ -195,8 +179,7 @@ def linear_cross_entropy_fwd_launch(logits: torch.Tensor, target: torch.Tensor, 
     programs = M if not cfg["PROGRAMS_PER_SM"] else min(M, cfg["PROGRAMS_PER_SM"] * num_sms(logits.device))
     graph_kernel(_linear_cross_entropy_fwd_kernel, traced)[(programs,)](
         logits, target, loss, d, M, V, logits.stride(0), d.stride(0), ignore_index,
-        BLOCK_V=block, REVERSE=bool(cfg["REVERSE"]), EVICT=int(cfg["EVICT"]), PREFETCH=bool(cfg["PREFETCH"]),
-        num_warps=cfg["num_warps"],
+        BLOCK_V=block, REVERSE=bool(cfg["REVERSE"]), EVICT=bool(cfg["EVICT"]), num_warps=cfg["num_warps"],
     )
     return loss, d
 

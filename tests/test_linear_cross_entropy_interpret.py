@@ -27,21 +27,20 @@ def _case(M: int, V: int, dtype: torch.dtype, seed: int = 0):
     return z, t
 
 
-# (programs per "SM", pass 2 from the row's end, the next block loaded ahead): one program per row,
-# and a grid of 4 or 8 programs that walk several rows each (the interpreter's "SM" count is 4),
-# forwards or backwards, with and without the loads ahead
+# (programs per "SM", pass 2 from the row's end, L2 eviction hints): one program per row, and a grid
+# of 4 or 8 programs that walk several rows each (the interpreter's "SM" count is 4), forwards or
+# backwards, with and without the hints
 GRIDS = [(0, False, False), (1, True, False), (2, False, False), (0, True, True), (2, False, True)]
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"per_sm{g[0]}_rev{int(g[1])}_ahead{int(g[2])}")
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"per_sm{g[0]}_rev{int(g[1])}_evict{int(g[2])}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,V,block", [(1, 5, 16), (7, 37, 16), (5, 64, 16), (11, 300, 128)])
 def test_launcher_matches_the_reference(dtype: torch.dtype, M: int, V: int, block: int, grid) -> None:
     z, t = _case(M, V, dtype, seed=M * V)
     if M > 2:
         t[1] = -100
-    cfg = {"BLOCK_V": block, "num_warps": 1, "PROGRAMS_PER_SM": grid[0], "REVERSE": grid[1],
-           "PREFETCH": grid[2], "EVICT": grid[2]}
+    cfg = {"BLOCK_V": block, "num_warps": 1, "PROGRAMS_PER_SM": grid[0], "REVERSE": grid[1], "EVICT": grid[2]}
     loss, d = K.linear_cross_entropy_fwd_launch(z, t, -100, config=cfg)
     rl, rd = R.linear_cross_entropy_fwd(z, t, -100)
     torch.testing.assert_close(loss, rl, rtol=1e-5, atol=1e-5)
@@ -52,8 +51,8 @@ def test_launcher_matches_the_reference(dtype: torch.dtype, M: int, V: int, bloc
         assert loss[1].item() == 0.0 and d[1].float().abs().sum() == 0
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_strided_rows_special_values_and_bad_targets(ahead: bool) -> None:
+@pytest.mark.parametrize("evict", [False, True])
+def test_strided_rows_special_values_and_bad_targets(evict: bool) -> None:
     big = torch.randn(4, 40) * 3.0
     z = big[:, :33]  # a row stride of 40
     z[0, 3] = float("-inf")
@@ -62,7 +61,7 @@ def test_strided_rows_special_values_and_bad_targets(ahead: bool) -> None:
     t[1] = 12
     z[1, 16:32] = float("-inf")  # a whole block of row 1 masked out
     cfg = {"BLOCK_V": 16, "num_warps": 1, "PROGRAMS_PER_SM": 1, "REVERSE": True,  # 4 programs, 4 rows
-           "PREFETCH": ahead, "EVICT": ahead}
+           "EVICT": evict}
     loss, d = K.linear_cross_entropy_fwd_launch(z, t, -100, config=cfg)
     rl, rd = R.linear_cross_entropy_fwd(z, t, -100)
     assert loss[0].item() == float("inf")  # -log(0), as torch
