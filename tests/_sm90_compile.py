@@ -95,15 +95,19 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
             sig[n] = "*i64"
         elif n in consts:
             sig[n], fixed[(i,)] = "constexpr", consts[n]
-        elif n in ("dk_ptr", "dv_ptr"):
+        elif n in ("dq_ptr", "dk_ptr", "dv_ptr"):
             sig[n] = "*bf16"
-        elif n in ("qn_ptr", "qi_ptr", "fqn_ptr", "fqi_ptr"):
+        elif n in ("qn_ptr", "qi_ptr", "fqn_ptr", "fqi_ptr", "cnt_ptr"):
             sig[n] = "*i32"
         elif n.endswith("_ptr") or (n[:2] in ("st", "mt") and n[2:].isdigit()) or (n[0] == "g" and n[1:].isdigit()):
             sig[n] = "*fp32"
         else:
             sig[n] = "i32"
-    return triton.compile(GluonASTSource(kern, sig, fixed), target=GPUTarget("cuda", 90, 32),
+    # pointers 16-byte aligned, as the launcher's tensors are (the JIT specialises on it, and row
+    # loads and stores vectorise on it)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride_")}
+    return triton.compile(GluonASTSource(kern, sig, fixed, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "maxnreg": 168})
 
 
@@ -142,7 +146,10 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=Fa
             sig[n] = "*i32" if n[:2] in ("kv", "fk", "sc") else "*fp32"
         else:
             sig[n] = "i32"
-    return triton.compile(GluonASTSource(kern, sig, fixed), target=GPUTarget("cuda", 90, 32),
+    # pointers 16-byte aligned, as the launcher's tensors are (the JIT specialises on it, and row
+    # loads and stores vectorise on it)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if sig[n].startswith("*")}
+    return triton.compile(GluonASTSource(kern, sig, fixed, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "maxnreg": 168})
 
 

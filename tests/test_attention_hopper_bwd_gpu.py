@@ -83,6 +83,11 @@ CASES = [
     ("d128_document_block_mask", lambda: _qkv(1, 4, 4, 1024, 1024, 128), "bhsd", dict(block_mask="docs"), True),
     ("d64_document_block_mask_gqa", lambda: _qkv(1, 8, 2, 1024, 1024, 64), "bhsd", dict(block_mask="docs"), True),
     ("rows_that_see_nothing", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(mask_mod="empty_rows"), True),
+    # query tiles that no key block visits (their dq written as zeros, not by a last reduction): a
+    # block mask with empty query blocks, and a band that ends before queries past the keys
+    ("block_mask_tiles_that_see_nothing", lambda: _qkv(1, 4, 2, 512, 512, 128), "bhsd",
+     dict(mask_mod="empty_rows", block_mask="from_mask"), True),
+    ("d64_window_queries_past_the_keys", lambda: _qkv(2, 4, 4, 1024, 512, 64), "bhsd", dict(window=(64, 0)), True),
     ("odd_length_portable", lambda: _qkv(2, 4, 2, 777, 777, 128), "bhsd", dict(causal=True), False),
     ("keys_not_whole_tiles_portable", lambda: _qkv(1, 4, 4, 512, 576, 128), "bhsd", {}, False),
     ("d256_portable", lambda: _qkv(1, 4, 4, 512, 512, 256), "bhsd", dict(causal=True), False),
@@ -121,6 +126,8 @@ def _run(base, layout, opts, dq_mode, table):
         kw["mask_mod"] = A.sliding_window_mask(200)
     if opts.get("mask_mod") == "empty_rows":
         kw["mask_mod"] = A.MaskMod(lambda b, h, q_idx, kv_idx: (q_idx < 300) & (kv_idx < 384))
+    if opts.get("block_mask") == "from_mask":
+        kw["block_mask"] = A.create_block_mask(kw["mask_mod"], None, None, Sq, Skv, block_size=128)
     if opts.get("block_mask") == "docs":
         mm = _docs(Sq)
         kw.update(mask_mod=mm, block_mask=A.create_block_mask(mm, None, None, Sq, Skv, block_size=128))
