@@ -108,7 +108,8 @@ _NO_BOUND = 1 << 30  # kernels/attention.NO_BOUND
 @fast_launch
 @triton.jit
 def _dq_tile_counts_kernel(
-    cnt_ptr,  # (B * Hq * Sq / BLOCK_M) int32 out, zeroed: the reductions each query tile will get
+    cnt_ptr,  # (B * Hq * Sq / BLOCK_M, 128) int32 out: per query tile the reductions it will get, in
+    # each of its 128 slots (one per consumer thread, which counts off its own)
     dq_ptr, stride_dqb, stride_dqh, stride_dqs,  # (B, Hq, Sq, D): a tile no key block visits is zeroed
     seq_q, seq_kv, win_left, win_right,
     kvn_ptr, fkvn_ptr, stride_nb, stride_nh, stride_nm,  # per query block: its partial / full key blocks
@@ -132,7 +133,8 @@ def _dq_tile_counts_kernel(
         visits = tl.sum(((n0 < seq_kv) & (lo_t <= mt) & (mt < end_t)).to(tl.int32), axis=0)
     else:
         visits = seq_kv // BLOCK_N
-    tl.store(cnt_ptr + (b * tl.num_programs(1) + h) * tl.num_programs(0) + mt, 2 * visits)
+    tile = (b * tl.num_programs(1) + h) * tl.num_programs(0) + mt
+    tl.store(cnt_ptr + tile.to(tl.int64) * 128 + tl.arange(0, 128), tl.full([128], 2, tl.int32) * visits)
     if visits == 0:
         rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, HEAD_D)
@@ -143,9 +145,9 @@ def _dq_tile_counts_kernel(
 
 def dq_tile_counts(cnt: torch.Tensor, dq: torch.Tensor, seq_kv: int, window: tuple[int | None, int | None],
                    sparse: tuple[Any, ...] | None, sparse_q: int, sparse_kv: int) -> None:
-    """Write into ``cnt`` (int32, one per (b, h, 64-row query tile) of ``dq``, a (B, Hq, Sq, D) view
-    with a unit last stride) twice the number of the Hopper backward's programs that visit each query
-    tile, and zero the tiles of ``dq`` that none visits. ``sparse``: the block mask's per-query-block
+    """Write into ``cnt`` (int32, 128 slots per (b, h, 64-row query tile) of ``dq``, a (B, Hq, Sq, D)
+    view with a unit last stride) twice the number of the Hopper backward's programs that visit each
+    query tile, in every slot, and zero the tiles of ``dq`` that none visits. ``sparse``: the block mask's per-query-block
     lists (``kernels.attention._sparse_args`` of the forward's lists), or None; ``window``: (left,
     right) as the launcher takes it."""
     B, H, S, D = dq.shape
@@ -195,26 +197,38 @@ if AVAILABLE:
                                   "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _dq_arrive(cnt_ptr, dqa_ptr, dq_ptr, row0, dq_off, stride_dqs, BLOCK_M: gl.constexpr,
-                   HEAD_D: gl.constexpr):
-        # This consumer's reduction into the query tile at buffer row `row0` has landed
-        # (_bulk_wait_all): count it off the tile's counter (two per key block that sees the tile,
-        # _dq_count_kernel). The consumer that takes it to zero holds the tile's whole sum and casts
-        # it into dq (its rows from L2, where the reductions were made), 16 rows at a time.
-        _thread_barrier()  # every thread's wait done before the release
-        left = gl.atomic_add(cnt_ptr + row0 // BLOCK_M, -1, sem="acq_rel", scope="gpu")
-        if left == 1:
-            # CH rows per step, four floats per thread (a loop, not unrolled: the consumers' registers
-            # hold dK and dV)
-            TC: gl.constexpr = HEAD_D // 4
-            CH: gl.constexpr = 4 * (32 // TC)
-            layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TC, TC], [4, 1], [1, 0])
-            rows = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(1, layout)), 1)
-            cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout)), 0)
-            for r in _tl_range(0, BLOCK_M, CH, loop_unroll_factor=1):
-                x = gl.load(dqa_ptr + (row0 + r + rows).to(gl.int64) * HEAD_D + cols, cache_modifier=".cg")
-                gl.store(dq_ptr + dq_off + (r + rows).to(gl.int64) * stride_dqs + cols,
-                         x.to(dq_ptr.dtype.element_ty))
+    def _cast_layout(HEAD_D: gl.constexpr):
+        # thread t of a consumer owns row t // 2, columns (t % 2) * HEAD_D / 2 ... of a dQ tile: one
+        # counter slot per thread, and its cast needs no other thread's values
+        return gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _dq_count_off(cnt_ptr, row0, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr):
+        # This consumer's reduction into the query tile at buffer row `row0` has landed (_bulk_wait_all
+        # in the issuing thread, then this barrier): each thread counts it off its own slot of the
+        # tile's 128 counters (each set to two per program that visits the tile, dq_tile_counts). The
+        # result stays in the thread's register (no broadcast), read a tile later by _dq_cast_mine.
+        _thread_barrier()
+        slots = gl.arange(0, 128, layout=gl.SliceLayout(1, _cast_layout(HEAD_D)))
+        return gl.atomic_add(cnt_ptr + (row0 // BLOCK_M).to(gl.int64) * 128 + slots, -1, sem="acq_rel",
+                             scope="gpu")
+
+    @gluon.jit
+    def _dq_cast_mine(left, dqa_ptr, dq_ptr, row0, dq_off, stride_dqs, HEAD_D: gl.constexpr):
+        # A thread whose slot reached zero (left == 1: every reduction into the tile has landed) casts
+        # its half row of the tile's float32 sum (from L2, where the reductions were made) into dq;
+        # the others' loads and stores are masked off. 16 columns a step, in a loop (the consumers'
+        # registers hold dK and dV).
+        layout: gl.constexpr = _cast_layout(HEAD_D)
+        t = gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
+        mine = gl.expand_dims(left == 1, 1)
+        rows = gl.expand_dims(t // 2, 1)
+        cols = (gl.expand_dims((t % 2) * (HEAD_D // 2), 1)
+                + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, layout)), 0))
+        for j in _tl_range(0, HEAD_D // 2, 16, loop_unroll_factor=1):
+            x = gl.load(dqa_ptr + (row0 + rows).to(gl.int64) * HEAD_D + cols + j, mask=mine, cache_modifier=".cg")
+            gl.store(dq_ptr + dq_off + rows.to(gl.int64) * stride_dqs + cols + j, x.to(dq_ptr.dtype.element_ty),
+                     mask=mine)
 
     @gluon.jit
     def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
@@ -308,9 +322,13 @@ if AVAILABLE:
         dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
         mbarrier.wait(kv_bar.index(c), 0)
         it = 0
-        # the tile whose reduction is still in flight (-1: none): its buffer row, dq offset
+        # the tile whose reduction is in flight (p_*) and the one counted off before it, whose cast is
+        # due (q_*; -1: none): buffer row, dq offset, this thread's count
         p_row = b * 0 - 1
         p_off = b.to(gl.int64) * 0
+        q_row = p_row
+        q_off = p_off
+        q_left = gl.full([128], 0, gl.int32, layout=gl.SliceLayout(1, _cast_layout(HEAD_D)))
         for g in range(0, group):
             h = hk * group + g
             n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _tile_range(
@@ -398,10 +416,15 @@ if AVAILABLE:
                 dq, dv, dk = warpgroup_mma_wait(0, deps=[dq, dv, dk])
                 mbarrier.arrive(empty.index(st), count=1)
                 # this consumer's dQ columns added to the float32 buffer by a TMA reduction from shared
-                # memory, once the last tile's has landed (and is counted off: _dq_arrive)
+                # memory, once the last tile's has landed; that one is counted off, and the one counted
+                # off a tile ago cast where this thread's count ended
                 _bulk_wait_all(b)
+                if q_row >= 0:
+                    _dq_cast_mine(q_left, dqa_ptr, dq_ptr, q_row, q_off, stride_dqs, HEAD_D)
+                q_row = p_row
+                q_off = p_off
                 if p_row >= 0:
-                    _dq_arrive(cnt_ptr, dqa_ptr, dq_ptr, p_row, p_off, stride_dqs, BLOCK_M, HEAD_D)
+                    q_left = _dq_count_off(cnt_ptr, p_row, BLOCK_M, HEAD_D)
                 dq_smem.index(c).store(dq * sm_scale)
                 fence_async_shared()
                 p_row = (b * n_heads + h) * seq_q + m0
@@ -410,8 +433,11 @@ if AVAILABLE:
                 _tma_add(dq_desc, [p_row, c * DQ_COLS], dq_smem.index(c))
                 it += 1
         _bulk_wait_all(b)  # the last reduction has landed before the program ends
+        if q_row >= 0:
+            _dq_cast_mine(q_left, dqa_ptr, dq_ptr, q_row, q_off, stride_dqs, HEAD_D)
         if p_row >= 0:
-            _dq_arrive(cnt_ptr, dqa_ptr, dq_ptr, p_row, p_off, stride_dqs, BLOCK_M, HEAD_D)
+            _dq_cast_mine(_dq_count_off(cnt_ptr, p_row, BLOCK_M, HEAD_D), dqa_ptr, dq_ptr, p_row, p_off, stride_dqs,
+                          HEAD_D)
         return dk, dv
 
     @gluon.jit
@@ -619,8 +645,8 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     B, H, S, D = q.shape
     # one zeroed buffer: the float32 dQ sums (contiguous: the reductions' target), then a counter per
     # query tile (zero bits are int32 zeros)
-    n_acc, n_tiles = B * H * S * D, B * H * S // BWD_BLOCK_M
-    buf = torch.zeros(n_acc + n_tiles, dtype=torch.float32, device=q.device)
+    n_acc, n_cnt = B * H * S * D, B * H * S // BWD_BLOCK_M * 128
+    buf = torch.zeros(n_acc + n_cnt, dtype=torch.float32, device=q.device)
     dqa, cnt = buf[:n_acc].view(B, H, S, D), buf[n_acc:].view(torch.int32)
     out = dq if dq.stride(3) == 1 else torch.empty_like(dq, memory_format=torch.contiguous_format)
     dq_desc = TensorDescriptor(dqa.view(B * H * S, D), [B * H * S, D], [D, 1], [BWD_BLOCK_M, D // 2],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -57,7 +58,13 @@ def main(which: str, old_path: str, cases: list[str]) -> dict:
     spec = importlib.util.spec_from_file_location(mod, old_path)
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
-    arms = {"new": getattr(K, name), "old": getattr(old, name)}
+    old_fn = getattr(old, name)
+    known = inspect.signature(old_fn).parameters
+
+    def old_arm(*args, **kwargs):  # the earlier launcher without the keywords it did not take yet
+        return old_fn(*args, **{k: v for k, v in kwargs.items() if k in known})
+
+    arms = {"new": getattr(K, name), "old": old_arm}
     res = {}
     for case in cases:
         (q, k, v), kw = _inputs(case, which == "bwd")

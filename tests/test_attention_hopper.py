@@ -444,10 +444,10 @@ def test_reductions_per_query_tile_match_the_backward_walk(case):
     D = 64
     packed = torch.full((Sq, B, 3 * H * D), 5.0, dtype=torch.bfloat16)
     dq = packed[..., : H * D].view(Sq, B, H, D).permute(1, 2, 0, 3)
-    cnt = torch.full((B * H * Sq // HB.BWD_BLOCK_M,), -1, dtype=torch.int32)
+    cnt = torch.full((B * H * Sq // HB.BWD_BLOCK_M * 128,), -1, dtype=torch.int32)
     HB.dq_tile_counts(cnt, dq, Skv, window, K._sparse_args(fwd) if fwd else None,
                       fwd.block_q if fwd else 1, fwd.block_kv if fwd else 1)
-    assert torch.equal(cnt.view(B, H, -1).long(), want), name
+    assert torch.equal(cnt.view(B, H, -1, 128).long(), want[..., None].expand(B, H, Sq // HB.BWD_BLOCK_M, 128)), name
     empty = (want == 0).repeat_interleave(HB.BWD_BLOCK_M, dim=2)[..., None].expand(B, H, Sq, D)
     assert torch.equal(dq == 0, empty), name
     assert (packed[..., H * D:] == 5.0).all(), name

@@ -127,7 +127,7 @@ def _run(base, layout, opts, dq_mode, table):
     if opts.get("mask_mod") == "empty_rows":
         kw["mask_mod"] = A.MaskMod(lambda b, h, q_idx, kv_idx: (q_idx < 300) & (kv_idx < 384))
     if opts.get("block_mask") == "from_mask":
-        kw["block_mask"] = A.create_block_mask(kw["mask_mod"], None, None, Sq, Skv, block_size=128)
+        kw["block_mask"] = A.create_block_mask(kw["mask_mod"], None, None, Sq, Skv, block_size=128, device=DEV)
     if opts.get("block_mask") == "docs":
         mm = _docs(Sq)
         kw.update(mask_mod=mm, block_mask=A.create_block_mask(mm, None, None, Sq, Skv, block_size=128))
