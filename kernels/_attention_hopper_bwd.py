@@ -14,9 +14,7 @@ reductions (so not bitwise deterministic: ``deterministic=True`` keeps the porta
                            dS^T = P^T (dP^T - delta); dK_c += dS^T Q_m (async); dS^T to shared
                            memory; dQ_m += dS K (async, A read transposed); release Q_m/dO_m;
                            dQ_m * scale to shared memory, added to a float32 buffer by one TMA
-                           reduction (cp.reduce.async.bulk.tensor .add), left in flight; at the
-                           next tile, once it has landed, counted off Q_m's counter, and the
-                           consumer that takes the counter to zero casts Q_m's rows into dq
+                           reduction (cp.reduce.async.bulk.tensor .add), left in flight
 
 The transposed products keep every operand in the layout wgmma reads (K-major or MN-major 16-bit
 tiles from shared memory, P^T and dS^T from registers). The two consumers split dQ by columns: each
@@ -26,10 +24,7 @@ the dQ of its own keys, which measured 35 % slower at d = 128). The reduction le
 copy engine: vector atomics from the consumers' registers measured 35 % slower at d = 128 (the
 warps waited for the atomics to read their registers, and the row addresses spilled), and a
 reducer warp pair reading the tile back from shared memory for them 15 % slower (it could not keep
-up: each read waited out the shared memory's latency). No pass over the whole buffer follows: a
-counter per query tile, set by ``_dq_count_kernel`` (the same grid and tile walk, doing only the
-count), says which reduction is a tile's last, and its consumer reads the tile's sum back (from L2,
-where the reductions landed) and writes dq, so the float32 buffer is not read again from memory. The loader sets its registers down to 24,
+up: each read waited out the shared memory's latency). The loader sets its registers down to 24,
 the consumers up. The launcher runs it by default wherever it applies: it measured faster than the
 portable kernels in every case measured (``hopper_bwd_supported``;
 ``docs/benchmarks/attention_hopper_h100.md``).
@@ -54,12 +49,10 @@ import functools
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
+from ._accumulate import store_accumulated
 from ._attention_hopper import AVAILABLE, _view2d
 from ._dropout import _dropout_draws, _dropout_key, _dropout_pair_row, _kept
-from ._library import fast_launch, next_pow2
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -73,7 +66,6 @@ if AVAILABLE:
     )
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.language import range as _tl_range
 
     from ._attention_hopper import (_NEW_WS, _relative_bias, _thread_barrier, _tile_range, _tile_start,
                                     _tma_load)
@@ -105,64 +97,6 @@ SCORE_MODE_NONE, SCORE_MODE_NATURAL, SCORE_MODE_NO_GRAD, SCORE_MODE_RELATIVE = 0
 _NO_BOUND = 1 << 30  # kernels/attention.NO_BOUND
 
 
-@fast_launch
-@triton.jit
-def _dq_tile_counts_kernel(
-    cnt_ptr,  # (B * Hq * Sq / BLOCK_M, 128) int32 out: per query tile the reductions it will get, in
-    # each of its 128 slots (one per consumer thread, which counts off its own)
-    dq_ptr, stride_dqb, stride_dqh, stride_dqs,  # (B, Hq, Sq, D): a tile no key block visits is zeroed
-    seq_q, seq_kv, win_left, win_right,
-    kvn_ptr, fkvn_ptr, stride_nb, stride_nh, stride_nm,  # per query block: its partial / full key blocks
-    BAND: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, HEAD_D: tl.constexpr,
-):
-    # Query tile (b, h, mt): how many of the backward's programs (BLOCK_N keys each) visit it, by the
-    # inverse of their walk (_tile_range): a block mask's key blocks in the tile's query block, each
-    # SPARSE_KV // BLOCK_N programs; under a band, the key blocks whose query range holds the tile;
-    # else every key block. Two reductions per visit (one per consumer).
-    mt = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    if BLOCK_SPARSE:
-        off = b * stride_nb + h * stride_nh + (mt * BLOCK_M // SPARSE_Q) * stride_nm
-        visits = (tl.load(kvn_ptr + off) + tl.load(fkvn_ptr + off)) * (SPARSE_KV // BLOCK_N)
-    elif BAND:
-        n0 = tl.arange(0, KEY_BLOCKS) * BLOCK_N
-        lo_t = tl.maximum(n0 - win_right, 0) // BLOCK_M
-        end_t = (tl.minimum(seq_q, n0 + BLOCK_N + win_left) + BLOCK_M - 1) // BLOCK_M
-        visits = tl.sum(((n0 < seq_kv) & (lo_t <= mt) & (mt < end_t)).to(tl.int32), axis=0)
-    else:
-        visits = seq_kv // BLOCK_N
-    tile = (b * tl.num_programs(1) + h) * tl.num_programs(0) + mt
-    tl.store(cnt_ptr + tile.to(tl.int64) * 128 + tl.arange(0, 128), tl.full([128], 2, tl.int32) * visits)
-    if visits == 0:
-        rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, HEAD_D)
-        base = b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-        tl.store(dq_ptr + base + rows[:, None].to(tl.int64) * stride_dqs + cols[None, :],
-                 tl.zeros([BLOCK_M, HEAD_D], dq_ptr.dtype.element_ty))
-
-
-def dq_tile_counts(cnt: torch.Tensor, dq: torch.Tensor, seq_kv: int, window: tuple[int | None, int | None],
-                   sparse: tuple[Any, ...] | None, sparse_q: int, sparse_kv: int) -> None:
-    """Write into ``cnt`` (int32, 128 slots per (b, h, 64-row query tile) of ``dq``, a (B, Hq, Sq, D)
-    view with a unit last stride) twice the number of the Hopper backward's programs that visit each
-    query tile, in every slot, and zero the tiles of ``dq`` that none visits. ``sparse``: the block mask's per-query-block
-    lists (``kernels.attention._sparse_args`` of the forward's lists), or None; ``window``: (left,
-    right) as the launcher takes it."""
-    B, H, S, D = dq.shape
-    left, right = window
-    sp = sparse if sparse is not None else (cnt, None, cnt, None, 0, 0, 0)
-    _dq_tile_counts_kernel[(S // BWD_BLOCK_M, H, B)](
-        cnt, dq, *dq.stride()[:3], S, seq_kv,
-        _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),
-        sp[0], sp[2], *sp[4:7],
-        BAND=left is not None or right is not None, BLOCK_SPARSE=sparse is not None, SPARSE_Q=sparse_q,
-        SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N,
-        KEY_BLOCKS=max(next_pow2(seq_kv // BWD_BLOCK_N), 2), HEAD_D=D, num_warps=4,
-    )
-
-
 if AVAILABLE:
 
     @gluon.jit
@@ -188,49 +122,6 @@ if AVAILABLE:
         return gl.convert_layout(u, layout)
 
     @gluon.jit
-    def _bulk_wait_all(x):
-        # Every TMA reduction this thread issued complete, its sums written to global memory
-        # (cp.async.bulk.wait_group 0; tma.store_wait's .read form waits only until the shared memory
-        # is read), and ordered before this thread's later generic-proxy accesses. `x`: any int32
-        # scalar (the asm takes an operand).
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async;\n\tmov.b32 $0, $1;",
-                                  "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _cast_layout(HEAD_D: gl.constexpr):
-        # thread t of a consumer owns row t // 2, columns (t % 2) * HEAD_D / 2 ... of a dQ tile: one
-        # counter slot per thread, and its cast needs no other thread's values
-        return gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
-
-    @gluon.jit
-    def _dq_count_off(cnt_ptr, row0, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr):
-        # This consumer's reduction into the query tile at buffer row `row0` has landed (_bulk_wait_all
-        # in the issuing thread, then this barrier): each thread counts it off its own slot of the
-        # tile's 128 counters (each set to two per program that visits the tile, dq_tile_counts). The
-        # result stays in the thread's register (no broadcast), read a tile later by _dq_cast_mine.
-        _thread_barrier()
-        slots = gl.arange(0, 128, layout=gl.SliceLayout(1, _cast_layout(HEAD_D)))
-        return gl.atomic_add(cnt_ptr + (row0 // BLOCK_M).to(gl.int64) * 128 + slots, -1, sem="acq_rel",
-                             scope="gpu")
-
-    @gluon.jit
-    def _dq_cast_mine(left, dqa_ptr, dq_ptr, row0, dq_off, stride_dqs, HEAD_D: gl.constexpr):
-        # A thread whose slot reached zero (left == 1: every reduction into the tile has landed) casts
-        # its half row of the tile's float32 sum (from L2, where the reductions were made) into dq;
-        # the others' loads and stores are masked off. 16 columns a step, in a loop (the consumers'
-        # registers hold dK and dV).
-        layout: gl.constexpr = _cast_layout(HEAD_D)
-        t = gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
-        mine = gl.expand_dims(left == 1, 1)
-        rows = gl.expand_dims(t // 2, 1)
-        cols = (gl.expand_dims((t % 2) * (HEAD_D // 2), 1)
-                + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, layout)), 0))
-        for j in _tl_range(0, HEAD_D // 2, 16, loop_unroll_factor=1):
-            x = gl.load(dqa_ptr + (row0 + rows).to(gl.int64) * HEAD_D + cols + j, mask=mine, cache_modifier=".cg")
-            gl.store(dq_ptr + dq_off + rows.to(gl.int64) * stride_dqs + cols + j, x.to(dq_ptr.dtype.element_ty),
-                     mask=mine)
-
-    @gluon.jit
     def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                     st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                     SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
@@ -243,8 +134,7 @@ if AVAILABLE:
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale,
-         cnt_ptr, dqa_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs) = d
+         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale) = d
         for c in gl.static_range(2):
             mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             _tma_load(k_desc, [k_row + c * HALF, k_col], kv_bar.index(c), k_smem.index(c))
@@ -297,8 +187,7 @@ if AVAILABLE:
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale,
-         cnt_ptr, dqa_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs) = d
+         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale) = d
         dtype: gl.constexpr = q_desc.dtype
         k_width: gl.constexpr = 32 // dtype.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -322,13 +211,6 @@ if AVAILABLE:
         dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
         mbarrier.wait(kv_bar.index(c), 0)
         it = 0
-        # the tile whose reduction is in flight (p_*) and the one counted off before it, whose cast is
-        # due (q_*; -1: none): buffer row, dq offset, this thread's count
-        p_row = b * 0 - 1
-        p_off = b.to(gl.int64) * 0
-        q_row = p_row
-        q_off = p_off
-        q_left = gl.full([128], 0, gl.int32, layout=gl.SliceLayout(1, _cast_layout(HEAD_D)))
         for g in range(0, group):
             h = hk * group + g
             n, lo_t, flo_t, fhi_t, n_part, part_ptr, full_ptr = _tile_range(
@@ -416,28 +298,13 @@ if AVAILABLE:
                 dq, dv, dk = warpgroup_mma_wait(0, deps=[dq, dv, dk])
                 mbarrier.arrive(empty.index(st), count=1)
                 # this consumer's dQ columns added to the float32 buffer by a TMA reduction from shared
-                # memory, once the last tile's has landed; that one is counted off, and the one counted
-                # off a tile ago cast where this thread's count ended
-                _bulk_wait_all(b)
-                if q_row >= 0:
-                    _dq_cast_mine(q_left, dqa_ptr, dq_ptr, q_row, q_off, stride_dqs, HEAD_D)
-                q_row = p_row
-                q_off = p_off
-                if p_row >= 0:
-                    q_left = _dq_count_off(cnt_ptr, p_row, BLOCK_M, HEAD_D)
+                # memory, once the last tile's has read the buffer
+                tma.store_wait(0)
                 dq_smem.index(c).store(dq * sm_scale)
                 fence_async_shared()
-                p_row = (b * n_heads + h) * seq_q + m0
-                p_off = (b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
-                         + m0.to(gl.int64) * stride_dqs)
-                _tma_add(dq_desc, [p_row, c * DQ_COLS], dq_smem.index(c))
+                _tma_add(dq_desc, [(b * n_heads + h) * seq_q + m0, c * DQ_COLS], dq_smem.index(c))
                 it += 1
-        _bulk_wait_all(b)  # the last reduction has landed before the program ends
-        if q_row >= 0:
-            _dq_cast_mine(q_left, dqa_ptr, dq_ptr, q_row, q_off, stride_dqs, HEAD_D)
-        if p_row >= 0:
-            _dq_cast_mine(_dq_count_off(cnt_ptr, p_row, BLOCK_M, HEAD_D), dqa_ptr, dq_ptr, p_row, p_off, stride_dqs,
-                          HEAD_D)
+        tma.store_wait(0)  # the last reduction has read the buffer before the program ends
         return dk, dv
 
     @gluon.jit
@@ -462,8 +329,7 @@ if AVAILABLE:
         (b_, hk_, n0_, group_, seq_q_, k_row_, k_col_, q_rb_, q_rh_, q_cb_, q_ch_, g_rb_, g_rh_, g_cb_, g_ch_,
          lse_ptr_, delta_ptr_, stride_lb_, stride_lh_, stride_ls_, n_heads_,
          qn_ptr_, qi_ptr_, fqn_ptr_, fqi_ptr_, stride_nb_, stride_nh_, stride_nm_, stride_ib_, stride_ih_,
-         stride_im_, sm_scale, win_left_, win_right_, seed_ptr_, drop_thresh_, drop_scale,
-         cnt_ptr_, dqa_ptr_, dq_ptr_, stride_dqb_, stride_dqh_, stride_dqs_) = d
+         stride_im_, sm_scale, win_left_, win_right_, seed_ptr_, drop_thresh_, drop_scale) = d
         _store_rows(dk_ptr + dk_off, stride_dks, c * HALF, dk * sm_scale, HALF, HEAD_D, acc_layout)
         if DROPOUT:  # the kept weights' 1 / (1 - p), once
             dv = dv * drop_scale
@@ -502,9 +368,6 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, do_desc,  # 2-D descriptors as in the Hopper forward ((64, D) tiles)
         lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32: the forward's LSE, the preprocess kernel's delta
         dq_desc,  # (B * Hq * Sq, D) fp32 zero-initialised dQ accumulator, (64, D / 2) tiles
-        dqa_ptr,  # the same buffer as a pointer (the tiles' casts read it)
-        cnt_ptr,  # (B * Hq * Sq / 64) int32: per query tile, the reductions still to come (_dq_count_kernel)
-        dq_ptr, stride_dqb, stride_dqh, stride_dqs,  # (B, Hq, Sq, D) output, last dim contiguous
         dk_ptr, dv_ptr,  # (B, Hkv, Skv, D) outputs, last dim contiguous
         seq_q, seq_kv, group, sm_scale, win_left, win_right,
         seed_ptr, drop_thresh, drop_scale,  # dropout (DROPOUT): the () int64 seed, the threshold, 1 / (1 - p)
@@ -555,8 +418,7 @@ if AVAILABLE:
         d = (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
              lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
              qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-             sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale,
-             cnt_ptr, dqa_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs)
+             sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale)
         dk_off = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + n0.to(gl.int64) * stride_dks
         dv_off = b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + n0.to(gl.int64) * stride_dvs
         if NEW_WS:
@@ -619,36 +481,24 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                window: tuple[int | None, int | None], score_fn: Any, grad_fn: Any, mask_fn: Any,
                score_mode: int, has_mask_mod: bool, score_buffers: tuple[Any, ...],
                mask_buffers: tuple[Any, ...], score_grads: tuple[Any, ...], sparse_t: tuple[Any, ...] | None,
-               sparse_q: int, sparse_kv: int, dropout: tuple[torch.Tensor, int, float] | None = None,
-               sparse: tuple[Any, ...] | None = None) -> bool:
+               sparse_q: int, sparse_kv: int, dropout: tuple[torch.Tensor, int, float] | None = None) -> bool:
     """Launch the Hopper backward into ``dq``, ``dk``, ``dv`` (``delta`` from the preprocess kernel);
     return whether it ran (q, k, v and do need descriptor views, dk and dv a contiguous last dim;
-    nothing is allocated or written otherwise). dQ is summed in a float32 buffer, and each query tile
-    cast into ``dq`` by the program whose reduction completes it (the reductions per tile counted
-    first by :func:`dq_tile_counts`, which zeroes the tiles no key block sees). ``sparse_t``: the
-    portable dK/dV kernel's 10 block-mask arguments (per key block), or None; ``sparse``: the same of
-    the forward's lists (per query block), given with ``sparse_t``. ``score_mode``: one of SCORE_MODE_* (NO_GRAD: an additive bias, derivative 1 and no
+    nothing is allocated or written otherwise). dQ is summed in a float32 buffer, then cast into
+    ``dq`` (:func:`store_accumulated`). ``sparse_t``: the portable dK/dV kernel's 10 block-mask
+    arguments (per key block), or None. ``score_mode``: one of SCORE_MODE_* (NO_GRAD: an additive bias, derivative 1 and no
     captured-tensor gradient, so ``grad_fn`` is not called; RELATIVE: such a bias that is
     ``slope * (kv - q) + c`` per batch and head, ALiBi, added per key row and query column without
     calling ``score_fn`` per score)."""
-    if (sparse is None) != (sparse_t is None):
-        raise ValueError("hopper_bwd: sparse and sparse_t are the block mask's lists per query block and per key "
-                         f"block; pass both or neither (got sparse {'None' if sparse is None else 'set'}, "
-                         f"sparse_t {'None' if sparse_t is None else 'set'})")
     views = (_view2d(q, BWD_BLOCK_M), _view2d(k, BWD_BLOCK_N // 2), _view2d(v, BWD_BLOCK_N // 2),
              _view2d(do, BWD_BLOCK_M))
     if any(x is None for x in views) or views[1][1:] != views[2][1:]:
         return False
     if dk.stride(3) != 1 or dv.stride(3) != 1:
         return False
+    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # contiguous: the reductions' target
     qv, kv, vv, gv = views
     B, H, S, D = q.shape
-    # one zeroed buffer: the float32 dQ sums (contiguous: the reductions' target), then a counter per
-    # query tile (zero bits are int32 zeros)
-    n_acc, n_cnt = B * H * S * D, B * H * S // BWD_BLOCK_M * 128
-    buf = torch.zeros(n_acc + n_cnt, dtype=torch.float32, device=q.device)
-    dqa, cnt = buf[:n_acc].view(B, H, S, D), buf[n_acc:].view(torch.int32)
-    out = dq if dq.stride(3) == 1 else torch.empty_like(dq, memory_format=torch.contiguous_format)
     dq_desc = TensorDescriptor(dqa.view(B * H * S, D), [B * H * S, D], [D, 1], [BWD_BLOCK_M, D // 2],
                                _dq_layout(D))
     Hk, Skv = k.shape[1], k.shape[2]
@@ -656,24 +506,21 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # the block-mask lists go to every partition, which take no None: the placeholder is never read
     sp = sparse_t if sparse_t is not None else (lse, lse, lse, lse, 0, 0, 0, 0, 0, 0)
     grid = (Skv // BWD_BLOCK_N, Hk, B)
-    band = left is not None or right is not None
-    wl, wr = _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right)
-    dq_tile_counts(cnt, out, Skv, window, sparse, sparse_q, sparse_kv)
     slots = (*score_buffers, *mask_buffers, *score_grads)
     _hopper_bwd_kernel[grid](
-        qv.desc, kv.desc, vv.desc, gv.desc, lse, delta, dq_desc, dqa, cnt, out, *out.stride()[:3], dk, dv,
+        qv.desc, kv.desc, vv.desc, gv.desc, lse, delta, dq_desc, dk, dv,
         S, Skv, H // Hk, float(sm_scale),
-        wl, wr, *(dropout if dropout is not None else (lse, 0, 1.0)),
+        _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),
+        *(dropout if dropout is not None else (lse, 0, 1.0)),
         *qv[1:], *kv[1:], *gv[1:], *lse.stride(),
         *dk.stride()[:3], *dv.stride()[:3], *sp,
         # slots a mod does not use get a placeholder pointer (partitions take no None arguments)
         *(lse if t is None else t for t in slots),
         SCORE_FN=score_fn, GRAD_FN=grad_fn, MASK_FN=mask_fn, SCORE_MODE=score_mode,
-        HAS_MASK_MOD=has_mask_mod, BAND=band, BLOCK_SPARSE=sparse_t is not None,
+        HAS_MASK_MOD=has_mask_mod, BAND=left is not None or right is not None, BLOCK_SPARSE=sparse_t is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
         STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS,
         DROPOUT=dropout is not None, num_warps=4, maxnreg=168,
     )
-    if out is not dq:
-        dq.copy_(out)
+    store_accumulated(dq, dqa)
     return True

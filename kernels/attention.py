@@ -1739,7 +1739,7 @@ def attention_bwd_launch(
     # Step 2 (Hopper): dK, dV and dQ in one warp-specialised kernel, where it applies.
     if auto and cfg["HOPPER"] and not set(config or ()) - {"HOPPER"} and _hopper_bwd(
             kernels, do, q, k, v, lse, delta, dq, dk, dv, sm_scale=sm_scale, window=window,
-            has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, sm=sm, mm=mm, gs=gs, bs=bs, bst=bst,
+            has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, sm=sm, mm=mm, gs=gs, bst=bst,
             dropout=drop if dropout_p > 0.0 else None, varlen=prob.varlen):
         return
     # Step 2: dK, dV (and dQ with atomics).
@@ -1801,8 +1801,7 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
                 lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
                 sm_scale: float, window: tuple[int | None, int | None], has_score_mod: bool,
                 has_mask_mod: bool,
-                sm: tuple[Any, ...], mm: tuple[Any, ...], gs: tuple[Any, ...], bs: BlockSparsity | None,
-                bst: BlockSparsity | None,
+                sm: tuple[Any, ...], mm: tuple[Any, ...], gs: tuple[Any, ...], bst: BlockSparsity | None,
                 dropout: tuple[Any, int, float] | None, varlen: bool) -> bool:
     # The Hopper backward takes the mods as arguments: a mod in use whose function ``kernels`` does
     # not carry keeps this module's kernels (see AttentionKernels).
@@ -1818,8 +1817,7 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
                       score_mode=hopper_bwd_score_mode(kernels, has_score_mod), has_mask_mod=has_mask_mod,
                       score_buffers=sm, mask_buffers=mm, score_grads=gs,
                       sparse_t=_sparse_args(bst) if bst else None, sparse_q=bst.block_q if bst else 1,
-                      sparse_kv=bst.block_kv if bst else 1, dropout=dropout,
-                      sparse=_sparse_args(bs) if bs else None)
+                      sparse_kv=bst.block_kv if bst else 1, dropout=dropout)
 
 
 def flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *, causal: bool = False,
