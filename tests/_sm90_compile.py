@@ -95,9 +95,9 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
             sig[n] = "*i64"
         elif n in consts:
             sig[n], fixed[(i,)] = "constexpr", consts[n]
-        elif n in ("dq_ptr", "dk_ptr", "dv_ptr"):
+        elif n in ("dk_ptr", "dv_ptr"):
             sig[n] = "*bf16"
-        elif n in ("qn_ptr", "qi_ptr", "fqn_ptr", "fqi_ptr", "cnt_ptr"):
+        elif n in ("qn_ptr", "qi_ptr", "fqn_ptr", "fqi_ptr"):
             sig[n] = "*i32"
         elif n.endswith("_ptr") or (n[:2] in ("st", "mt") and n[2:].isdigit()) or (n[0] == "g" and n[1:].isdigit()):
             sig[n] = "*fp32"

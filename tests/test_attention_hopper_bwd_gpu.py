@@ -83,8 +83,8 @@ CASES = [
     ("d128_document_block_mask", lambda: _qkv(1, 4, 4, 1024, 1024, 128), "bhsd", dict(block_mask="docs"), True),
     ("d64_document_block_mask_gqa", lambda: _qkv(1, 8, 2, 1024, 1024, 64), "bhsd", dict(block_mask="docs"), True),
     ("rows_that_see_nothing", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(mask_mod="empty_rows"), True),
-    # query tiles that no key block visits (their dq written as zeros, not by a last reduction): a
-    # block mask with empty query blocks, and a band that ends before queries past the keys
+    # query tiles that no key block visits (their dq all zeros): a block mask with empty query
+    # blocks, and a band that ends before queries past the keys
     ("block_mask_tiles_that_see_nothing", lambda: _qkv(1, 4, 2, 512, 512, 128), "bhsd",
      dict(mask_mod="empty_rows", block_mask="from_mask"), True),
     ("d64_window_queries_past_the_keys", lambda: _qkv(2, 4, 4, 1024, 512, 64), "bhsd", dict(window=(64, 0)), True),
