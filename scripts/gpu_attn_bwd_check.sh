@@ -15,7 +15,8 @@ if [ -n "${AB_CASES-window128 document128 causal128}" ]; then
     mkdir -p /tmp/attn_old
     git show "${OLD_REV:-HEAD}:kernels/_attention_hopper_bwd.py" > /tmp/attn_old/_attention_hopper_bwd.py || FAILED=1
     OUT=$OUT timeout 300 "$PY" scripts/attn_hopper_kernel_ab.py bwd /tmp/attn_old/_attention_hopper_bwd.py \
-        ${AB_CASES-window128 document128 causal128} 2>&1 | tail -20 || FAILED=1
+        ${AB_CASES-window128 document128 causal128} > "$OUT/hopper_bwd_ab.log" 2>&1 || FAILED=1
+    tail -20 "$OUT/hopper_bwd_ab.log"
 fi
 if [ "${BENCH:-0}" = 1 ]; then
     echo "== bench attention (t=$((SECONDS - START))s)"

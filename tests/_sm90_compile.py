@@ -64,6 +64,13 @@ VARIANTS = {
 }
 
 
+def _aligned(kern, sig: dict) -> dict:
+    """Pointers and strides taken as multiples of 16, as the launcher's tensors give them (the JIT
+    specialises on it, and row loads and stores vectorise on it)."""
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
+            if sig[n].startswith("*") or n.startswith("stride_")}
+
+
 def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1, types=None, dropout=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -103,11 +110,7 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
             sig[n] = "*fp32"
         else:
             sig[n] = "i32"
-    # pointers 16-byte aligned, as the launcher's tensors are (the JIT specialises on it, and row
-    # loads and stores vectorise on it)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names)
-             if sig[n].startswith("*") or n.startswith("stride_")}
-    return triton.compile(GluonASTSource(kern, sig, fixed, attrs), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(GluonASTSource(kern, sig, fixed, _aligned(kern, sig)), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "maxnreg": 168})
 
 
@@ -146,10 +149,7 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=Fa
             sig[n] = "*i32" if n[:2] in ("kv", "fk", "sc") else "*fp32"
         else:
             sig[n] = "i32"
-    # pointers 16-byte aligned, as the launcher's tensors are (the JIT specialises on it, and row
-    # loads and stores vectorise on it)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if sig[n].startswith("*")}
-    return triton.compile(GluonASTSource(kern, sig, fixed, attrs), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(GluonASTSource(kern, sig, fixed, _aligned(kern, sig)), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "maxnreg": 168})
 
 
