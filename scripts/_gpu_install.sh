@@ -64,14 +64,17 @@ gpu_bench_layer() {
 
 # bench gpt for the torch build and the library's fused loss + AdamW build (--no-eager) at each
 # hidden size of BENCH_HIDDEN (default: the argument; none when both are empty), into OUT/gpt_<h>,
-# its log's last lines printed; FAILED=1 when one fails.
+# its log's last lines printed; FAILED=1 when one fails. GPT_TORCHAO=1 adds the torchao build;
+# GPT_LIMIT_S (default 600) bounds each size's run.
 #
 #   gpu_bench_gpt DEFAULT_HIDDEN_SIZES
 gpu_bench_gpt() {
+    local impls=(torch "fp8ops FP8, fused loss + AdamW")
+    [ "${GPT_TORCHAO:-0}" != 0 ] && impls+=(torchao)
     for h in ${BENCH_HIDDEN:-$1}; do
         echo "== bench gpt --hidden $h (t=$((SECONDS - START))s)"
-        "$PY" -m fp8ops.bench gpt --hidden "$h" --no-eager --impls torch "fp8ops FP8, fused loss + AdamW" \
-            --out "$OUT/gpt_$h" > "$OUT/gpt_$h.log" 2>&1 || FAILED=1
+        timeout --kill-after=10 "${GPT_LIMIT_S:-600}" "$PY" -m fp8ops.bench gpt --hidden "$h" --no-eager \
+            --impls "${impls[@]}" --out "$OUT/gpt_$h" > "$OUT/gpt_$h.log" 2>&1 || FAILED=1
         tail -n 14 "$OUT/gpt_$h.log"
     done
 }
