@@ -8,7 +8,8 @@ reductions (so not bitwise deterministic: ``deterministic=True`` keeps the porta
     program: 128 keys of one kv head (two halves of 64, one per consumer warp group), every query
              head of its GQA group, every 64-row query tile that sees the keys
     loader (1 warp)        K, V halves once; per query tile Q_m and dO_m into a ring of STAGES
-                           buffers, each after its "empty" barrier says both consumers are done
+                           buffers, each after its "empty" barrier says both consumers are done,
+                           then the tile's lse and delta rows (the Q barrier's second arrival)
     consumer c (4 warps,   S^T = K_c Q_m^T and dP^T = V_c dO_m^T (async, both in flight);
       keys c*64..c*64+63)  P^T = 2^(S^T L - lse L) while dP^T runs; dV_c += P^T dO_m (async);
                            dS^T = P^T (dP^T - delta); dK_c += dS^T Q_m (async); dS^T to shared
@@ -160,8 +161,13 @@ if AVAILABLE:
                 m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                 st = it % STAGES
                 mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a new barrier passes parity 1
-                # lse (base 2) and delta of the tile's rows, stored by the whole warp before the
-                # barrier's arrival (made with the Q copy) publishes them
+                # the copies first, so that they are in flight while the rows below load
+                mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_row0 + m0, q_col], q_ready.index(st), q_smem.index(st))
+                mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes)
+                _tma_load(do_desc, [g_row0 + m0, g_col], do_ready.index(st), do_smem.index(st))
+                # lse (base 2) and delta of the tile's rows, stored by the whole warp before its
+                # second arrival on the Q barrier (the first came with the copy) publishes them
                 rows_l = (m0 + r_off).to(gl.int64) * stride_ls
                 lse2 = gl.load(lse_ptr + l_off + rows_l) * 1.4426950408889634
                 if SCORE_MODE == 3:  # the bias's query part, slope * (q - n0) - c (exact integer offsets)
@@ -169,10 +175,7 @@ if AVAILABLE:
                 lse_smem.index(st).store(lse2)
                 dl_smem.index(st).store(gl.load(delta_ptr + l_off + rows_l))
                 _thread_barrier()
-                mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes)
-                _tma_load(q_desc, [q_row0 + m0, q_col], q_ready.index(st), q_smem.index(st))
-                mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes)
-                _tma_load(do_desc, [g_row0 + m0, g_col], do_ready.index(st), do_smem.index(st))
+                mbarrier.arrive(q_ready.index(st), count=1)
                 it += 1
 
     @gluon.jit
@@ -410,7 +413,7 @@ if AVAILABLE:
             mbarrier.init(kv_bar.index(i), count=1)
             mbarrier.init(ds_bar.index(i), count=2)  # both halves' dS^T stored
         for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_ready.index(i), count=2)  # the Q copy's arrival and the rows' (lse, delta)
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release each buffer
         a = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,

@@ -119,6 +119,20 @@ def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compi
     # 3.9; 320 when the consumers added dQ with vector atomics)
     assert _stack_bytes(res) <= (32 if d == 64 else 288), f"{name}: spill stack {res}"
     _assert_dropout_hash(ptx, name)
+    _assert_copies_before_rows(ptx, name)
+
+
+def _assert_copies_before_rows(ptx: str, name: str) -> None:
+    """The backward's loader issues a query tile's Q and dO copies (the last two arrive.expect_tx of
+    the kernel) before it loads the tile's lse and delta rows, and publishes the rows by a second,
+    plain arrival on the Q barrier after them."""
+    expects = [(m.start(), m.group(1)) for m in
+               re.finditer(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[(%r\d+)\]", ptx)]
+    assert len(expects) >= 4, f"{name}: {len(expects)} expect_tx arrivals"  # K/V halves, Q, dO
+    (q_at, q_bar), (do_at, _) = expects[-2:]
+    arrivals = [m.start() for m in re.finditer(r"mbarrier\.arrive\.shared::cta\.b64 _, \[" + re.escape(q_bar) + r"\]", ptx)]
+    assert arrivals and arrivals[-1] > do_at, f"{name}: no second arrival on the Q barrier after the copies"
+    assert "ld.global" in ptx[do_at:arrivals[-1]], f"{name}: the rows do not load between the copies and the arrival"
 
 
 # ------------------------------------------------------------------------------------------------
