@@ -129,8 +129,9 @@ def _assert_copies_before_rows(ptx: str, name: str) -> None:
     expects = [(m.start(), m.group(1)) for m in
                re.finditer(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[(%r\d+)\]", ptx)]
     assert len(expects) >= 4, f"{name}: {len(expects)} expect_tx arrivals"  # K/V halves, Q, dO
-    (q_at, q_bar), (do_at, _) = expects[-2:]
-    arrivals = [m.start() for m in re.finditer(r"mbarrier\.arrive\.shared::cta\.b64 _, \[" + re.escape(q_bar) + r"\]", ptx)]
+    (_, q_bar), (do_at, _) = expects[-2:]
+    plain = r"mbarrier\.arrive\.shared::cta\.b64 _, \[" + re.escape(q_bar) + r"\]"
+    arrivals = [m.start() for m in re.finditer(plain, ptx)]
     assert arrivals and arrivals[-1] > do_at, f"{name}: no second arrival on the Q barrier after the copies"
     assert "ld.global" in ptx[do_at:arrivals[-1]], f"{name}: the rows do not load between the copies and the arrival"
 
