@@ -16,6 +16,9 @@ reductions (so not bitwise deterministic: ``deterministic=True`` keeps the porta
                            memory; dQ_m += dS K (async, A read transposed); release Q_m/dO_m;
                            dQ_m * scale to shared memory, added to a float32 buffer by one TMA
                            reduction (cp.reduce.async.bulk.tensor .add), left in flight
+    (with a band)          at the walk's leading and trailing tiles in which no row sees a key of
+                           its half (the diagonal's upper half, a window's far edge): zeros as its
+                           dS^T, its dQ columns from the other half's dS^T alone, no other product
 
 The transposed products keep every operand in the layout wgmma reads (K-major or MN-major 16-bit
 tiles from shared memory, P^T and dS^T from registers). The two consumers split dQ by columns: each
@@ -33,8 +36,11 @@ portable kernels in every case measured (``hopper_bwd_supported``;
 What it covers (``hopper_bwd_supported`` / ``hopper_bwd``; the portable kernels run otherwise): an
 sm_90 GPU, 16-bit q/k/v with one head dim D = Dv in {64, 128}, the same descriptor-addressable views
 as the Hopper forward, query lengths that are multiples of 64 and key lengths multiples of 128, a
-band, a ``score_mod`` with its derivative (captured-tensor gradients scatter with atomics, as in the
-portable kernel; the derivative of an additive mod with no table that learns, 1, is not called), a
+band (also one that a ``mask_mod`` is known to lie in: the causal, sliding-window and causal
+document masks, ``_ModSpec.implied_band``; it then bounds the walk and the skipped halves, and only
+the mask hides pairs), a ``score_mod`` with its derivative (captured-tensor gradients scatter with
+atomics, as in the portable kernel; the derivative of an additive mod with no table that learns, 1,
+is not called), a
 ``mask_mod``, block-mask lists (blocks of a multiple of 64 query rows and 128 keys) and dropout (the
 forward's mask, hashed once per weight: dV from the kept weights, scaled by 1 / (1 - p) once at the
 end, and dP^T through the mask and the same scale before dS^T); no packed sequences or
@@ -179,6 +185,59 @@ if AVAILABLE:
                 it += 1
 
     @gluon.jit
+    def _half_unseen(t, n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right,
+                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, BLOCK_M: gl.constexpr,
+                     HALF: gl.constexpr):
+        # whether no row of walk tile t (clamped into the walk) sees a key of the half [key0, key0 + HALF):
+        # q - kv outside [-win_right, win_left] for every pair
+        m0 = _tile_start(gl.maximum(gl.minimum(t, n - 1), 0), lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE,
+                         SPARSE_Q, BLOCK_M)
+        return (m0 - key0 - (HALF - 1) > win_left) | (m0 + (BLOCK_M - 1) - key0 < -win_right)
+
+    @gluon.jit
+    def _unseen_ends(n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right, BLOCK_SPARSE: gl.constexpr,
+                     SPARSE_Q: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+        # (t0, t1): in walk tiles [0, t0) and [t1, n) the half sees no row
+        t0 = n * 0
+        while (t0 < n) & _half_unseen(t0, n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right,
+                                      BLOCK_SPARSE, SPARSE_Q, BLOCK_M, HALF):
+            t0 += 1
+        t1 = n
+        while (t1 > t0) & _half_unseen(t1 - 1, n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right,
+                                       BLOCK_SPARSE, SPARSE_Q, BLOCK_M, HALF):
+            t1 -= 1
+        return t0, t1
+
+    @gluon.jit
+    def _bwd_unseen_step(c: gl.constexpr, a, b, h, n_heads, seq_q, m0, it, q_zero, sm_scale, BLOCK_M: gl.constexpr,
+                         HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr):
+        # A tile step in which no row sees a key of consumer c's half: no products of its own. Its dS^T
+        # half is zeros for the other consumer's dQ columns, its own dQ columns take only the other
+        # half's dS^T, and the ring's, the dS barrier's and the reduction's turns run as in a full step.
+        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
+         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem) = a
+        DQ_COLS: gl.constexpr = HEAD_D // 2
+        st = it % STAGES
+        ph = (it // STAGES) & 1
+        buf = it % 2
+        mbarrier.wait(q_ready.index(st), ph)
+        mbarrier.wait(do_ready.index(st), ph)
+        ds_smem.index(buf * 2 + c).store(gl.zeros([HALF, BLOCK_M], q_desc.dtype, layout=s_layout))
+        fence_async_shared()
+        _thread_barrier()
+        mbarrier.arrive(ds_bar.index(buf), count=1)
+        mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)
+        dq = warpgroup_mma(ds_smem.index(buf * 2 + 1 - c).permute((1, 0)),
+                           k_smem.index(1 - c).slice(c * DQ_COLS, DQ_COLS, dim=1), q_zero, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        mbarrier.arrive(empty.index(st), count=1)
+        tma.store_wait(0)
+        dq_smem.index(c).store(dq * sm_scale)
+        fence_async_shared()
+        _tma_add(dq_desc, [(b * n_heads + h) * seq_q + m0, c * DQ_COLS], dq_smem.index(c))
+
+    @gluon.jit
     def _bwd_consume(c: gl.constexpr, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                      SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
                      SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
@@ -202,6 +261,7 @@ if AVAILABLE:
                                                             instr_shape=[16, DQ_COLS, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=k_width)
         qk_scale = sm_scale * 1.4426950408889634
+        SKIP_HALVES: gl.constexpr = BAND and not BLOCK_SPARSE
         kc_ = k_smem.index(c)
         vc_ = v_smem.index(c)
         key0 = n0 + c * HALF
@@ -227,7 +287,21 @@ if AVAILABLE:
                 rel2, c2 = _relative_bias2(SCORE_FN, sm_scale, b, h, st0, st1, st2, st3)
                 key2 = gl.expand_dims((c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))
                                       .to(gl.float32) * rel2, 1)
-            for t in range(0, n):
+            # the walk's leading and trailing tiles in which no row sees a key of this half run without
+            # this consumer's products (_bwd_unseen_step); tiles between them take the full step. Not
+            # with a block mask: finding them there loads the lists, and on a document mask (one H100,
+            # S = 8192) the skipped halves' loops cost the backward more than they saved
+            t0 = n * 0
+            t1 = n
+            if SKIP_HALVES:
+                t0, t1 = _unseen_ends(n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right,
+                                      BLOCK_SPARSE, SPARSE_Q, BLOCK_M, HALF)
+                for t in range(0, t0):
+                    m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
+                    _bwd_unseen_step(c, a, b, h, n_heads, seq_q, m0, it, q_zero, sm_scale, BLOCK_M, HALF, HEAD_D,
+                                     STAGES, s_layout)
+                    it += 1
+            for t in range(t0, t1):
                 m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                 st = it % STAGES
                 ph = (it // STAGES) & 1
@@ -245,7 +319,7 @@ if AVAILABLE:
                     s2 = s2.to(gl.float32) * 1.4426950408889634
                 else:
                     s2 = sT * qk_scale
-                if BAND:
+                if BAND == 1:  # (BAND 2: the mask hides what lies outside the band)
                     edge = True
                     if not BLOCK_SPARSE:
                         tt = lo_t + t
@@ -307,6 +381,12 @@ if AVAILABLE:
                 fence_async_shared()
                 _tma_add(dq_desc, [(b * n_heads + h) * seq_q + m0, c * DQ_COLS], dq_smem.index(c))
                 it += 1
+            if SKIP_HALVES:
+                for t in range(t1, n):
+                    m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
+                    _bwd_unseen_step(c, a, b, h, n_heads, seq_q, m0, it, q_zero, sm_scale, BLOCK_M, HALF, HEAD_D,
+                                     STAGES, s_layout)
+                    it += 1
         tma.store_wait(0)  # the last reduction has read the buffer before the program ends
         return dk, dv
 
@@ -450,6 +530,13 @@ if AVAILABLE:
                 [4, 1],
                 [CONSUMER_REGS, 24])
 
+
+def _band_and(a: tuple[int | None, int | None], b: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
+    # the pairs inside both (left, right) bands (None: unbounded on that side)
+    return (a[0] if b[0] is None else b[0] if a[0] is None else min(a[0], b[0]),
+            a[1] if b[1] is None else b[1] if a[1] is None else min(a[1], b[1]))
+
+
 @functools.lru_cache(maxsize=None)
 def _dq_layout(d: int) -> Any:
     # the shared-memory layout of a consumer's (64, d / 2) float32 dQ tile, built once per head dim
@@ -484,7 +571,8 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                window: tuple[int | None, int | None], score_fn: Any, grad_fn: Any, mask_fn: Any,
                score_mode: int, has_mask_mod: bool, score_buffers: tuple[Any, ...],
                mask_buffers: tuple[Any, ...], score_grads: tuple[Any, ...], sparse_t: tuple[Any, ...] | None,
-               sparse_q: int, sparse_kv: int, dropout: tuple[torch.Tensor, int, float] | None = None) -> bool:
+               sparse_q: int, sparse_kv: int, dropout: tuple[torch.Tensor, int, float] | None = None,
+               mask_band: tuple[int | None, int | None] | None = None) -> bool:
     """Launch the Hopper backward into ``dq``, ``dk``, ``dv`` (``delta`` from the preprocess kernel);
     return whether it ran (q, k, v and do need descriptor views, dk and dv a contiguous last dim;
     nothing is allocated or written otherwise). dQ is summed in a float32 buffer, then cast into
@@ -492,7 +580,9 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     arguments (per key block), or None. ``score_mode``: one of SCORE_MODE_* (NO_GRAD: an additive bias, derivative 1 and no
     captured-tensor gradient, so ``grad_fn`` is not called; RELATIVE: such a bias that is
     ``slope * (kv - q) + c`` per batch and head, ALiBi, added per key row and query column without
-    calling ``score_fn`` per score)."""
+    calling ``score_fn`` per score). ``mask_band``: (left, right) such that ``mask_fn`` hides every
+    pair outside ``q - kv`` in ``[-right, left]`` (a causal mask: (None, 0)), or None: the kernel
+    skips the tiles and halves outside it without comparing positions against it."""
     views = (_view2d(q, BWD_BLOCK_M), _view2d(k, BWD_BLOCK_N // 2), _view2d(v, BWD_BLOCK_N // 2),
              _view2d(do, BWD_BLOCK_M))
     if any(x is None for x in views) or views[1][1:] != views[2][1:]:
@@ -505,6 +595,14 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dq_desc = TensorDescriptor(dqa.view(B * H * S, D), [B * H * S, D], [D, 1], [BWD_BLOCK_M, D // 2],
                                _dq_layout(D))
     Hk, Skv = k.shape[1], k.shape[2]
+    # BAND: 1, pairs outside the window hidden (and within the mask's band, if any); 2, the mask's band
+    # only bounds the walk and the halves skipped (the mask hides those pairs)
+    # only without a block mask, whose lists already bound the walk (the kernel skips no halves with one)
+    if sparse_t is not None:
+        mask_band = None
+    band = 1 if window != (None, None) else 2 if mask_band not in (None, (None, None)) else 0
+    if mask_band is not None:
+        window = _band_and(window, mask_band)
     left, right = window
     # the block-mask lists go to every partition, which take no None: the placeholder is never read
     sp = sparse_t if sparse_t is not None else (lse, lse, lse, lse, 0, 0, 0, 0, 0, 0)
@@ -520,7 +618,7 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         # slots a mod does not use get a placeholder pointer (partitions take no None arguments)
         *(lse if t is None else t for t in slots),
         SCORE_FN=score_fn, GRAD_FN=grad_fn, MASK_FN=mask_fn, SCORE_MODE=score_mode,
-        HAS_MASK_MOD=has_mask_mod, BAND=left is not None or right is not None, BLOCK_SPARSE=sparse_t is not None,
+        HAS_MASK_MOD=has_mask_mod, BAND=band, BLOCK_SPARSE=sparse_t is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
         STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS,
         DROPOUT=dropout is not None, num_warps=4, maxnreg=168,

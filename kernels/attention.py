@@ -1108,6 +1108,9 @@ class AttentionKernels(NamedTuple):
     mask_mod: Any = None
     score_grad: Any = None  # score_mod's derivative for the Hopper backward (the dK/dV kernel's)
     score_rel: bool = False  # score_mod is a relative bias slope * (kv - q) + c (codegen.relative_bias)
+    # (left, right): the band q - kv in [-right, left] outside which mask_mod hides every pair (None:
+    # unbounded on that side, or not known); the Hopper backward skips tiles and halves outside it
+    mask_band: tuple[int | None, int | None] | None = None
 
 
 def _jit(raw: Any, mods: dict[str, Any]) -> Any:
@@ -1817,7 +1820,8 @@ def _hopper_bwd(kernels: AttentionKernels, do: torch.Tensor, q: torch.Tensor, k:
                       score_mode=hopper_bwd_score_mode(kernels, has_score_mod), has_mask_mod=has_mask_mod,
                       score_buffers=sm, mask_buffers=mm, score_grads=gs,
                       sparse_t=_sparse_args(bst) if bst else None, sparse_q=bst.block_q if bst else 1,
-                      sparse_kv=bst.block_kv if bst else 1, dropout=dropout)
+                      sparse_kv=bst.block_kv if bst else 1, dropout=dropout,
+                      mask_band=kernels.mask_band if has_mask_mod else None)
 
 
 def flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *, causal: bool = False,

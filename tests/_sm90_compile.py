@@ -37,6 +37,11 @@ def _document_runs():
     return and_masks(causal_mask(), document_mask(torch.zeros(8192, dtype=torch.int64))).spec.fwd_jit()
 
 
+@triton.jit
+def _causal_like(b, h, q_idx, kv_idx, t0, t1, t2, t3):
+    return q_idx >= kv_idx
+
+
 _RUNS_TYPES = {"mt0": "*i64", "mt1": "*i32", "mt2": "*i32"}  # the ids, the runs' starts and ends
 
 VARIANTS = {
@@ -54,6 +59,8 @@ VARIANTS = {
     "bwd_d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True, backward=True),
     "d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, types=_RUNS_TYPES),
     "bwd_d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, backward=True, types=_RUNS_TYPES),
+    "bwd_d128_causal_mask_mod_band": dict(D=128, band=2, mask=_causal_like, backward=True),
+    "bwd_d128_causal_block_mask": dict(D=128, mask=_causal_like, sparse=True, backward=True),
     "d128_none_dropout": dict(D=128, band=False, dropout=True),
     "d128_causal": dict(D=128),
     "d128_causal_dropout": dict(D=128, dropout=True),

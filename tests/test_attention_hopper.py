@@ -36,7 +36,7 @@ VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_docume
             "d128_document_runs", "d128_none_dropout", "d64_causal_dropout"]
 BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_alibi_no_grad",
                 "bwd_d128_alibi_relative", "bwd_d128_document_block_mask", "bwd_d128_document_runs",
-                "bwd_d128_none_dropout", "bwd_d64_causal_dropout"]
+                "bwd_d128_none_dropout", "bwd_d64_causal_dropout", "bwd_d128_causal_mask_mod_band", "bwd_d128_causal_block_mask"]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,11 @@ def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compi
     # per consumer and query tile: S^T and dP^T (64 x 64, K = d), dV and dK (64 x d, K = 64) and its
     # d / 2 columns of dQ over both halves' keys (K = 2 x 64): d/16 + d/16 + 4 + 4 + 8 of k = 16
     n = ptx.count("wgmma.mma_async")
-    assert n == 2 * (2 * (d // 16) + 16), f"{name}: {n} wgmma instructions"
+    # with a band (a window, causal, or a mask known to lie in one) and no block mask, each consumer
+    # also has the steps of the walk's leading and trailing tiles in which its half sees no row: one
+    # dQ product over the other half's keys (K = 64: 4 of k = 16), and a reduction
+    banded = ("causal" in name or "alibi" in name or name.endswith("_band")) and "block_mask" not in name
+    assert n == 2 * (2 * (d // 16) + 16) + (2 * 2 * 4 if banded else 0), f"{name}: {n} wgmma instructions"
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{d // 2}k16") >= 2 * 8, name  # dQ
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{d}k16") >= 2 * 8, name  # dV and dK
     # S^T awaited while dP^T runs, dP^T while dV runs; with dropout dP^T is awaited before dV is
@@ -108,8 +112,9 @@ def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compi
     # dQ leaves through shared memory by one TMA reduction per consumer and tile (the copy engine
     # adds it to the float32 buffer), awaited only before the buffer is written again; nothing is
     # atomic in the threads
-    assert ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == 2, name
-    assert ptx.count("cp.async.bulk.wait_group.read") == 4, name  # per consumer: in the loop, at the end
+    reductions = 2 * (3 if banded else 1)  # per consumer: in the loop (and the two loops of skipped halves)
+    assert ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == reductions, name
+    assert ptx.count("cp.async.bulk.wait_group.read") == reductions + 2, name  # those, and one at the end
     assert "red.global" not in ptx and "atom.global" not in ptx, name
     # Q and dO in through TMA copies on mbarriers; no TMA store
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), name

@@ -88,6 +88,18 @@ CASES = [
     ("block_mask_tiles_that_see_nothing", lambda: _qkv(1, 4, 2, 512, 512, 128), "bhsd",
      dict(mask_mod="empty_rows", block_mask="from_mask"), True),
     ("d64_window_queries_past_the_keys", lambda: _qkv(2, 4, 4, 1024, 512, 64), "bhsd", dict(window=(64, 0)), True),
+    # halves of a key block that see no row of a query tile, skipped: masks known to lie inside a band
+    # (the causal mask alone, in a block mask with causal=True, with cross lengths, a sliding window) and
+    # a block mask listing tiles in which no row sees either half
+    ("d128_causal_mask_mod_gqa", lambda: _qkv(1, 8, 2, 768, 768, 128), "bhsd", dict(mask_mod="causal"), True),
+    ("d64_cross_causal_mask_mod", lambda: _qkv(2, 4, 2, 448, 1024, 64), "bhsd", dict(mask_mod="causal"), True),
+    ("d128_causal_and_docs_block_mask", lambda: _qkv(1, 4, 2, 1024, 1024, 128), "bhsd",
+     dict(causal=True, block_mask="docs"), True),
+    ("d128_causal_full_block_mask", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd",
+     dict(causal=True, mask_mod="all", block_mask="from_mask"), True),
+    ("d128_window_mask_mod_block_mask", lambda: _qkv(1, 4, 4, 1024, 1024, 128), "bhsd",
+     dict(mask_mod="window", block_mask="from_mask"), True),
+    ("d128_diagonal_band", lambda: _qkv(1, 4, 4, 512, 512, 128), "bhsd", dict(window=(0, 0)), True),
     ("odd_length_portable", lambda: _qkv(2, 4, 2, 777, 777, 128), "bhsd", dict(causal=True), False),
     ("keys_not_whole_tiles_portable", lambda: _qkv(1, 4, 4, 512, 576, 128), "bhsd", {}, False),
     ("d256_portable", lambda: _qkv(1, 4, 4, 512, 512, 256), "bhsd", dict(causal=True), False),
@@ -124,6 +136,10 @@ def _run(base, layout, opts, dq_mode, table):
         kw["score_mod"] = A.relative_position_bias(table.clone())
     if opts.get("mask_mod") == "window":
         kw["mask_mod"] = A.sliding_window_mask(200)
+    if opts.get("mask_mod") == "causal":
+        kw["mask_mod"] = A.causal_mask()
+    if opts.get("mask_mod") == "all":
+        kw["mask_mod"] = A.MaskMod(lambda b, h, q_idx, kv_idx: (q_idx >= 0) | (kv_idx >= 0))
     if opts.get("mask_mod") == "empty_rows":
         kw["mask_mod"] = A.MaskMod(lambda b, h, q_idx, kv_idx: (q_idx < 300) & (kv_idx < 384))
     if opts.get("block_mask") == "from_mask":
@@ -152,10 +168,11 @@ def test_hopper_backward_against_the_reference_and_the_portable_kernels(case, mo
     ran = []
     real = K.hopper_bwd
 
-    modes = []
+    modes, bands = [], []
 
     def spy(*args, **kwargs):
         modes.append(kwargs["score_mode"])
+        bands.append(kwargs["mask_band"])
         ran.append(real(*args, **kwargs))
         return ran[-1]
 
@@ -165,6 +182,10 @@ def test_hopper_backward_against_the_reference_and_the_portable_kernels(case, mo
     if applies:  # how the kernel called the mod
         expected = _SCORE_MODES[opts.get("score_mod")]
         assert modes == [expected], f"{name}: score modes {modes}, expected {expected}"
+        # the band the mask is known to lie in (its halves and tiles outside skipped)
+        band = (None, 0) if opts.get("block_mask") == "docs" else {"causal": (None, 0), "window": (199, 0)}.get(
+            opts.get("mask_mod"))
+        assert bands == [band], f"{name}: mask bands {bands}, expected {band}"
     ran.clear()
     portable, _ = _run(base, layout, opts, "separate", table)
     assert not ran

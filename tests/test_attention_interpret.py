@@ -32,6 +32,8 @@ pytestmark = [
 A = importlib.import_module("fp8ops.attention")
 R = importlib.import_module("fp8ops.reference.attention")
 K = importlib.import_module("fp8ops.kernels.attention")
+AG = importlib.import_module("fp8ops.attention.autograd")
+HB = importlib.import_module("fp8ops.kernels._attention_hopper_bwd")
 
 FWD16 = {"BLOCK_M": 16, "BLOCK_N": 16}
 BWD16 = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16}
@@ -732,6 +734,39 @@ def test_document_mask_twins_chosen_from_the_ids():
         assert len(children) == len(mods) - 1 and runs.spec.and_causal in children
     assert [c for c, _ in A.and_masks(A.causal_mask(), split).spec.children] == [A.causal_mask().spec, split.spec]
     assert runs.spec.and_causal not in [c for c, _ in A.or_masks(A.causal_mask(), runs).spec.children]
+
+
+def test_bands_that_masks_imply():
+    # (left, right): every pair outside q - kv in [-right, left] hidden (the Hopper backward skips
+    # it); checked by hand and against each mask evaluated on a grid
+    runs = A.document_mask(torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2]))
+    cases = [
+        (A.causal_mask(), (None, 0)),
+        (A.sliding_window_mask(3), (2, 0)),
+        (A.and_masks(A.causal_mask(), runs), (None, 0)),  # the one-bound twin
+        (A.and_masks(runs, A.sliding_window_mask(5)), (4, 0)),
+        (A.and_masks(A.sliding_window_mask(5), A.causal_mask(), A.sliding_window_mask(2)), (1, 0)),
+        (runs, None),
+        (A.or_masks(A.causal_mask(), A.prefix_lm_mask(2)), None),
+        (A.and_masks(runs, A.prefix_lm_mask(2)), None),
+        (A.MaskMod(lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 1), None),  # not known: nothing skipped
+    ]
+    q_idx, kv_idx = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    for mod, band in cases:
+        assert mod.spec.implied_band == band, mod.name
+        assert AG._kernels(None, mod.key, ()).mask_band == band, mod.name
+        if band is not None:
+            d = (q_idx - kv_idx).expand(12, 12)
+            inside = torch.ones(12, 12, dtype=torch.bool)
+            if band[0] is not None:
+                inside &= d <= band[0]
+            if band[1] is not None:
+                inside &= -d <= band[1]
+            visible = mod(0, 0, q_idx, kv_idx).expand(12, 12)
+            assert not (visible & ~inside).any(), mod.name
+    assert HB._band_and((None, None), (None, 0)) == (None, 0)
+    assert HB._band_and((100, 37), (None, 0)) == (100, 0)
+    assert HB._band_and((3, None), (7, 2)) == (3, 2)
 
 
 @pytest.mark.parametrize("docs", ["runs", "split", "batched"])

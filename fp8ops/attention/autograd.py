@@ -77,6 +77,13 @@ def _packed_shape(q: Tensor, static: _Static) -> tuple[int, ...]:
 def _kernels(score_key: str | None, mask_key: str | None, needs: tuple[bool, ...]) -> _K.AttentionKernels:
     sm = _SPECS[score_key] if score_key is not None else None
     mm = _SPECS[mask_key] if mask_key is not None else None
+    ks = _kernels_of(sm, mm, needs)
+    # a mask_mod known to hide everything outside a band (causal, sliding window): the Hopper backward
+    # skips the tiles and halves outside it, as with causal=True or window=
+    return ks._replace(mask_band=mm.implied_band) if mm is not None else ks
+
+
+def _kernels_of(sm: Any, mm: Any, needs: tuple[bool, ...]) -> _K.AttentionKernels:
     if sm is None:
         return _K.specialize(None, None, None, mm.fwd_jit() if mm is not None else None)
     grad = grad_dq = None
@@ -338,6 +345,7 @@ def _attention_bwd_op(
         _kernel_for("mask_mod", st.score_key, st.mask_key, st.needs),
         _kernel_for("score_grad", st.score_key, st.mask_key, st.needs),
         _kernel_for("score_rel", st.score_key, st.mask_key, st.needs),
+        _kernel_for("mask_band", st.score_key, st.mask_key, st.needs),
     )
     if st.packed is not None:  # dq, dk, dv written into one gradient of the projection they came from
         shape = _packed_shape(q, st)

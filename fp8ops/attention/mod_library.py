@@ -55,7 +55,9 @@ def sliding_window_mask(window: int) -> MaskMod:
         d = q_idx - kv_idx
         return (d >= 0) & (d < w)
 
-    return MaskMod(sliding_window)
+    mod = MaskMod(sliding_window)
+    mod.spec.band = (w - 1, 0)
+    return mod
 
 
 def prefix_lm_mask(prefix_len: int | Tensor) -> MaskMod:
@@ -150,6 +152,7 @@ def document_mask(document_ids: Tensor) -> MaskMod:
     fused = MaskMod(causal_document, triton=causal_twin, buffers=(ids, bounds, bounds), name="causal & document_mask")
     fused.spec.prepare = prepare
     fused.spec.facts_key = mod.spec.facts_key
+    fused.spec.band = (None, 0)  # causal
     mod.spec.and_causal = fused.spec
     return mod
 

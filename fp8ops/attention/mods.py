@@ -65,6 +65,10 @@ class _ModSpec:
         # the spec of (causal mask & this mask), with the same buffers, where it has a leaner twin
         # than the two evaluated apart (document_mask); and_masks uses it (_fuse_and)
         self.and_causal: _ModSpec | None = None
+        # (left, right): a mask that hides every pair outside q_idx - kv_idx in [-right, left] (None:
+        # unbounded on that side), where the library knows it (its causal, sliding-window and causal
+        # document masks); see ``implied_band``
+        self.band: tuple[int | None, int | None] | None = None
         # the key of a generated spec that reads this one's first buffers at the same indices, for
         # the static index checks of an explicit twin (intervals._mod_facts)
         self.facts_key: str | None = None
@@ -96,6 +100,27 @@ class _ModSpec:
         if self._rel is None:
             self._rel = self.kind == "score" and self.lowered is not None and relative_bias(self.lowered)
         return self._rel
+
+    @property
+    def implied_band(self) -> tuple[int | None, int | None] | None:
+        """(left, right) such that this mask hides every pair outside ``q_idx - kv_idx`` in
+        ``[-right, left]`` (None on a side: unbounded), or None where nothing is known: a spec marked
+        with its ``band``, the causal mask (None, 0), or an ``and`` of masks, the band inside all of
+        theirs. The Hopper backward skips the tiles and halves outside it."""
+        if self.kind != "mask":
+            return None
+        if self.band is not None:
+            return self.band
+        if self.key == _causal_key():
+            return (None, 0)
+        if self.op != "and":
+            return None
+        bands = [b for b in (child.implied_band for child, _ in self.children) if b is not None]
+        if not bands:
+            return None
+        left = [b[0] for b in bands if b[0] is not None]
+        right = [b[1] for b in bands if b[1] is not None]
+        return (min(left) if left else None, min(right) if right else None)
 
     @property
     def differentiable(self) -> bool:
