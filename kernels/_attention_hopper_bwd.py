@@ -88,7 +88,7 @@ if AVAILABLE:
             _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                       src.handle)
 
-__all__ = ["BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_STAGES", "hopper_bwd", "hopper_bwd_supported"]
+__all__ = ["BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_STAGES", "band_and", "hopper_bwd", "hopper_bwd_supported"]
 
 BWD_BLOCK_M = 64  # query rows per step
 BWD_BLOCK_N = 128  # keys per program: two consumer warpgroups of 64
@@ -185,26 +185,22 @@ if AVAILABLE:
                 it += 1
 
     @gluon.jit
-    def _half_unseen(t, n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right,
-                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, BLOCK_M: gl.constexpr,
-                     HALF: gl.constexpr):
-        # whether no row of walk tile t (clamped into the walk) sees a key of the half [key0, key0 + HALF):
-        # q - kv outside [-win_right, win_left] for every pair
-        m0 = _tile_start(gl.maximum(gl.minimum(t, n - 1), 0), lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE,
-                         SPARSE_Q, BLOCK_M)
+    def _half_unseen(t, n, lo_t, key0, win_left, win_right, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+        # whether no row of the dense walk's tile t (its rows from (lo_t + t) * BLOCK_M) sees a key of the
+        # half [key0, key0 + HALF): q - kv outside [-win_right, win_left]. t is clamped into the walk,
+        # which changes no answer of _unseen_ends; kept because it is the form measured on the GPU
+        # (the same sm_90 code as with the clamp inside _tile_start, where it guarded list loads)
+        m0 = (lo_t + gl.maximum(gl.minimum(t, n - 1), 0)) * BLOCK_M
         return (m0 - key0 - (HALF - 1) > win_left) | (m0 + (BLOCK_M - 1) - key0 < -win_right)
 
     @gluon.jit
-    def _unseen_ends(n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right, BLOCK_SPARSE: gl.constexpr,
-                     SPARSE_Q: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
-        # (t0, t1): in walk tiles [0, t0) and [t1, n) the half sees no row
+    def _unseen_ends(n, lo_t, key0, win_left, win_right, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+        # (t0, t1): in the dense walk's tiles [0, t0) and [t1, n) the half sees no row
         t0 = n * 0
-        while (t0 < n) & _half_unseen(t0, n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right,
-                                      BLOCK_SPARSE, SPARSE_Q, BLOCK_M, HALF):
+        while (t0 < n) & _half_unseen(t0, n, lo_t, key0, win_left, win_right, BLOCK_M, HALF):
             t0 += 1
         t1 = n
-        while (t1 > t0) & _half_unseen(t1 - 1, n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right,
-                                       BLOCK_SPARSE, SPARSE_Q, BLOCK_M, HALF):
+        while (t1 > t0) & _half_unseen(t1 - 1, n, lo_t, key0, win_left, win_right, BLOCK_M, HALF):
             t1 -= 1
         return t0, t1
 
@@ -294,8 +290,7 @@ if AVAILABLE:
             t0 = n * 0
             t1 = n
             if SKIP_HALVES:
-                t0, t1 = _unseen_ends(n, key0, lo_t, n_part, part_ptr, full_ptr, win_left, win_right,
-                                      BLOCK_SPARSE, SPARSE_Q, BLOCK_M, HALF)
+                t0, t1 = _unseen_ends(n, lo_t, key0, win_left, win_right, BLOCK_M, HALF)
                 for t in range(0, t0):
                     m0 = _tile_start(t, lo_t, n_part, part_ptr, full_ptr, BLOCK_SPARSE, SPARSE_Q, BLOCK_M)
                     _bwd_unseen_step(c, a, b, h, n_heads, seq_q, m0, it, q_zero, sm_scale, BLOCK_M, HALF, HEAD_D,
@@ -531,7 +526,7 @@ if AVAILABLE:
                 [CONSUMER_REGS, 24])
 
 
-def _band_and(a: tuple[int | None, int | None], b: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
+def band_and(a: tuple[int | None, int | None], b: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
     # the pairs inside both (left, right) bands (None: unbounded on that side)
     return (a[0] if b[0] is None else b[0] if a[0] is None else min(a[0], b[0]),
             a[1] if b[1] is None else b[1] if a[1] is None else min(a[1], b[1]))
@@ -602,7 +597,7 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         mask_band = None
     band = 1 if window != (None, None) else 2 if mask_band not in (None, (None, None)) else 0
     if mask_band is not None:
-        window = _band_and(window, mask_band)
+        window = band_and(window, mask_band)
     left, right = window
     # the block-mask lists go to every partition, which take no None: the placeholder is never read
     sp = sparse_t if sparse_t is not None else (lse, lse, lse, lse, 0, 0, 0, 0, 0, 0)

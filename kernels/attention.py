@@ -97,6 +97,7 @@ from ._attention_hopper_bwd import (
     SCORE_MODE_NO_GRAD,
     SCORE_MODE_NONE,
     SCORE_MODE_RELATIVE,
+    band_and,
     hopper_bwd,
     hopper_bwd_supported,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "AttentionKernels",
     "attention_bwd_launch",
     "attention_fwd_launch",
+    "band_and",
     "document_bounds",
     "hopper_bwd_score_mode",
     "resolve_dq_mode",

@@ -764,9 +764,9 @@ def test_bands_that_masks_imply():
                 inside &= -d <= band[1]
             visible = mod(0, 0, q_idx, kv_idx).expand(12, 12)
             assert not (visible & ~inside).any(), mod.name
-    assert HB._band_and((None, None), (None, 0)) == (None, 0)
-    assert HB._band_and((100, 37), (None, 0)) == (100, 0)
-    assert HB._band_and((3, None), (7, 2)) == (3, 2)
+    assert HB.band_and((None, None), (None, 0)) == (None, 0)
+    assert HB.band_and((100, 37), (None, 0)) == (100, 0)
+    assert HB.band_and((3, None), (7, 2)) == (3, 2)
 
 
 @pytest.mark.parametrize("docs", ["runs", "split", "batched"])

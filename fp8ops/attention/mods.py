@@ -116,11 +116,7 @@ class _ModSpec:
         if self.op != "and":
             return None
         bands = [b for b in (child.implied_band for child, _ in self.children) if b is not None]
-        if not bands:
-            return None
-        left = [b[0] for b in bands if b[0] is not None]
-        right = [b[1] for b in bands if b[1] is not None]
-        return (min(left) if left else None, min(right) if right else None)
+        return functools.reduce(_K.band_and, bands) if bands else None
 
     @property
     def differentiable(self) -> bool:
