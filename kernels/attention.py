@@ -1559,6 +1559,7 @@ def attention_fwd_launch(
     kernels = kernels or specialize()
     interp = _is_interpreter(kernels.fwd)
     bs = block_sparsity
+    window = _mask_bounded(window, kernels, has_mask_mod, bs)
     short = not prob.varlen and bs is None and _short_rows(prob.seq_kv, *window)
     # HOPPER: 1 runs kernels/_attention_hopper.py where it applies (sm_90, see hopper_supported); a config
     # that sets any of the portable kernel's own keys asks for that kernel.
@@ -1747,7 +1748,13 @@ def attention_bwd_launch(
             has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, sm=sm, mm=mm, gs=gs, bst=bst,
             dropout=drop if dropout_p > 0.0 else None, varlen=prob.varlen):
         return
-    # Step 2: dK, dV (and dQ with atomics).
+    # Step 2: dK, dV (and dQ with atomics). The walks end where the mask's band does (the Hopper
+    # backward bounds its own, above).
+    window = _mask_bounded(window, kernels, has_mask_mod, bst)
+    left, right = window
+    wl = NO_BOUND if left is None else int(left)
+    wr = NO_BOUND if right is None else int(right)
+    common["BAND"] = left is not None or right is not None
     atomic = dq_mode == "atomic"
     dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device) if atomic else None
     dqa4 = v4(dqa) if dqa is not None else None
@@ -1777,6 +1784,17 @@ def attention_bwd_launch(
         BLOCK_M=m2, BLOCK_N=n2, REVERSE=right is not None and not prob.varlen, TMA=tma, **common,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
     )
+
+
+def _mask_bounded(window: tuple[int | None, int | None], kernels: AttentionKernels, has_mask_mod: bool,
+                  sparsity: BlockSparsity | None) -> tuple[int | None, int | None]:
+    """``window`` within the band outside which the mask_mod hides every pair (``kernels.mask_band``:
+    the causal and sliding-window masks and their ``and``), where no block mask's lists bound the
+    walk: the kernels then visit only the band's tiles, as with ``causal=True`` or ``window=``,
+    instead of evaluating the mask on every tile. The same pairs stay visible."""
+    if not has_mask_mod or sparsity is not None or kernels.mask_band is None:
+        return window
+    return band_and(window, kernels.mask_band)
 
 
 def resolve_dq_mode(dq_mode: str, *, masked: bool, head_dim: int) -> str:

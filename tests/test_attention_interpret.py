@@ -769,6 +769,47 @@ def test_bands_that_masks_imply():
     assert HB.band_and((3, None), (7, 2)) == (3, 2)
 
 
+@pytest.mark.parametrize("case", ["causal", "window", "window_and_mask", "block_mask", "unknown"])
+def test_mask_band_bounds_the_portable_kernels_walks(case, monkeypatch):
+    # a mask_mod known to lie in a band, without a block mask: every portable kernel gets the band as
+    # its window (BAND on, its bounds as arguments) and so visits only the band's tiles; the same pairs
+    # stay visible (the reference check); a block mask's lists bound the walk instead, and a mask whose
+    # band is not known keeps every tile
+    S = 40
+
+    def sparse(b, h, q_idx, kv_idx):
+        return (q_idx + kv_idx) % 3 != 1
+
+    def lower(b, h, q_idx, kv_idx):  # a band, but not one the library knows (nothing bounded)
+        return q_idx - kv_idx <= 1
+
+    mm = {"causal": A.causal_mask(), "window": A.sliding_window_mask(7),
+          "window_and_mask": A.and_masks(A.sliding_window_mask(9), A.MaskMod(sparse)),
+          "block_mask": A.causal_mask(), "unknown": A.MaskMod(lower)}[case]
+    kw = dict(mask_mod=mm, window=(30, 2) if case == "window_and_mask" else None)
+    if case == "block_mask":
+        kw["block_mask"] = A.create_block_mask(mm, None, None, S, S, block_size=16)
+    want = {"causal": (K.NO_BOUND, 0), "window": (6, 0), "window_and_mask": (8, 0),
+            "block_mask": None, "unknown": None}[case]
+    seen = []
+    launch = K._launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "HAS_MASK_MOD" in kwargs:  # forward, dK/dV, dQ (not the preprocess)
+            i = next(j for j, a in enumerate(args) if isinstance(a, float))  # sm_scale, then the bounds
+            seen.append((kwargs["BAND"], args[i + 1:i + 3]))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(K, "_launch", spy)
+    _check(*_dense(1, 2, 2, S, S, 16, seed=5), **kw)
+    assert len(seen) == 3
+    for band, bounds in seen:
+        if want is None:
+            assert not band and bounds == (K.NO_BOUND, K.NO_BOUND), case
+        else:
+            assert band and bounds == want, (case, bounds)
+
+
 @pytest.mark.parametrize("docs", ["runs", "split", "batched"])
 def test_document_masks_against_the_reference(docs):
     # runs: documents one after another (the runs read by query rows in the forward and dQ kernels,

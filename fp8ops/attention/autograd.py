@@ -158,7 +158,8 @@ def _attention_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu
     ``repr`` of the call's :class:`_Static`; ``buffers`` are the unique captured tensors."""
     st = _parse_static(static)
     ks = _kernels(st.score_key, st.mask_key, st.needs)
-    kern = _K.AttentionKernels(ks.fwd, None, None, None, ks.score_mod, ks.mask_mod, score_rel=ks.score_rel)
+    kern = _K.AttentionKernels(ks.fwd, None, None, None, ks.score_mod, ks.mask_mod, score_rel=ks.score_rel,
+                                mask_band=ks.mask_band)
     out, lse = _attention_fwd_outputs(q, v, st.layout)
     flat = [_flat(t) for t in buffers]
     bs = None
