@@ -1111,7 +1111,8 @@ class AttentionKernels(NamedTuple):
     score_grad: Any = None  # score_mod's derivative for the Hopper backward (the dK/dV kernel's)
     score_rel: bool = False  # score_mod is a relative bias slope * (kv - q) + c (codegen.relative_bias)
     # (left, right): the band q - kv in [-right, left] outside which mask_mod hides every pair (None:
-    # unbounded on that side, or not known); the Hopper backward skips tiles and halves outside it
+    # unbounded on that side, or not known); without a block mask the kernels walk only its tiles
+    # (_mask_bounded), and the Hopper backward also skips the halves outside it
     mask_band: tuple[int | None, int | None] | None = None
 
 
@@ -1714,7 +1715,9 @@ def attention_bwd_launch(
     e3 = None if dlse is None else (dlse.transpose(0, 1).unsqueeze(0) if prob.varlen else dlse)
     delta = torch.empty_like(lse)
     d3 = delta.transpose(0, 1).unsqueeze(0) if prob.varlen else delta
-    left, right = window
+    # the portable kernels' walks end where the mask's band does (the Hopper backward takes the
+    # band from ``kernels`` itself, below, and does not compare positions against it)
+    left, right = _mask_bounded(window, kernels, has_mask_mod, bst)
     band = left is not None or right is not None
     wl = NO_BOUND if left is None else int(left)
     wr = NO_BOUND if right is None else int(right)
@@ -1748,13 +1751,7 @@ def attention_bwd_launch(
             has_score_mod=has_score_mod, has_mask_mod=has_mask_mod, sm=sm, mm=mm, gs=gs, bst=bst,
             dropout=drop if dropout_p > 0.0 else None, varlen=prob.varlen):
         return
-    # Step 2: dK, dV (and dQ with atomics). The walks end where the mask's band does (the Hopper
-    # backward bounds its own, above).
-    window = _mask_bounded(window, kernels, has_mask_mod, bst)
-    left, right = window
-    wl = NO_BOUND if left is None else int(left)
-    wr = NO_BOUND if right is None else int(right)
-    common["BAND"] = left is not None or right is not None
+    # Step 2: dK, dV (and dQ with atomics).
     atomic = dq_mode == "atomic"
     dqa = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device) if atomic else None
     dqa4 = v4(dqa) if dqa is not None else None

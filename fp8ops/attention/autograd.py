@@ -78,8 +78,8 @@ def _kernels(score_key: str | None, mask_key: str | None, needs: tuple[bool, ...
     sm = _SPECS[score_key] if score_key is not None else None
     mm = _SPECS[mask_key] if mask_key is not None else None
     ks = _kernels_of(sm, mm, needs)
-    # a mask_mod known to hide everything outside a band (causal, sliding window): the Hopper backward
-    # skips the tiles and halves outside it, as with causal=True or window=
+    # a mask_mod known to hide everything outside a band (causal, sliding window): the kernels skip the
+    # tiles outside it, as with causal=True or window= (kernels.attention._mask_bounded)
     return ks._replace(mask_band=mm.implied_band) if mm is not None else ks
 
 

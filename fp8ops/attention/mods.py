@@ -106,7 +106,8 @@ class _ModSpec:
         """(left, right) such that this mask hides every pair outside ``q_idx - kv_idx`` in
         ``[-right, left]`` (None on a side: unbounded), or None where nothing is known: a spec marked
         with its ``band``, the causal mask (None, 0), or an ``and`` of masks, the band inside all of
-        theirs. The Hopper backward skips the tiles and halves outside it."""
+        theirs. Without a block mask the kernels skip the tiles outside it (the Hopper backward also
+        the halves of a key block outside it)."""
         if self.kind != "mask":
             return None
         if self.band is not None:
