@@ -120,9 +120,9 @@ def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compi
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), name
     assert shared <= 227 * 1024, name
     # spills: none in the loops at d = 64 (a few values kept across the partitions' start); at d = 128
-    # the consumers spill a few values around the dV product (152 to 256 bytes with Triton 3.6 and
-    # 3.9; 320 when the consumers added dQ with vector atomics)
-    assert _stack_bytes(res) <= (32 if d == 64 else 288), f"{name}: spill stack {res}"
+    # the consumers spill a few values around the dV product (152 to 304 bytes with Triton 3.6 and
+    # 3.9, the most with the document mask's twin; 320 when the consumers added dQ with vector atomics)
+    assert _stack_bytes(res) <= (32 if d == 64 else 304), f"{name}: spill stack {res}"
     _assert_dropout_hash(ptx, name)
     _assert_copies_before_rows(ptx, name)
 

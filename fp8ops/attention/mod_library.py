@@ -165,7 +165,10 @@ def _document_twins(seq: int, batched: bool) -> tuple[Any, Any, Any]:
     ends). Where the query index runs along a tile's rows (forward and dQ kernels) the runs are read
     by query position and the keys compared with them; where the key index does (dK/dV kernels), by
     key position. With the causal mask one bound suffices: ``kv >= start[q]`` by query rows,
-    ``q < end[kv]`` by key rows."""
+    ``q < end[kv]`` by key rows, each with the causal bound as one unsigned comparison per score
+    (``q - kv`` against the run's length from ``kv`` or to ``q``): two signed comparisons per score
+    made ptxas pack the tile's predicates into registers bit by bit in the Hopper backward (sm_90,
+    Triton 3.9: 929 instructions per tile step against 672)."""
     row = f"2 * {seq} * b + " if batched else ""
     name = f"_fp8ops_document_{seq}_{int(batched)}"
     src = f"""def {name}(b, h, q_idx, kv_idx, _fp8_t0, _fp8_t1, _fp8_t2, _fp8_t3):
@@ -179,10 +182,10 @@ def _document_twins(seq: int, batched: bool) -> tuple[Any, Any, Any]:
 """
     cname = f"_fp8ops_causal_document_{seq}_{int(batched)}"
     csrc = f"""def {cname}(b, h, q_idx, kv_idx, _fp8_t0, _fp8_t1, _fp8_t2, _fp8_t3):
-    if q_idx.shape[0] == 1:
-        vis = (q_idx >= kv_idx) & (q_idx < tl.load(_fp8_t2 + ({row}kv_idx)))
-    else:
-        vis = (q_idx >= kv_idx) & (kv_idx >= tl.load(_fp8_t1 + ({row}q_idx)))
+    if q_idx.shape[0] == 1:  # kv <= q < end[kv]: q - kv below end[kv] - kv (> 0), as unsigned
+        vis = (q_idx - kv_idx).to(tl.uint32) < (tl.load(_fp8_t2 + ({row}kv_idx)) - kv_idx).to(tl.uint32)
+    else:  # start[q] <= kv <= q: q - kv at most q - start[q] (>= 0), as unsigned
+        vis = (q_idx - kv_idx).to(tl.uint32) <= (q_idx - tl.load(_fp8_t1 + ({row}q_idx))).to(tl.uint32)
     return vis
 """
     twin = _jit_source(src, name, _triton_scope())
