@@ -23,13 +23,14 @@ of five replays after 60 replays; two rounds with the forms alternated) and each
 difference from ``ids``'s output and gradients; then the library's mask and Flex's with replays
 taken in turns (``_paired``). Writes ``$OUT/attention_doc_mask_forms.json`` (or ./).
 
-    python scripts/attn_doc_mask_forms.py
+    python scripts/attn_doc_mask_forms.py [FORM ...]   (default: every form; ``ids`` is always in)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import attrs
 import torch
@@ -111,17 +112,21 @@ def _paired(bodies: dict, rounds: int = 30) -> dict:
             "median_ratio": ratios[len(ratios) // 2], "ratio_range": [ratios[0], ratios[-1]]}
 
 
-def main() -> dict:
+def main(picked: list[str]) -> dict:
     B, H, S, d = 8, 32, 8192, 128
     ids = _documents(S, seed=S).cuda()
     masks = forms(ids)
+    if picked:
+        masks = {name: mm for name, mm in masks.items() if name in ("ids", *picked)}
     bms = {name: A.create_block_mask(mm, None, None, S, S, device="cuda") for name, mm in masks.items()
            if name != "bound_causal_only"}
-    bms["bound_causal_only"] = attrs.evolve(bms["ids"], mask_mod=masks["bound_causal_only"])
+    if "bound_causal_only" in masks:
+        bms["bound_causal_only"] = attrs.evolve(bms["ids"], mask_mod=masks["bound_causal_only"])
     fns = {name: (lambda q, k, v, bm=bm: A.attention(q, k, v, block_mask=bm, backend="triton")[0])
            for name, bm in bms.items()}
     # FlexAttention compiled with the same mask (the bench's peer)
-    fns["flex_ids"] = _flex_fn("document", S, H, ids, gqa=False)
+    if not picked or "flex_ids" in picked:
+        fns["flex_ids"] = _flex_fn("document", S, H, ids, gqa=False)
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     do = torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16)
@@ -154,7 +159,7 @@ def main() -> dict:
             print(rnd, name, f"fwd {f:.3f}  f+b {fb:.3f}  bwd {fb - f:.3f}", "diff", [f"{x:.1e}" for x in diff],
                   flush=True)
     # the library's mask against Flex, replays taken in turns (forward, then forward+backward)
-    for what in ("fwd", "fwd_bwd"):
+    for what in ("fwd", "fwd_bwd") if "flex_ids" in fns else ():
         bodies = {}
         for name in ("ids", "flex_ids"):
             fn = fns[name]
@@ -174,7 +179,7 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    record = main()
+    record = main(sys.argv[1:])
     path = os.path.join(os.environ.get("OUT", "."), "attention_doc_mask_forms.json")
     with open(path, "w") as fh:
         json.dump(record, fh, indent=1)
