@@ -2,8 +2,8 @@
 # The Hopper attention backward on the GPU: its GPU tests (TEST_ARGS replaces the list; TESTS_LIMIT_S
 # bounds them), then scripts/attn_hopper_kernel_ab.py bwd against kernels/_attention_hopper_bwd.py at
 # git revision OLD_REV (default HEAD; OLD_FILE: a copy of that file instead) over AB_CASES (default
-# "window128 document128 causal128"; "" for none), then `bench attention` at S = 8192, d = 128 when BENCH=1 (BENCH_VARIANTS, default the
-# four of the Flex targets), then scripts/attn_ncu.sh over NCU_CASES when set.
+# "window128 document128 causal128"; "" for none), then `bench attention` at S = 8192, d = 128 when
+# BENCH=1 (BENCH_VARIANTS, default the four of the Flex targets).
 #
 #   bash scripts/gpu_attn_bwd_check.sh OUTDIR
 . "$(dirname "${BASH_SOURCE[0]}")/_gpu_install.sh"
@@ -11,7 +11,7 @@ gpu_begin gpu_attn_bwd_check.sh "$@" || exit $?
 TESTS_LIMIT_S=${TESTS_LIMIT_S:-240} gpu_tests tests/test_attention_hopper_bwd_gpu.py
 grep -E "^FAILED|Error" "$OUT/gpu_tests.log" | head -20
 if [ -n "${AB_CASES-window128 document128 causal128}" ]; then
-    echo "== kernel A/B against ${OLD_REV:-HEAD} (t=$((SECONDS - START))s)"
+    echo "== kernel A/B against ${OLD_FILE:-${OLD_REV:-HEAD}} (t=$((SECONDS - START))s)"
     mkdir -p /tmp/attn_old
     if [ -n "${OLD_FILE:-}" ]; then
         cp "$OLD_FILE" /tmp/attn_old/_attention_hopper_bwd.py || FAILED=1
@@ -27,11 +27,6 @@ if [ "${BENCH:-0}" = 1 ]; then
     timeout 400 "$PY" -m fp8ops.bench attention --seqlens 8192 --head-dims 128 --no-portable --no-deterministic \
         --variants ${BENCH_VARIANTS:-causal alibi sliding_window document} --out "$OUT/bench" > "$OUT/bench_attention.log" 2>&1 || FAILED=1
     tail -30 "$OUT/bench_attention.log"
-fi
-if [ -n "${NCU_CASES:-}" ]; then
-    echo "== Nsight Compute: $NCU_CASES (t=$((SECONDS - START))s)"
-    OUT=$OUT timeout 400 bash scripts/attn_ncu.sh $NCU_CASES > "$OUT/ncu.log" 2>&1 || FAILED=1
-    tail -5 "$OUT/ncu.log"
 fi
 echo "elapsed $((SECONDS - START)) s, failed=$FAILED"
 exit $FAILED
