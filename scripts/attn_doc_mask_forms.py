@@ -116,6 +116,9 @@ def main(picked: list[str]) -> dict:
     B, H, S, d = 8, 32, 8192, 128
     ids = _documents(S, seed=S).cuda()
     masks = forms(ids)
+    unknown = sorted(set(picked) - set(masks) - {"flex_ids"})
+    if unknown:
+        raise SystemExit(f"attn_doc_mask_forms.py: unknown form(s) {unknown}; the forms: {[*masks, 'flex_ids']}")
     if picked:
         masks = {name: mm for name, mm in masks.items() if name in ("ids", *picked)}
     bms = {name: A.create_block_mask(mm, None, None, S, S, device="cuda") for name, mm in masks.items()
