@@ -4,7 +4,10 @@ sums), timed in alternating rounds (minimum of ten CUDA-event timings per round,
 H = 4096 / d, S = 8192 (or SEQ), bf16; the document mask is the benchmark's (``fp8ops.bench.attention``).
 
     python scripts/attn_hopper_kernel_ab.py fwd OLD/_attention_hopper.py [causal128 document128 ...]
-    python scripts/attn_hopper_kernel_ab.py bwd OLD/_attention_hopper_bwd.py [causal128 ...]
+    python scripts/attn_hopper_kernel_ab.py bwd OLD/_attention_hopper_bwd.py [--set NAME=VALUE ...] [causal128 ...]
+
+``--set NAME=VALUE``: a module-level setting of the current kernel's module (an int; e.g.
+``--set ZERO_IN_KERNEL=1``) for the new arm; the output file then carries the settings in its name.
 
 OLD: the earlier file (e.g. ``git show REV:kernels/_attention_hopper.py > old/_attention_hopper.py``),
 loaded as a sibling module of ``fp8ops.kernels`` and swapped in for the current launcher. Writes
@@ -100,11 +103,32 @@ def main(which: str, old_path: str, cases: list[str]) -> dict:
     return res
 
 
+def _apply_sets(which: str, args: list[str]) -> tuple[list[str], str]:
+    """Take the ``--set NAME=VALUE`` pairs out of ``args`` and set them on the current kernel's
+    module; (the remaining args, a file-name tag of the settings)."""
+    mod = sys.modules[getattr(K, "hopper_fwd" if which == "fwd" else "hopper_bwd").__module__]
+    rest, tags = [], []
+    it = iter(args)
+    for a in it:
+        if a != "--set":
+            rest.append(a)
+            continue
+        spec = next(it, "")
+        name, _, value = spec.partition("=")
+        if not hasattr(mod, name) or not value.lstrip("-").isdigit():
+            raise SystemExit(f"attn_hopper_kernel_ab.py: --set wants NAME=INT with NAME a setting of "
+                             f"{mod.__name__}, got {spec!r}")
+        setattr(mod, name, int(value))
+        tags.append(f"{name}{value}")
+    return rest, "".join(f"_{t}" for t in tags)
+
+
 if __name__ == "__main__":
-    which, old_path, *picked = sys.argv[1:]
+    which, old_path, *args = sys.argv[1:]
+    picked, tag = _apply_sets(which, args)
     result = main(which, old_path, picked or CASES)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": importlib.import_module("triton").__version__}
     out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, f"hopper_{which}_ab.json"), "w") as f:
+    with open(os.path.join(out, f"hopper_{which}_ab{tag}.json"), "w") as f:
         json.dump({"environment": meta, "cases": result}, f, indent=1)

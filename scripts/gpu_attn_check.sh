@@ -2,7 +2,8 @@
 # The Hopper attention kernels on the GPU. PASS (bwd, the default, or fwd) picks the kernel: its GPU
 # tests (TEST_ARGS replaces the list; TESTS_LIMIT_S bounds them), then scripts/attn_hopper_kernel_ab.py
 # PASS against that kernel's file at git revision OLD_REV (default HEAD; OLD_FILE: a copy of that file
-# instead) over AB_CASES (default "window128 document128 causal128"; "" for none), then, when NCU=1,
+# instead) over AB_CASES (default "window128 document128 causal128"; "" for none), once per entry of
+# AB_SETS (";"-separated; each entry "--set NAME=INT ..." for the new kernel's module, "-" none), then, when NCU=1,
 # Nsight Compute over one forward+backward of each of NCU_CASES (default "sliding_window document";
 # scripts/attn_ncu.py; OUT/ncu.csv and its summary OUT/ncu.txt), then `bench attention` at S = 8192,
 # d = 128 when BENCH=1 (BENCH_VARIANTS, default the four of the Flex targets).
@@ -26,8 +27,14 @@ if [ -n "${AB_CASES-window128 document128 causal128}" ]; then
     else
         git show "${OLD_REV:-HEAD}:kernels/$KFILE" > "/tmp/attn_old/$KFILE" || FAILED=1
     fi
-    OUT=$OUT timeout 300 "$PY" scripts/attn_hopper_kernel_ab.py "$PASS" "/tmp/attn_old/$KFILE" \
-        ${AB_CASES-window128 document128 causal128} > "$OUT/hopper_${PASS}_ab.log" 2>&1 || FAILED=1
+    IFS=';' read -r -a sets <<< "${AB_SETS:--}"
+    for set in "${sets[@]}"; do
+        [ "$set" = "-" ] && set=""
+        echo "-- settings: ${set:-none}"
+        # shellcheck disable=SC2086  # the settings and cases are lists of words
+        OUT=$OUT timeout 300 "$PY" scripts/attn_hopper_kernel_ab.py "$PASS" "/tmp/attn_old/$KFILE" $set \
+            ${AB_CASES-window128 document128 causal128} >> "$OUT/hopper_${PASS}_ab.log" 2>&1 || FAILED=1
+    done
     tail -20 "$OUT/hopper_${PASS}_ab.log"
 fi
 if [ "${NCU:-0}" = 1 ]; then
