@@ -49,16 +49,17 @@ def run(variants: list[str]) -> None:
             torch.cuda.profiler.stop()
 
 
-# (label, ncu metric name, unit shown)
+# (label, ncu metric name)
 _WANTED = [
-    ("ms", "Duration", None),
-    ("SM %", "Compute (SM) Throughput", None),
-    ("mem %", "Memory Throughput", None),
-    ("DRAM %", "DRAM Throughput", None),
-    ("occ %", "Achieved Occupancy", None),
-    ("regs", "Registers Per Thread", None),
-    ("issue %", "Issue Slots Busy", None),
+    ("ms", "Duration"),
+    ("SM %", "Compute (SM) Throughput"),
+    ("mem %", "Memory Throughput"),
+    ("DRAM %", "DRAM Throughput"),
+    ("occ %", "Achieved Occupancy"),
+    ("regs", "Registers Per Thread"),
+    ("issue %", "Issue Slots Busy"),
 ]
+_MS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "ns": 1e-6, "us": 1e-3, "ms": 1.0}
 
 
 def summarize(path: str) -> None:
@@ -75,15 +76,14 @@ def summarize(path: str) -> None:
     for key in order:
         m = kernels[key]
         parts = []
-        for label, name, _ in _WANTED:
+        for label, name in _WANTED:
             if name in m:
                 val, unit = m[name]
                 if name == "Duration":
-                    scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "ms": 1.0, "us": 1e-3,
-                             "ns": 1e-6}.get(unit, None)
+                    scale = _MS.get(unit)
                     val = f"{float(val.replace(',', '')) * scale:.3f}" if scale else f"{val} {unit}"
                 parts.append(f"{label} {val}")
-        tensor = [(n, v) for n, v in m.items() if "tensor" in n.lower() or "Tensor" in n]
+        tensor = [(n, v) for n, v in m.items() if "tensor" in n.lower()]
         parts += [f"{n} {v[0]}" for n, v in tensor[:3]]
         print(f"{key[0]:>4} {key[1][:60]:60s} " + ", ".join(parts))
         stalls = sorted(((float(v[0].replace(",", "")), n) for n, v in m.items()

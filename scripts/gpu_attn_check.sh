@@ -28,11 +28,11 @@ if [ -n "${AB_CASES-window128 document128 causal128}" ]; then
         git show "${OLD_REV:-HEAD}:kernels/$KFILE" > "/tmp/attn_old/$KFILE" || FAILED=1
     fi
     IFS=';' read -r -a sets <<< "${AB_SETS:--}"
-    for set in "${sets[@]}"; do
-        [ "$set" = "-" ] && set=""
-        echo "-- settings: ${set:-none}"
+    for opts in "${sets[@]}"; do
+        [ "$opts" = "-" ] && opts=""
+        echo "-- settings: ${opts:-none}"
         # shellcheck disable=SC2086  # the settings and cases are lists of words
-        OUT=$OUT timeout 300 "$PY" scripts/attn_hopper_kernel_ab.py "$PASS" "/tmp/attn_old/$KFILE" $set \
+        OUT=$OUT timeout 300 "$PY" scripts/attn_hopper_kernel_ab.py "$PASS" "/tmp/attn_old/$KFILE" $opts \
             ${AB_CASES-window128 document128 causal128} >> "$OUT/hopper_${PASS}_ab.log" 2>&1 || FAILED=1
     done
     tail -20 "$OUT/hopper_${PASS}_ab.log"
