@@ -4,8 +4,8 @@
 # PASS against that kernel's file at git revision OLD_REV (default HEAD; OLD_FILE: a copy of that file
 # instead) over AB_CASES (default "window128 document128 causal128"; "" for none), once per entry of
 # AB_SETS (";"-separated; each entry "--set NAME=INT ..." for the new kernel's module, "-" none), then, when NCU=1,
-# Nsight Compute over one forward+backward of each of NCU_CASES (default "sliding_window document";
-# scripts/attn_ncu.py; OUT/ncu.csv and its summary OUT/ncu.txt), then `bench attention` at S = 8192,
+# Nsight Compute over one forward+backward of each of NCU_CASES (default: scripts/attn_ncu.py's,
+# the sliding window and the document mask; OUT/ncu.csv and its summary OUT/ncu.txt), then `bench attention` at S = 8192,
 # d = 128 when BENCH=1 (BENCH_VARIANTS, default the four of the Flex targets).
 #
 #   bash scripts/gpu_attn_check.sh OUTDIR
@@ -44,7 +44,7 @@ if [ "${NCU:-0}" = 1 ]; then
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_tensor_op.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
-        "$PY" scripts/attn_ncu.py ${NCU_CASES:-sliding_window document} > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || FAILED=1
+        "$PY" scripts/attn_ncu.py ${NCU_CASES:-} > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || FAILED=1
     "$PY" scripts/attn_ncu.py --summarize "$OUT/ncu.csv" > "$OUT/ncu.txt" 2>&1 || FAILED=1
     cat "$OUT/ncu.txt"; tail -5 "$OUT/ncu.err"
 fi
