@@ -305,9 +305,9 @@ if AVAILABLE:
             if not BLOCK_SPARSE:
                 kt = lo_t + t
                 edge = (kt < flo_t) | (kt >= fhi_t)
-            if edge:
-                diff = rows - cols
-                s2 = gl.where((diff <= win_left) & (-diff <= win_right), s2, float("-inf"))
+            if edge:  # -win_right <= q - kv <= win_left, as one unsigned comparison (the sum fits 32 bits)
+                width = win_left.to(gl.uint32) + win_right.to(gl.uint32)
+                s2 = gl.where(((rows + win_right) - cols).to(gl.uint32) <= width, s2, float("-inf"))
         if HAS_MASK_MOD:
             partial = True
             if BLOCK_SPARSE:

@@ -16,6 +16,11 @@ reductions (so not bitwise deterministic: ``deterministic=True`` keeps the porta
                            memory; dQ_m += dS K (async, A read transposed); release Q_m/dO_m;
                            dQ_m * scale to shared memory, added to a float32 buffer by one TMA
                            reduction (cp.reduce.async.bulk.tensor .add), left in flight
+    caster (1 warp,        (CAST) the float32 dQ rows of the kv head `ahead` heads before its own,
+      24 registers)        this program's share, cast into dq once both consumers of every program
+                           of that head have counted themselves off (after their last reduction
+                           landed); TMA copies of 16 rows into two buffers, two rows per step. The
+                           launcher casts the last `ahead` heads after the kernel
     (with a band)          at the walk's leading and trailing tiles in which no row sees a key of
                            its half (the diagonal's upper half, a window's far edge): zeros as its
                            dS^T, its dQ columns from the other half's dS^T alone, no other product
@@ -75,7 +80,7 @@ if AVAILABLE:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._attention_hopper import (_NEW_WS, _relative_bias, _thread_barrier, _tile_range, _tile_start,
-                                    _tma_load)
+                                    _tma_load, _tma_store)
     try:  # TMA reductions into global memory (Triton after 3.6)
         from triton.experimental.gluon.language.nvidia.hopper.tma import async_atomic_add as _tma_add
     except ImportError:  # Triton 3.6: the builder has the operation, the language no wrapper
@@ -129,19 +134,128 @@ if AVAILABLE:
         return gl.convert_layout(u, layout)
 
     @gluon.jit
+    def _bulk_wait_all(x):
+        # Every TMA reduction this thread issued complete, its sums written to global memory
+        # (cp.async.bulk.wait_group 0; tma.store_wait's .read form waits only until the shared memory
+        # is read), and ordered before this thread's later generic-proxy accesses. `x`: any int32
+        # scalar (the asm takes an operand).
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async;\n\tmov.b32 $0, $1;",
+                                  "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _nap(x):
+        # a pause of about 256 ns between polls (nanosleep). `x`: any int32 scalar
+        gl.inline_asm_elementwise("nanosleep.u32 256;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _proxy_fence(x):
+        # this thread's generic-proxy accesses ordered before its later TMA copies. `x`: any int32 scalar
+        gl.inline_asm_elementwise("fence.proxy.async;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _bwd_caster(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
+                    SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
+                    SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
+                    BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
+                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
+        # One warp beside the loader: while this program's consumers compute, it casts into dq this
+        # program's share of the float32 dQ buffer of the kv head `ahead` heads before its own (all
+        # query heads of that head's group), once both consumers of every program of that head have
+        # counted themselves off (their reductions landed). Programs start in grid order, so the awaited
+        # ones are running or done; the launcher casts the last `ahead` heads after the kernel.
+        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
+         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem, ca) = a
+        (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
+         lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
+         qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale, cd) = d
+        if CAST:
+            cast_desc, cast_smem, cast_bar, zero_bar = ca
+            cnt_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs, ahead, seq_kv, heads = cd
+            n_kv = n_heads // group  # per batch entry
+            j = b * n_kv + hk
+            jj = j - ahead  # the head cast here
+            progs = seq_kv // (2 * HALF)  # programs per head
+            rows = group * seq_q  # its buffer rows, from row jj * rows
+            per = (rows + progs - 1) // progs
+            per = (per + CAST_ROWS - 1) // CAST_ROWS * CAST_ROWS
+            r_lo = (n0 // (2 * HALF)) * per
+            r_hi = gl.minimum(r_lo + per, rows)
+            pair: gl.constexpr = gl.BlockedLayout([1, HEAD_D // 16], [2, 16], [1, 1], [1, 0])
+            if ZERO:  # the buffer is not zero-filled before the kernel, but for the first `ahead` heads
+                zc_ptr = cnt_ptr + heads  # per head, the programs that zeroed their share of it
+                # 1. this head's rows zeroed by every program of the head `ahead` before it: then the
+                #    consumers may add to them (they wait on zero_bar before their first product)
+                if j >= ahead:
+                    seen = gl.atomic_add(zc_ptr + j, 0, sem="relaxed", scope="gpu")
+                    while seen < progs:
+                        _nap(seen)
+                        seen = gl.atomic_add(zc_ptr + j, 0, sem="relaxed", scope="gpu")
+                    seen = gl.atomic_add(zc_ptr + j, 0, sem="acquire", scope="gpu")
+                    _proxy_fence(seen)
+                mbarrier.arrive(zero_bar.index(0), count=1)
+                # 2. this program's share of the head `ahead` after this one zeroed (TMA stores of a
+                #    zero chunk), landed, and counted
+                if j + ahead < heads:
+                    zchunk = cast_smem.index(0)
+                    for k in gl.static_range(CAST_ROWS // 2):
+                        zchunk.slice(2 * k, 2, dim=0).store(gl.zeros([2, HEAD_D], gl.float32, layout=pair))
+                    fence_async_shared()
+                    for r in range(r_lo, r_hi, CAST_ROWS):
+                        _tma_store(cast_desc, [(j + ahead) * rows + r, 0], zchunk)
+                    _bulk_wait_all(j)
+                    gl.atomic_add(zc_ptr + (j + ahead), 1, sem="release", scope="gpu")
+            if (jj >= 0) & (r_lo < r_hi):
+                seen = gl.atomic_add(cnt_ptr + jj, 0, sem="relaxed", scope="gpu")
+                while seen < 2 * progs:
+                    _nap(seen)
+                    seen = gl.atomic_add(cnt_ptr + jj, 0, sem="relaxed", scope="gpu")
+                seen = gl.atomic_add(cnt_ptr + jj, 0, sem="acquire", scope="gpu")
+                _proxy_fence(seen)
+                bj = jj // n_kv
+                h0 = (jj - bj * n_kv) * group
+                # two rows at a time, HEAD_D / 16 floats per thread (the warp holds 24 registers)
+                offs = (gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, pair)), 1).to(gl.int64) * stride_dqs
+                        + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, pair)), 0))
+                n_chunks = (r_hi - r_lo) // CAST_ROWS
+                fence_async_shared()  # (ZERO) the zero chunk's stores before this copy's writes
+                mbarrier.expect(cast_bar.index(0), cast_desc.block_type.nbytes)
+                _tma_load(cast_desc, [jj * rows + r_lo, 0], cast_bar.index(0), cast_smem.index(0))
+                for i in range(0, n_chunks):
+                    if i + 1 < n_chunks:  # the next chunk's copy in flight while this one is cast
+                        nb = (i + 1) % 2
+                        fence_async_shared()  # the buffer's reads two chunks ago before the copy's writes
+                        mbarrier.expect(cast_bar.index(nb), cast_desc.block_type.nbytes)
+                        _tma_load(cast_desc, [jj * rows + r_lo + (i + 1) * CAST_ROWS, 0], cast_bar.index(nb),
+                                  cast_smem.index(nb))
+                    mbarrier.wait(cast_bar.index(i % 2), (i // 2) & 1)
+                    r = r_lo + i * CAST_ROWS  # a chunk lies in one query head: seq_q % CAST_ROWS == 0
+                    g = r // seq_q
+                    base = (dq_ptr + bj.to(gl.int64) * stride_dqb + (h0 + g).to(gl.int64) * stride_dqh
+                            + (r - g * seq_q).to(gl.int64) * stride_dqs)
+                    chunk = cast_smem.index(i % 2)
+                    for k in gl.static_range(CAST_ROWS // 2):
+                        x = chunk.slice(2 * k, 2, dim=0).load(pair)
+                        gl.store(base + (2 * k) * stride_dqs + offs, x.to(dq_ptr.dtype.element_ty))
+
+    @gluon.jit
     def _bwd_loader(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                     st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                     SCORE_FN: gl.constexpr, GRAD_FN: gl.constexpr, MASK_FN: gl.constexpr,
                     SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem) = a
+         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem, ca) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale) = d
+         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale, cd) = d
         for c in gl.static_range(2):
             mbarrier.expect(kv_bar.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             _tma_load(k_desc, [k_row + c * HALF, k_col], kv_bar.index(c), k_smem.index(c))
@@ -211,7 +325,7 @@ if AVAILABLE:
         # half is zeros for the other consumer's dQ columns, its own dQ columns take only the other
         # half's dS^T, and the ring's, the dS barrier's and the reduction's turns run as in a full step.
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem) = a
+         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem, ca) = a
         DQ_COLS: gl.constexpr = HEAD_D // 2
         st = it % STAGES
         ph = (it // STAGES) & 1
@@ -239,13 +353,16 @@ if AVAILABLE:
                      SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                      BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem) = a
+         ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem, ca) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale) = d
+         sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale, cd) = d
+        if ZERO:  # this head's float32 rows zeroed (_bwd_caster) before any reduction adds to them
+            mbarrier.wait(ca[3].index(0), 0)
+            _proxy_fence(b)
         dtype: gl.constexpr = q_desc.dtype
         k_width: gl.constexpr = 32 // dtype.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -382,7 +499,12 @@ if AVAILABLE:
                     _bwd_unseen_step(c, a, b, h, n_heads, seq_q, m0, it, q_zero, sm_scale, BLOCK_M, HALF, HEAD_D,
                                      STAGES, s_layout)
                     it += 1
-        tma.store_wait(0)  # the last reduction has read the buffer before the program ends
+        if CAST:  # every reduction landed, then this consumer counts itself off its head (_bwd_caster)
+            _bulk_wait_all(b)
+            _thread_barrier()
+            gl.atomic_add(cd[0] + (b * (n_heads // group) + hk), 1, sem="release", scope="gpu")
+        else:
+            tma.store_wait(0)  # the last reduction has read the buffer before the program ends
         return dk, dv
 
     @gluon.jit
@@ -398,16 +520,16 @@ if AVAILABLE:
                       SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                       BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                       BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
         dk, dv = _bwd_consume(c, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                               SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                              SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT)
+                              SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
         (b_, hk_, n0_, group_, seq_q_, k_row_, k_col_, q_rb_, q_rh_, q_cb_, q_ch_, g_rb_, g_rh_, g_cb_, g_ch_,
          lse_ptr_, delta_ptr_, stride_lb_, stride_lh_, stride_ls_, n_heads_,
          qn_ptr_, qi_ptr_, fqn_ptr_, fqi_ptr_, stride_nb_, stride_nh_, stride_nm_, stride_ib_, stride_ih_,
-         stride_im_, sm_scale, win_left_, win_right_, seed_ptr_, drop_thresh_, drop_scale) = d
+         stride_im_, sm_scale, win_left_, win_right_, seed_ptr_, drop_thresh_, drop_scale, cd) = d
         _store_rows(dk_ptr + dk_off, stride_dks, c * HALF, dk * sm_scale, HALF, HEAD_D, acc_layout)
         if DROPOUT:  # the kept weights' 1 / (1 - p), once
             dv = dv * drop_scale
@@ -422,11 +544,11 @@ if AVAILABLE:
                         SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                         BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
         _bwd_consumer(0, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
                       SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
-                      HEAD_D, STAGES, DROPOUT)
+                      HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)
 
     @gluon.jit
     def _bwd_consumer_1(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
@@ -435,17 +557,22 @@ if AVAILABLE:
                         SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                         BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
         _bwd_consumer(1, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
                       SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
-                      HEAD_D, STAGES, DROPOUT)
+                      HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)
 
     @gluon.jit
     def _hopper_bwd_kernel(
         q_desc, k_desc, v_desc, do_desc,  # 2-D descriptors as in the Hopper forward ((64, D) tiles)
         lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32: the forward's LSE, the preprocess kernel's delta
         dq_desc,  # (B * Hq * Sq, D) fp32 zero-initialised dQ accumulator, (64, D / 2) tiles
+        cast_desc,  # the same buffer in (CAST_ROWS, D) tiles, the caster's copies (CAST)
+        cnt_ptr,  # (B * Hkv) int32, zeros: per kv head, the consumers that finished (CAST); then, with
+                  # ZERO, (B * Hkv) more: per kv head, the programs that zeroed their share of its rows
+        dq_ptr, stride_dqb, stride_dqh, stride_dqs,  # (B, Hq, Sq, D) output, last dim contiguous (CAST)
+        cast_ahead,  # the caster of kv head j casts head j - cast_ahead (CAST)
         dk_ptr, dv_ptr,  # (B, Hkv, Skv, D) outputs, last dim contiguous
         seq_q, seq_kv, group, sm_scale, win_left, win_right,
         seed_ptr, drop_thresh, drop_scale,  # dropout (DROPOUT): the () int64 seed, the threshold, 1 / (1 - p)
@@ -460,6 +587,7 @@ if AVAILABLE:
         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr, DROPOUT: gl.constexpr,
+        CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_N // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -491,12 +619,24 @@ if AVAILABLE:
             mbarrier.init(q_ready.index(i), count=2)  # the Q copy's arrival and the rows' (lse, delta)
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release each buffer
+        if CAST:  # the caster's two chunks of the float32 buffer and their copies' barriers
+            cast_smem = gl.allocate_shared_memory(gl.float32, [2, CAST_ROWS, HEAD_D], cast_desc.layout)
+            cast_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(cast_bar.index(i), count=1)
+            zero_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(zero_bar.index(0), count=1)  # the caster: this head's rows are zeros (ZERO)
+            ca = (cast_desc, cast_smem, cast_bar, zero_bar)
+        else:
+            ca = (cast_desc, dq_smem, kv_bar, kv_bar)  # placeholders, never used
         a = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-             ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem)
+             ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem, ca)
+        cd = (cnt_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs, cast_ahead, seq_kv,
+              gl.num_programs(1) * gl.num_programs(2))  # the kv heads of all batch entries
         d = (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
              lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
              qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
-             sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale)
+             sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale, cd)
         dk_off = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + n0.to(gl.int64) * stride_dks
         dv_off = b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + n0.to(gl.int64) * stride_dvs
         if NEW_WS:
@@ -504,26 +644,29 @@ if AVAILABLE:
                 (_bwd_consumer_0, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                    MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
-                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT)),
+                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)),
                 (_bwd_consumer_1, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                    MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
-                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT)),
+                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)),
                 (_bwd_loader, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                      st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                      MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
-                                     SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT)),
-            ], [4, 1], [CONSUMER_REGS, 24])
+                                     SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)),
+                (_bwd_caster, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
+                               st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
+                               MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
+                               SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)),
+            ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
         else:
             gl.warp_specialize(
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
                  mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT), _bwd_consumer_0,
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO), _bwd_consumer_0,
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
                  mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT), [_bwd_consumer_1, _bwd_loader],
-                [4, 1],
-                [CONSUMER_REGS, 24])
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO),
+                [_bwd_consumer_1, _bwd_loader, _bwd_caster], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
 def band_and(a: tuple[int | None, int | None], b: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
@@ -584,12 +727,28 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return False
     if dk.stride(3) != 1 or dv.stride(3) != 1:
         return False
-    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # contiguous: the reductions' target
     qv, kv, vv, gv = views
     B, H, S, D = q.shape
+    Hk, Skv = k.shape[1], k.shape[2]
+    # the caster casts head j - ahead while head j computes (_bwd_caster); heads from n_kv - ahead are
+    # cast after the kernel. `ahead` exceeds the heads in flight (about twice the SMs' worth of programs)
+    n_kv, progs = B * Hk, Skv // BWD_BLOCK_N
+    ahead = CAST_AHEAD or -(-2 * _sm_count(q.device) // progs) + 2
+    want = CAST_IN_KERNEL if CAST_IN_KERNEL is not None else sparse_t is not None
+    cast = bool(want) and ahead < n_kv and dq.stride(3) == 1 and S % CAST_ROWS == 0
+    zero = cast and ZERO_IN_KERNEL
+    if zero:  # the caster zeroes head j + ahead's rows (_bwd_caster); the first `ahead` heads here
+        dqa = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
+        dqa.view(-1)[:ahead * (H // Hk) * S * D].zero_()
+        cnt = torch.zeros(2 * n_kv, dtype=torch.int32, device=q.device)
+    else:  # one zero fill for the float32 buffer (contiguous: the reductions' target) and the heads' counters
+        flat = torch.zeros(B * H * S * D + (n_kv if cast else 0), dtype=torch.float32, device=q.device)
+        dqa = flat[:B * H * S * D].view(B, H, S, D)
+        cnt = flat[B * H * S * D:].view(torch.int32) if cast else lse
     dq_desc = TensorDescriptor(dqa.view(B * H * S, D), [B * H * S, D], [D, 1], [BWD_BLOCK_M, D // 2],
                                _dq_layout(D))
-    Hk, Skv = k.shape[1], k.shape[2]
+    cast_desc = (TensorDescriptor(dqa.view(B * H * S, D), [B * H * S, D], [D, 1], [CAST_ROWS, D], _cast_layout())
+                 if cast else dq_desc)
     # BAND: 1, pairs outside the window hidden (and within the mask's band, if any); 2, the mask's band
     # only bounds the walk and the halves skipped (the mask hides those pairs)
     # only without a block mask, whose lists already bound the walk (the kernel skips no halves with one)
@@ -604,7 +763,8 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid = (Skv // BWD_BLOCK_N, Hk, B)
     slots = (*score_buffers, *mask_buffers, *score_grads)
     _hopper_bwd_kernel[grid](
-        qv.desc, kv.desc, vv.desc, gv.desc, lse, delta, dq_desc, dk, dv,
+        qv.desc, kv.desc, vv.desc, gv.desc, lse, delta, dq_desc, cast_desc, cnt, dq, *dq.stride()[:3], ahead,
+        dk, dv,
         S, Skv, H // Hk, float(sm_scale),
         _NO_BOUND if left is None else int(left), _NO_BOUND if right is None else int(right),
         *(dropout if dropout is not None else (lse, 0, 1.0)),
@@ -616,7 +776,37 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         HAS_MASK_MOD=has_mask_mod, BAND=band, BLOCK_SPARSE=sparse_t is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
         STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS,
-        DROPOUT=dropout is not None, num_warps=4, maxnreg=168,
+        DROPOUT=dropout is not None, CAST=cast, CAST_ROWS=CAST_ROWS, ZERO=zero, num_warps=4, maxnreg=168,
     )
-    store_accumulated(dq, dqa)
+    if not cast:
+        store_accumulated(dq, dqa)
+        return True
+    # the last `ahead` kv heads (all query heads of their groups: a run of (b, h) rows of the buffer)
+    first = (n_kv - ahead) * (H // Hk)
+    for b in range(first // H, B):
+        h0 = max(0, first - b * H)
+        store_accumulated(dq[b, h0:], dqa[b, h0:])
     return True
+
+
+# hopper_bwd casts dQ inside the kernel (_bwd_caster) where it can: with a block mask only (None), always
+# (True), never (False). Measured on an H100 (B = 8, H = 32, S = 8192, d = 128, backward ms with the passes,
+# against the cast after the kernel; docs/benchmarks/attention_hopper_h100.md): document mask 7.41-7.61
+# against 7.71-7.89, sliding window 1024 7.63-7.77 against 7.27-7.32, causal 22.7-24.2 against 21.2-21.9
+CAST_IN_KERNEL: bool | None = None
+CAST_ROWS = 16  # rows of the caster's copies
+CAST_AHEAD: int | None = None  # the caster's distance in heads (None: from the SM count; tests set it)
+# the caster also zero-fills the float32 buffer a head ahead: measured slower (document mask 8.51-8.67 ms
+# against 7.90-7.91 with the zero fill before the kernel; window and causal as with the cast alone)
+ZERO_IN_KERNEL = False
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_layout() -> Any:
+    # the caster's (CAST_ROWS, d) float32 chunks, unswizzled: read a row at a time
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)

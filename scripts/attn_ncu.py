@@ -55,6 +55,8 @@ _WANTED = [
     ("SM %", "Compute (SM) Throughput"),
     ("mem %", "Memory Throughput"),
     ("DRAM %", "DRAM Throughput"),
+    ("L2 %", "L2 Cache Throughput"),
+    ("spill requests", "Local Memory Spilling Requests"),
     ("occ %", "Achieved Occupancy"),
     ("regs", "Registers Per Thread"),
     ("issue %", "Issue Slots Busy"),
@@ -72,7 +74,10 @@ def summarize(path: str) -> None:
         key = (row["ID"], row["Kernel Name"])
         if key not in kernels:
             order.append(key)
-        kernels[key][row["Metric Name"]] = (row["Metric Value"], row["Metric Unit"])
+        name = row["Metric Name"]
+        if name == "Memory Throughput" and row["Metric Unit"] != "%":
+            continue  # the memory workload section's bytes per second; the speed-of-light percentage kept
+        kernels[key][name] = (row["Metric Value"], row["Metric Unit"])
     for key in order:
         m = kernels[key]
         parts = []
@@ -83,8 +88,9 @@ def summarize(path: str) -> None:
                     scale = _MS.get(unit)
                     val = f"{float(val.replace(',', '')) * scale:.3f}" if scale else f"{val} {unit}"
                 parts.append(f"{label} {val}")
-        tensor = [(n, v) for n, v in m.items() if "tensor" in n.lower()]
-        parts += [f"{n} {v[0]}" for n, v in tensor[:3]]
+        tensor = m.get("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
+        if tensor:
+            parts.append(f"tensor pipe % {tensor[0]}")
         print(f"{key[0]:>4} {key[1][:60]:60s} " + ", ".join(parts))
         stalls = sorted(((float(v[0].replace(",", "")), n) for n, v in m.items()
                          if "issue_stalled" in n and v[0].replace(",", "").replace(".", "", 1).isdigit()), reverse=True)

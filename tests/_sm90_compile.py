@@ -53,12 +53,18 @@ VARIANTS = {
     "d128_alibi_relative": dict(D=128, score=_alibi_like, rel=True),
     "bwd_d64_causal": dict(D=64, backward=True),
     "bwd_d128_causal": dict(D=128, backward=True),
+    "bwd_d128_causal_no_cast": dict(D=128, backward=True, cast=False),
+    "bwd_d128_causal_zero": dict(D=128, backward=True, zero=True),
+    "bwd_d128_document_runs_zero": dict(D=128, band=False, mask="runs", sparse=True, backward=True,
+                                        types=_RUNS_TYPES, zero=True),
     "bwd_d128_alibi": dict(D=128, score=_alibi_like, backward=True),
     "bwd_d128_alibi_no_grad": dict(D=128, score=_alibi_like, score_mode=2, backward=True),
     "bwd_d128_alibi_relative": dict(D=128, score=_alibi_like, score_mode=3, backward=True),
     "bwd_d128_document_block_mask": dict(D=128, band=False, mask=_document_like, sparse=True, backward=True),
     "d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, types=_RUNS_TYPES),
     "bwd_d128_document_runs": dict(D=128, band=False, mask="runs", sparse=True, backward=True, types=_RUNS_TYPES),
+    "bwd_d128_document_runs_no_cast": dict(D=128, band=False, mask="runs", sparse=True, backward=True,
+                                           types=_RUNS_TYPES, cast=False),
     "bwd_d128_causal_mask_mod_band": dict(D=128, band=2, mask=_causal_like, backward=True),
     "bwd_d128_causal_block_mask": dict(D=128, mask=_causal_like, sparse=True, backward=True),
     "d128_none_dropout": dict(D=128, band=False, dropout=True),
@@ -78,7 +84,8 @@ def _aligned(kern, sig: dict) -> dict:
             if sig[n].startswith("*") or n.startswith("stride_")}
 
 
-def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1, types=None, dropout=False):
+def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1, types=None, dropout=False,
+                     cast=True, zero=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -91,7 +98,7 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
                   HAS_MASK_MOD=mask is not None,
                   BAND=band, BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=HB.BWD_BLOCK_M,
                   BLOCK_N=HB.BWD_BLOCK_N, HEAD_D=D, STAGES=HB.BWD_STAGES, CONSUMER_REGS=240, NEW_WS=H._NEW_WS,
-                  DROPOUT=dropout)
+                  DROPOUT=dropout, CAST=cast, CAST_ROWS=HB.CAST_ROWS, ZERO=zero)
     kern = HB._hopper_bwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
@@ -101,8 +108,14 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
             sig[n] = desc(HB.BWD_BLOCK_M)
         elif n in ("k_desc", "v_desc"):
             sig[n] = desc(HB.BWD_BLOCK_N // 2)
-        elif n == "dq_desc":
+        elif n == "dq_desc" or (n == "cast_desc" and not cast):
             sig[n] = f"tensordesc<fp32[{HB.BWD_BLOCK_M},{D // 2}],{HB._dq_layout(D)!r}>"
+        elif n == "cast_desc":
+            sig[n] = f"tensordesc<fp32[{HB.CAST_ROWS},{D}],{HB._cast_layout()!r}>"
+        elif n == "cnt_ptr":
+            sig[n] = "*i32" if cast else "*fp32"
+        elif n == "dq_ptr":
+            sig[n] = "*bf16"
         elif n in ("sm_scale", "drop_scale"):
             sig[n] = "fp32"
         elif n == "seed_ptr":

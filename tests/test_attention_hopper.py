@@ -36,7 +36,8 @@ VARIANTS = ["d64_causal", "d128_none", "d256_causal", "d128_alibi", "d128_docume
             "d128_document_runs", "d128_none_dropout", "d64_causal_dropout"]
 BWD_VARIANTS = ["bwd_d64_causal", "bwd_d128_causal", "bwd_d128_alibi", "bwd_d128_alibi_no_grad",
                 "bwd_d128_alibi_relative", "bwd_d128_document_block_mask", "bwd_d128_document_runs",
-                "bwd_d128_none_dropout", "bwd_d64_causal_dropout", "bwd_d128_causal_mask_mod_band", "bwd_d128_causal_block_mask"]
+                "bwd_d128_none_dropout", "bwd_d64_causal_dropout", "bwd_d128_causal_mask_mod_band", "bwd_d128_causal_block_mask",
+                "bwd_d128_causal_no_cast", "bwd_d128_causal_zero"]
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +115,26 @@ def test_backward_compiles_for_sm90_into_five_products_per_tile_pair(name, compi
     # atomic in the threads
     reductions = 2 * (3 if banded else 1)  # per consumer: in the loop (and the two loops of skipped halves)
     assert ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add") == reductions, name
-    assert ptx.count("cp.async.bulk.wait_group.read") == reductions + 2, name  # those, and one at the end
-    assert "red.global" not in ptx and "atom.global" not in ptx, name
+    cast = not name.endswith("_no_cast")
+    # those, and one at the end: with the caster (CAST), a wait for every reduction to land, and one
+    # release count-off per consumer; the caster polls its head's counter and takes it once with acquire
+    assert ptx.count("cp.async.bulk.wait_group.read") == reductions + (0 if cast else 2), name
+    # with ZERO the caster also waits for its own head's rows to be zeroed (acquire), zeroes the rows of
+    # the head ahead by TMA stores, awaits them and counts itself off (release)
+    zero = name.endswith("_zero")
+    assert ptx.count("cp.async.bulk.wait_group 0") == (2 + zero if cast else 0), name
+    assert ptx.count("red.global.gpu.release.add") == (2 + zero if cast else 0), name
+    assert ptx.count("red.global") == ptx.count("red.global.gpu.release.add") and "atom.global" not in ptx, name
+    assert ptx.count("ld.global.gpu.acquire") == (1 + zero if cast else 0) and ("nanosleep" in ptx) == cast, name
+    assert ("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx) == zero, name
     # Q and dO in through TMA copies on mbarriers; no TMA store
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), name
     assert shared <= 227 * 1024, name
     # spills: none in the loops at d = 64 (a few values kept across the partitions' start); at d = 128
     # the consumers spill a few values around the dV product (152 to 304 bytes with Triton 3.6 and
-    # 3.9, the most with the document mask's twin; 320 when the consumers added dQ with vector atomics)
-    assert _stack_bytes(res) <= (32 if d == 64 else 304), f"{name}: spill stack {res}"
+    # 3.9, the most with the document mask's twin; 320 when the consumers added dQ with vector atomics;
+    # 360 with the caster, whose partition the register allocation of the whole kernel sees)
+    assert _stack_bytes(res) <= (40 if d == 64 else 360), f"{name}: spill stack {res}"
     _assert_dropout_hash(ptx, name)
     _assert_copies_before_rows(ptx, name)
 
@@ -131,8 +143,11 @@ def _assert_copies_before_rows(ptx: str, name: str) -> None:
     """The backward's loader issues a query tile's Q and dO copies (the last two arrive.expect_tx of
     the kernel) before it loads the tile's lse and delta rows, and publishes the rows by a second,
     plain arrival on the Q barrier after them."""
+    d = int(name.split("_d")[1].split("_")[0])
+    cast_bytes = HB.CAST_ROWS * d * 4  # the caster's copies of float32 rows are not the loader's
     expects = [(m.start(), m.group(1)) for m in
-               re.finditer(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[(%r\d+)\]", ptx)]
+               re.finditer(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[(%r\d+)\], (\d+);", ptx)
+               if int(m.group(2)) != cast_bytes]
     assert len(expects) >= 4, f"{name}: {len(expects)} expect_tx arrivals"  # K/V halves, Q, dO
     (_, q_bar), (do_at, _) = expects[-2:]
     plain = r"mbarrier\.arrive\.shared::cta\.b64 _, \[" + re.escape(q_bar) + r"\]"

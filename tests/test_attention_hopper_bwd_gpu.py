@@ -301,3 +301,79 @@ def test_dq_accumulator_into_a_strided_view_rounds_as_torch_copy(dtype, layout):
     assert torch.equal(dq, want)
     rest = packed[..., : H * D] if layout == "sbhd" else packed[:, H * D:]
     assert (rest == 9.0).all()
+
+
+_CAST_CASES = [c for c in CASES if c[4] and c[0] in (
+    "d128_causal_gqa", "d64_causal", "d128_none_bshd", "d128_fp16_causal_mqa", "d128_cross_causal",
+    "d128_long_q_causal", "sbhd_fused_qkv", "d64_window_dropout_gqa", "d128_alibi_document_dropout")]
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["zero_filled", "zeroed_in_kernel"])
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("case", _CAST_CASES, ids=[c[0] for c in _CAST_CASES])
+def test_dq_cast_inside_the_kernel_matches_the_cast_after_it(case, ahead, zero, monkeypatch):
+    """dQ cast by the kernel's caster warp (each kv head's float32 rows once every program of that
+    head has counted itself off, ``ahead`` heads later) equals the cast after the kernel: dk and dv
+    bitwise, dq within the float32 sums' order (the reductions' order differs between runs), and the
+    pass after the kernel covers the last ``ahead`` kv heads only. ``zero``: the float32 buffer is not
+    zero-filled before the kernel (but for the first ``ahead`` heads); each caster zeroes the rows of
+    the head ``ahead`` after its own (the buffer's memory holds NaN from an earlier tensor)."""
+    name, make, layout, opts, _ = case
+    base = [t.detach() for t in make()]
+    table = torch.randn(4, 2 * 40 + 1, device=DEV) * 0.5
+    after = []
+    real_store = HB.store_accumulated
+
+    def counting_store(dst, acc):
+        after.append(dst.numel())
+        real_store(dst, acc)
+
+    monkeypatch.setattr(HB, "store_accumulated", counting_store)
+    monkeypatch.setattr(HB, "CAST_IN_KERNEL", False)
+    plain, _ = _run(base, layout, opts, "auto", table)
+    full = sum(after)
+    after.clear()
+    monkeypatch.setattr(HB, "CAST_IN_KERNEL", True)
+    monkeypatch.setattr(HB, "CAST_AHEAD", ahead)
+    monkeypatch.setattr(HB, "ZERO_IN_KERNEL", zero)
+    torch.full((4 * base[0].numel(),), float("nan"), device=DEV)  # freed at once: NaN in the allocator's cache
+    cast, _ = _run(base, layout, opts, "auto", table)
+    q4, k4 = R.to_bhsd(base[0], layout), R.to_bhsd(base[1], layout)
+    n_kv = k4.shape[0] * k4.shape[1]
+    assert full == q4.numel(), f"{name}: the plain run cast {full} of {q4.numel()} elements after the kernel"
+    assert sum(after) == q4.numel() * ahead // n_kv, (
+        f"{name}: {sum(after)} elements cast after the kernel, expected the last {ahead} of {n_kv} kv heads")
+    assert torch.equal(cast[1], plain[1]) and torch.equal(cast[2], plain[2]), f"{name}: dk / dv differ"
+    dq, dq0 = cast[0].float(), plain[0].float()
+    assert not torch.isnan(dq).any(), f"{name}: NaN in dq"
+    torch.testing.assert_close(dq, dq0, rtol=2 ** -6, atol=1e-3 * float(dq0.abs().max()) + 1e-6,
+                               msg=lambda m: f"{name}, ahead {ahead}: dq {m}")
+
+
+_DEFAULT_CAST_CASES = [c for c in CASES if c[0] in (
+    "d128_document_block_mask", "d64_document_block_mask_gqa", "d128_causal_gqa", "d128_window", "d128_none_bshd")]
+
+
+@pytest.mark.parametrize("case", _DEFAULT_CAST_CASES, ids=[c[0] for c in _DEFAULT_CAST_CASES])
+def test_default_casts_dq_inside_the_kernel_with_a_block_mask_only(case, monkeypatch):
+    """By default (``CAST_IN_KERNEL = None``) the caster runs where it measured faster, with a block
+    mask, and the cast after the kernel covers only the last ``ahead`` kv heads; without a block mask
+    (causal, a window, no mask) the whole dq is cast after the kernel."""
+    name, make, layout, opts, _ = case
+    base = [t.detach() for t in make()]
+    table = torch.randn(4, 2 * 40 + 1, device=DEV) * 0.5
+    after = []
+    real_store = HB.store_accumulated
+
+    def counting_store(dst, acc):
+        after.append(dst.numel())
+        real_store(dst, acc)
+
+    monkeypatch.setattr(HB, "store_accumulated", counting_store)
+    monkeypatch.setattr(HB, "CAST_IN_KERNEL", None)
+    monkeypatch.setattr(HB, "CAST_AHEAD", 1)
+    _run(base, layout, opts, "auto", table)
+    q4, k4 = R.to_bhsd(base[0], layout), R.to_bhsd(base[1], layout)
+    n_kv = k4.shape[0] * k4.shape[1]
+    want = q4.numel() // n_kv if "block_mask" in opts else q4.numel()
+    assert sum(after) == want, f"{name}: {sum(after)} elements cast after the kernel, expected {want}"

@@ -27,8 +27,12 @@ def test_summary_converts_durations_and_orders_stalls(tmp_path, capsys):
         "==PROF== Connected to process 1\n" + HEAD
         + _row(0, "_hopper_bwd_kernel", "Duration", "usecond", "5,479.5")
         + _row(0, "_hopper_bwd_kernel", "Compute (SM) Throughput", "%", "61.2")
-        + _row(0, "_hopper_bwd_kernel", "smsp__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+        + _row(0, "_hopper_bwd_kernel", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
                "%", "55.0")
+        # two sections name a "Memory Throughput": the speed-of-light percentage is the one kept
+        + _row(0, "_hopper_bwd_kernel", "Memory Throughput", "%", "80.5")
+        + _row(0, "_hopper_bwd_kernel", "Memory Throughput", "byte/s", "1,142,474,654,926.23")
+        + _row(0, "_hopper_bwd_kernel", "Local Memory Spilling Requests", "", "75,133,952")
         + _row(0, "_hopper_bwd_kernel", "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", "", "0.5")
         + _row(0, "_hopper_bwd_kernel", "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
                "", "1,234.5")
@@ -37,6 +41,7 @@ def test_summary_converts_durations_and_orders_stalls(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 3, out
     assert "_hopper_bwd_kernel" in out[0] and "ms 5.479" in out[0] and "SM % 61.2" in out[0], out[0]
-    assert "tensor_op_gmma" in out[0] and "55.0" in out[0], out[0]
+    assert "tensor pipe % 55.0" in out[0] and "mem % 80.5," in out[0], out[0]
+    assert "spill requests 75,133,952" in out[0], out[0]
     assert out[1].split(": ")[1] == "long_scoreboard 1234.50; barrier 0.50", out[1]
     assert "fill" in out[2] and "ms 0.324" in out[2], out[2]
