@@ -34,7 +34,7 @@ A = importlib.import_module("fp8ops.attention")
 R = importlib.import_module("fp8ops.reference.attention")
 K = importlib.import_module("fp8ops.kernels.attention")
 CASES = ["causal128", "alibi128", "window128", "document128", "none128", "causal64", "causal256"]
-# also: "causalmask128", causal_mask() as a mask_mod without a block mask
+# also: "causalmask128", causal_mask() as a mask_mod without a block mask; "causalblock128", with its block mask
 
 
 def _inputs(case: str, grad: bool) -> tuple[list[torch.Tensor], dict]:
@@ -50,8 +50,10 @@ def _inputs(case: str, grad: bool) -> tuple[list[torch.Tensor], dict]:
               dropout_p=0.0, seed=None)
     if grad:
         kw.update(dq_mode="auto", bwd_config={"HOPPER": 2})
-    if variant == "causalmask":
+    if variant in ("causalmask", "causalblock"):
         kw.update(mask_mod=A.causal_mask())
+    if variant == "causalblock":
+        kw.update(block_mask=A.create_block_mask(A.causal_mask(), None, None, S, S, device="cuda"))
     if variant == "document":
         mm = A.and_masks(A.causal_mask(), A.document_mask(_documents(S, seed=S).cuda()))
         kw.update(mask_mod=mm, block_mask=A.create_block_mask(mm, None, None, S, S, device="cuda"))
