@@ -303,6 +303,19 @@ def test_dq_accumulator_into_a_strided_view_rounds_as_torch_copy(dtype, layout):
     assert (rest == 9.0).all()
 
 
+def _count_casts_after_the_kernel(monkeypatch) -> list[int]:
+    """The elements of each cast of the float32 dQ buffer after the kernel, appended as they run."""
+    after: list[int] = []
+    real_store = HB.store_accumulated
+
+    def counting_store(dst, acc):
+        after.append(dst.numel())
+        real_store(dst, acc)
+
+    monkeypatch.setattr(HB, "store_accumulated", counting_store)
+    return after
+
+
 _CAST_CASES = [c for c in CASES if c[4] and c[0] in (
     "d128_causal_gqa", "d64_causal", "d128_none_bshd", "d128_fp16_causal_mqa", "d128_cross_causal",
     "d128_long_q_causal", "sbhd_fused_qkv", "d64_window_dropout_gqa", "d128_alibi_document_dropout")]
@@ -321,14 +334,7 @@ def test_dq_cast_inside_the_kernel_matches_the_cast_after_it(case, ahead, zero, 
     name, make, layout, opts, _ = case
     base = [t.detach() for t in make()]
     table = torch.randn(4, 2 * 40 + 1, device=DEV) * 0.5
-    after = []
-    real_store = HB.store_accumulated
-
-    def counting_store(dst, acc):
-        after.append(dst.numel())
-        real_store(dst, acc)
-
-    monkeypatch.setattr(HB, "store_accumulated", counting_store)
+    after = _count_casts_after_the_kernel(monkeypatch)
     monkeypatch.setattr(HB, "CAST_IN_KERNEL", False)
     plain, _ = _run(base, layout, opts, "auto", table)
     full = sum(after)
@@ -362,14 +368,7 @@ def test_default_casts_dq_inside_the_kernel_with_a_block_mask_only(case, monkeyp
     name, make, layout, opts, _ = case
     base = [t.detach() for t in make()]
     table = torch.randn(4, 2 * 40 + 1, device=DEV) * 0.5
-    after = []
-    real_store = HB.store_accumulated
-
-    def counting_store(dst, acc):
-        after.append(dst.numel())
-        real_store(dst, acc)
-
-    monkeypatch.setattr(HB, "store_accumulated", counting_store)
+    after = _count_casts_after_the_kernel(monkeypatch)
     monkeypatch.setattr(HB, "CAST_IN_KERNEL", None)
     monkeypatch.setattr(HB, "CAST_AHEAD", 1)
     _run(base, layout, opts, "auto", table)
