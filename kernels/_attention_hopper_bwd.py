@@ -65,6 +65,7 @@ import torch
 from ._accumulate import store_accumulated
 from ._attention_hopper import AVAILABLE, _view2d
 from ._dropout import _dropout_draws, _dropout_key, _dropout_pair_row, _kept
+from ._library import cdiv, num_sms
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -80,7 +81,7 @@ if AVAILABLE:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._attention_hopper import (_NEW_WS, _relative_bias, _thread_barrier, _tile_range, _tile_start,
-                                    _tma_load, _tma_store)
+                                    _tma_load)
     try:  # TMA reductions into global memory (Triton after 3.6)
         from triton.experimental.gluon.language.nvidia.hopper.tma import async_atomic_add as _tma_add
     except ImportError:  # Triton 3.6: the builder has the operation, the language no wrapper
@@ -161,7 +162,7 @@ if AVAILABLE:
                     SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr):
         # One warp beside the loader: while this program's consumers compute, it casts into dq this
         # program's share of the float32 dQ buffer of the kv head `ahead` heads before its own (all
         # query heads of that head's group), once both consumers of every program of that head have
@@ -174,8 +175,8 @@ if AVAILABLE:
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
          sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale, cd) = d
         if CAST:
-            cast_desc, cast_smem, cast_bar, zero_bar = ca
-            cnt_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs, ahead, seq_kv, heads = cd
+            cast_desc, cast_smem, cast_bar = ca
+            cnt_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs, ahead, seq_kv = cd
             n_kv = n_heads // group  # per batch entry
             j = b * n_kv + hk
             jj = j - ahead  # the head cast here
@@ -186,29 +187,6 @@ if AVAILABLE:
             r_lo = (n0 // (2 * HALF)) * per
             r_hi = gl.minimum(r_lo + per, rows)
             pair: gl.constexpr = gl.BlockedLayout([1, HEAD_D // 16], [2, 16], [1, 1], [1, 0])
-            if ZERO:  # the buffer is not zero-filled before the kernel, but for the first `ahead` heads
-                zc_ptr = cnt_ptr + heads  # per head, the programs that zeroed their share of it
-                # 1. this head's rows zeroed by every program of the head `ahead` before it: then the
-                #    consumers may add to them (they wait on zero_bar before their first product)
-                if j >= ahead:
-                    seen = gl.atomic_add(zc_ptr + j, 0, sem="relaxed", scope="gpu")
-                    while seen < progs:
-                        _nap(seen)
-                        seen = gl.atomic_add(zc_ptr + j, 0, sem="relaxed", scope="gpu")
-                    seen = gl.atomic_add(zc_ptr + j, 0, sem="acquire", scope="gpu")
-                    _proxy_fence(seen)
-                mbarrier.arrive(zero_bar.index(0), count=1)
-                # 2. this program's share of the head `ahead` after this one zeroed (TMA stores of a
-                #    zero chunk), landed, and counted
-                if j + ahead < heads:
-                    zchunk = cast_smem.index(0)
-                    for k in gl.static_range(CAST_ROWS // 2):
-                        zchunk.slice(2 * k, 2, dim=0).store(gl.zeros([2, HEAD_D], gl.float32, layout=pair))
-                    fence_async_shared()
-                    for r in range(r_lo, r_hi, CAST_ROWS):
-                        _tma_store(cast_desc, [(j + ahead) * rows + r, 0], zchunk)
-                    _bulk_wait_all(j)
-                    gl.atomic_add(zc_ptr + (j + ahead), 1, sem="release", scope="gpu")
             if (jj >= 0) & (r_lo < r_hi):
                 seen = gl.atomic_add(cnt_ptr + jj, 0, sem="relaxed", scope="gpu")
                 while seen < 2 * progs:
@@ -222,7 +200,6 @@ if AVAILABLE:
                 offs = (gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, pair)), 1).to(gl.int64) * stride_dqs
                         + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, pair)), 0))
                 n_chunks = (r_hi - r_lo) // CAST_ROWS
-                fence_async_shared()  # (ZERO) the zero chunk's stores before this copy's writes
                 mbarrier.expect(cast_bar.index(0), cast_desc.block_type.nbytes)
                 _tma_load(cast_desc, [jj * rows + r_lo, 0], cast_bar.index(0), cast_smem.index(0))
                 for i in range(0, n_chunks):
@@ -249,7 +226,7 @@ if AVAILABLE:
                     SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                     BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                     BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
          ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem, ca) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
@@ -353,16 +330,13 @@ if AVAILABLE:
                      SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                      BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr):
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
          ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem, ca) = a
         (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
          lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
          qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
          sm_scale, win_left, win_right, seed_ptr, drop_thresh, drop_scale, cd) = d
-        if ZERO:  # this head's float32 rows zeroed (_bwd_caster) before any reduction adds to them
-            mbarrier.wait(ca[3].index(0), 0)
-            _proxy_fence(b)
         dtype: gl.constexpr = q_desc.dtype
         k_width: gl.constexpr = 32 // dtype.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -520,10 +494,10 @@ if AVAILABLE:
                       SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                       BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                       BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr):
         dk, dv = _bwd_consume(c, a, d, st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3,
                               SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                              SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)
+                              SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
         (b_, hk_, n0_, group_, seq_q_, k_row_, k_col_, q_rb_, q_rh_, q_cb_, q_ch_, g_rb_, g_rh_, g_cb_, g_ch_,
@@ -544,11 +518,11 @@ if AVAILABLE:
                         SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                         BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr):
         _bwd_consumer(0, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
                       SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
-                      HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)
+                      HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS)
 
     @gluon.jit
     def _bwd_consumer_1(a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
@@ -557,11 +531,11 @@ if AVAILABLE:
                         SCORE_MODE: gl.constexpr, HAS_MASK_MOD: gl.constexpr, BAND: gl.constexpr,
                         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
                         BLOCK_M: gl.constexpr, HALF: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr):
+                    DROPOUT: gl.constexpr, CAST: gl.constexpr, CAST_ROWS: gl.constexpr):
         _bwd_consumer(1, a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                       st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN,
                       SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV, BLOCK_M, HALF,
-                      HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)
+                      HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS)
 
     @gluon.jit
     def _hopper_bwd_kernel(
@@ -569,8 +543,7 @@ if AVAILABLE:
         lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32: the forward's LSE, the preprocess kernel's delta
         dq_desc,  # (B * Hq * Sq, D) fp32 zero-initialised dQ accumulator, (64, D / 2) tiles
         cast_desc,  # the same buffer in (CAST_ROWS, D) tiles, the caster's copies (CAST)
-        cnt_ptr,  # (B * Hkv) int32, zeros: per kv head, the consumers that finished (CAST); then, with
-                  # ZERO, (B * Hkv) more: per kv head, the programs that zeroed their share of its rows
+        cnt_ptr,  # (B * Hkv) int32, zeros: per kv head, the consumers that finished (CAST)
         dq_ptr, stride_dqb, stride_dqh, stride_dqs,  # (B, Hq, Sq, D) output, last dim contiguous (CAST)
         cast_ahead,  # the caster of kv head j casts head j - cast_ahead (CAST)
         dk_ptr, dv_ptr,  # (B, Hkv, Skv, D) outputs, last dim contiguous
@@ -587,7 +560,7 @@ if AVAILABLE:
         BLOCK_SPARSE: gl.constexpr, SPARSE_Q: gl.constexpr, SPARSE_KV: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, NEW_WS: gl.constexpr, DROPOUT: gl.constexpr,
-        CAST: gl.constexpr, CAST_ROWS: gl.constexpr, ZERO: gl.constexpr,
+        CAST: gl.constexpr, CAST_ROWS: gl.constexpr,
     ):
         HALF: gl.constexpr = BLOCK_N // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -624,15 +597,12 @@ if AVAILABLE:
             cast_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(2):
                 mbarrier.init(cast_bar.index(i), count=1)
-            zero_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(zero_bar.index(0), count=1)  # the caster: this head's rows are zeros (ZERO)
-            ca = (cast_desc, cast_smem, cast_bar, zero_bar)
+            ca = (cast_desc, cast_smem, cast_bar)
         else:
-            ca = (cast_desc, dq_smem, kv_bar, kv_bar)  # placeholders, never used
+            ca = (cast_desc, dq_smem, kv_bar)  # placeholders, never used
         a = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
              ds_smem, lse_smem, dl_smem, ds_bar, dq_desc, dq_smem, ca)
-        cd = (cnt_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs, cast_ahead, seq_kv,
-              gl.num_programs(1) * gl.num_programs(2))  # the kv heads of all batch entries
+        cd = (cnt_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqs, cast_ahead, seq_kv)
         d = (b, hk, n0, group, seq_q, k_row, k_col, q_rb, q_rh, q_cb, q_ch, g_rb, g_rh, g_cb, g_ch,
              lse_ptr, delta_ptr, stride_lb, stride_lh, stride_ls, n_heads,
              qn_ptr, qi_ptr, fqn_ptr, fqi_ptr, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
@@ -644,28 +614,28 @@ if AVAILABLE:
                 (_bwd_consumer_0, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                    MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
-                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)),
+                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS)),
                 (_bwd_consumer_1, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                    st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                    MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q, SPARSE_KV,
-                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)),
+                                   BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS)),
                 (_bwd_loader, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                      st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                      MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
-                                     SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)),
+                                     SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS)),
                 (_bwd_caster, (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs,
                                st0, st1, st2, st3, mt0, mt1, mt2, mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN,
                                MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE, SPARSE_Q,
-                               SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO)),
+                               SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS)),
             ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
         else:
             gl.warp_specialize(
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
                  mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO), _bwd_consumer_0,
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS), _bwd_consumer_0,
                 (a, d, dk_ptr, dv_ptr, dk_off, dv_off, stride_dks, stride_dvs, st0, st1, st2, st3, mt0, mt1, mt2,
                  mt3, g0, g1, g2, g3, SCORE_FN, GRAD_FN, MASK_FN, SCORE_MODE, HAS_MASK_MOD, BAND, BLOCK_SPARSE,
-                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS, ZERO),
+                 SPARSE_Q, SPARSE_KV, BLOCK_M, HALF, HEAD_D, STAGES, DROPOUT, CAST, CAST_ROWS),
                 [_bwd_consumer_1, _bwd_loader, _bwd_caster], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
@@ -733,18 +703,13 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # the caster casts head j - ahead while head j computes (_bwd_caster); heads from n_kv - ahead are
     # cast after the kernel. `ahead` exceeds the heads in flight (about twice the SMs' worth of programs)
     n_kv, progs = B * Hk, Skv // BWD_BLOCK_N
-    ahead = CAST_AHEAD or -(-2 * _sm_count(q.device) // progs) + 2
+    ahead = CAST_AHEAD or cdiv(2 * num_sms(q.device), progs) + 2
     want = CAST_IN_KERNEL if CAST_IN_KERNEL is not None else sparse_t is not None
     cast = bool(want) and ahead < n_kv and dq.stride(3) == 1 and S % CAST_ROWS == 0
-    zero = cast and ZERO_IN_KERNEL
-    if zero:  # the caster zeroes head j + ahead's rows (_bwd_caster); the first `ahead` heads here
-        dqa = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
-        dqa.view(-1)[:ahead * (H // Hk) * S * D].zero_()
-        cnt = torch.zeros(2 * n_kv, dtype=torch.int32, device=q.device)
-    else:  # one zero fill for the float32 buffer (contiguous: the reductions' target) and the heads' counters
-        flat = torch.zeros(B * H * S * D + (n_kv if cast else 0), dtype=torch.float32, device=q.device)
-        dqa = flat[:B * H * S * D].view(B, H, S, D)
-        cnt = flat[B * H * S * D:].view(torch.int32) if cast else lse
+    # one zero fill for the float32 buffer (contiguous: the reductions' target) and the heads' counters
+    flat = torch.zeros(B * H * S * D + (n_kv if cast else 0), dtype=torch.float32, device=q.device)
+    dqa = flat[:B * H * S * D].view(B, H, S, D)
+    cnt = flat[B * H * S * D:].view(torch.int32) if cast else lse
     dq_desc = TensorDescriptor(dqa.view(B * H * S, D), [B * H * S, D], [D, 1], [BWD_BLOCK_M, D // 2],
                                _dq_layout(D))
     cast_desc = (TensorDescriptor(dqa.view(B * H * S, D), [B * H * S, D], [D, 1], [CAST_ROWS, D], _cast_layout())
@@ -776,7 +741,7 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         HAS_MASK_MOD=has_mask_mod, BAND=band, BLOCK_SPARSE=sparse_t is not None,
         SPARSE_Q=sparse_q, SPARSE_KV=sparse_kv, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_D=D,
         STAGES=BWD_STAGES, CONSUMER_REGS=240, NEW_WS=_NEW_WS,
-        DROPOUT=dropout is not None, CAST=cast, CAST_ROWS=CAST_ROWS, ZERO=zero, num_warps=4, maxnreg=168,
+        DROPOUT=dropout is not None, CAST=cast, CAST_ROWS=CAST_ROWS, num_warps=4, maxnreg=168,
     )
     if not cast:
         store_accumulated(dq, dqa)
@@ -796,14 +761,6 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 CAST_IN_KERNEL: bool | None = None
 CAST_ROWS = 16  # rows of the caster's copies
 CAST_AHEAD: int | None = None  # the caster's distance in heads (None: from the SM count; tests set it)
-# the caster also zero-fills the float32 buffer a head ahead: measured slower (document mask 8.51-8.67 ms
-# against 7.90-7.91 with the zero fill before the kernel; window and causal as with the cast alone)
-ZERO_IN_KERNEL = False
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,7 @@ H = 4096 / d, S = 8192 (or SEQ), bf16; the document mask is the benchmark's (``f
     python scripts/attn_hopper_kernel_ab.py bwd OLD/_attention_hopper_bwd.py [--set NAME=VALUE ...] [causal128 ...]
 
 ``--set NAME=VALUE``: a module-level setting of the current kernel's module (an int; e.g.
-``--set ZERO_IN_KERNEL=1``) for the new arm; the output file then carries the settings in its name.
+``--set CAST_IN_KERNEL=0``) for the new arm; the output file then carries the settings in its name.
 
 OLD: the earlier file (e.g. ``git show REV:kernels/_attention_hopper.py > old/_attention_hopper.py``),
 loaded as a sibling module of ``fp8ops.kernels`` and swapped in for the current launcher. Writes

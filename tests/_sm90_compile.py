@@ -54,9 +54,6 @@ VARIANTS = {
     "bwd_d64_causal": dict(D=64, backward=True),
     "bwd_d128_causal": dict(D=128, backward=True),
     "bwd_d128_causal_no_cast": dict(D=128, backward=True, cast=False),
-    "bwd_d128_causal_zero": dict(D=128, backward=True, zero=True),
-    "bwd_d128_document_runs_zero": dict(D=128, band=False, mask="runs", sparse=True, backward=True,
-                                        types=_RUNS_TYPES, zero=True),
     "bwd_d128_alibi": dict(D=128, score=_alibi_like, backward=True),
     "bwd_d128_alibi_no_grad": dict(D=128, score=_alibi_like, score_mode=2, backward=True),
     "bwd_d128_alibi_relative": dict(D=128, score=_alibi_like, score_mode=3, backward=True),
@@ -85,7 +82,7 @@ def _aligned(kern, sig: dict) -> dict:
 
 
 def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score_mode=1, types=None, dropout=False,
-                     cast=True, zero=False):
+                     cast=True):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -98,7 +95,7 @@ def compile_backward(D, *, band=True, score=None, mask=None, sparse=False, score
                   HAS_MASK_MOD=mask is not None,
                   BAND=band, BLOCK_SPARSE=sparse, SPARSE_Q=128, SPARSE_KV=128, BLOCK_M=HB.BWD_BLOCK_M,
                   BLOCK_N=HB.BWD_BLOCK_N, HEAD_D=D, STAGES=HB.BWD_STAGES, CONSUMER_REGS=240, NEW_WS=H._NEW_WS,
-                  DROPOUT=dropout, CAST=cast, CAST_ROWS=HB.CAST_ROWS, ZERO=zero)
+                  DROPOUT=dropout, CAST=cast, CAST_ROWS=HB.CAST_ROWS)
     kern = HB._hopper_bwd_kernel
     sig, fixed = {}, {}
     for i, n in enumerate(kern.arg_names):
