@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -178,8 +179,30 @@ def resources(kernel) -> str:
         return subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
 
 
+def loops(kernel) -> list[dict]:
+    """The kernel's loops in its SASS (each backward branch and the code it jumps back over, longer
+    than 30 instructions): their instructions, warpgroup products (HGMMA) and local-memory loads and
+    stores (LDL / STL: spilled registers), innermost first."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    out = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if len(body) > 30:
+                out.append({"instructions": len(body), "hgmma": sum("HGMMA" in t for t in body),
+                            "ldl": sum("LDL" in t for t in body), "stl": sum("STL" in t for t in body)})
+    return sorted(out, key=lambda x: x["instructions"])
+
+
 def main(names: list[str]) -> int:
-    brief = bool(names) and names[0] == "--resources"  # one line per variant: registers and spill stack
+    # --resources: one line per variant, its registers and spill stack; --loops: one line per loop
+    brief = names[0] if names and names[0] in ("--resources", "--loops") else None
     if brief:
         names = names[1:]
     if not H.AVAILABLE:
@@ -195,10 +218,14 @@ def main(names: list[str]) -> int:
         except TypeError as e:  # a GluonASTSource that takes no explicit target
             print(f"offline Gluon compilation unavailable: {e}")
             return 3
-        facts[name] = {"ptx": kernel.asm["ptx"], "resources": resources(kernel), "shared": kernel.metadata.shared}
-        if brief:
+        facts[name] = {"ptx": kernel.asm["ptx"], "resources": resources(kernel), "shared": kernel.metadata.shared,
+                       "loops": loops(kernel)}
+        if brief == "--resources":
             print(name, " ".join(w for w in facts[name]["resources"].split() if w.startswith(("REG", "STACK"))),
                   flush=True)
+        elif brief:
+            for loop in facts[name]["loops"]:
+                print(name, " ".join(f"{k} {v}" for k, v in loop.items()), flush=True)
     if not brief:
         print(json.dumps(facts))
     return 0
