@@ -171,24 +171,24 @@ def compile_variant(D, *, band=True, score=None, mask=None, sparse=False, rel=Fa
                           options={"num_warps": 4, "maxnreg": 168})
 
 
-def resources(kernel) -> str:
+def _cuobjdump(kernel, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        return subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resources(kernel) -> str:
+    return _cuobjdump(kernel, "-res-usage")
 
 
 def loops(kernel) -> list[dict]:
     """The kernel's loops in its SASS (each backward branch and the code it jumps back over, longer
     than 30 instructions): their instructions, warpgroup products (HGMMA) and local-memory loads and
-    stores (LDL / STL: spilled registers), innermost first."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    stores (LDL / STL: spilled registers), shortest first."""
+    ins = [(int(m.group(1), 16), m.group(2))
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", _cuobjdump(kernel, "-sass"))]
     out = []
     for addr, text in ins:
         m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", text)
