@@ -757,7 +757,8 @@ def hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 # hopper_bwd casts dQ inside the kernel (_bwd_caster) where it can: with a block mask only (None), always
 # (True), never (False). Measured on an H100 (B = 8, H = 32, S = 8192, d = 128, backward ms with the passes,
 # against the cast after the kernel; docs/benchmarks/attention_hopper_h100.md): document mask 7.41-7.61
-# against 7.71-7.89, sliding window 1024 7.63-7.77 against 7.27-7.32, causal 22.7-24.2 against 21.2-21.9
+# against 7.71-7.89, sliding window 1024 7.63-7.77 against 7.27-7.32, causal 22.7-24.2 against 21.2-21.9;
+# a causal mask given as a block mask level (20.7-22.0 against 20.9-21.6)
 CAST_IN_KERNEL: bool | None = None
 CAST_ROWS = 16  # rows of the caster's copies
 CAST_AHEAD: int | None = None  # the caster's distance in heads (None: from the SM count; tests set it)

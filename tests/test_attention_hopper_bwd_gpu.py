@@ -359,9 +359,9 @@ _DEFAULT_CAST_CASES = [c for c in CASES if c[0] in (
 
 @pytest.mark.parametrize("case", _DEFAULT_CAST_CASES, ids=[c[0] for c in _DEFAULT_CAST_CASES])
 def test_default_casts_dq_inside_the_kernel_with_a_block_mask_only(case, monkeypatch):
-    """By default (``CAST_IN_KERNEL = None``) the caster runs where it measured faster, with a block
-    mask, and the cast after the kernel covers only the last ``ahead`` kv heads; without a block mask
-    (causal, a window, no mask) the whole dq is cast after the kernel."""
+    """By default (``CAST_IN_KERNEL = None``) the caster runs with a block mask (where the document
+    mask measured faster with it), and the cast after the kernel covers only the last ``ahead`` kv
+    heads; without a block mask (causal, a window, no mask) the whole dq is cast after the kernel."""
     name, make, layout, opts, _ = case
     base = [t.detach() for t in make()]
     table = torch.randn(4, 2 * 40 + 1, device=DEV) * 0.5
