@@ -185,8 +185,8 @@ def resources(kernel) -> str:
 
 def loops(kernel) -> list[dict]:
     """The kernel's loops in its SASS (each backward branch and the code it jumps back over, longer
-    than 30 instructions): their instructions, warpgroup products (HGMMA) and local-memory loads and
-    stores (LDL / STL: spilled registers), shortest first."""
+    than 30 instructions): their first and last addresses, instructions, warpgroup products (HGMMA)
+    and local-memory loads and stores (LDL / STL: spilled registers), shortest first."""
     ins = [(int(m.group(1), 16), m.group(2))
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", _cuobjdump(kernel, "-sass"))]
     out = []
@@ -195,8 +195,9 @@ def loops(kernel) -> list[dict]:
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
             if len(body) > 30:
-                out.append({"instructions": len(body), "hgmma": sum("HGMMA" in t for t in body),
-                            "ldl": sum("LDL" in t for t in body), "stl": sum("STL" in t for t in body)})
+                out.append({"start": int(m.group(1), 16), "end": addr, "instructions": len(body),
+                            "hgmma": sum("HGMMA" in t for t in body), "ldl": sum("LDL" in t for t in body),
+                            "stl": sum("STL" in t for t in body)})
     return sorted(out, key=lambda x: x["instructions"])
 
 
