@@ -9,6 +9,8 @@
    under ``doctest``.
 4. Every ``python -m fp8ops.bench ...`` command quoted in README.md and docs/ is one the benchmark
    command line accepts (parsed, not run).
+5. Every relative link of README.md and docs/ (code blocks and inline code aside) names a file that
+   exists, and a ``#fragment`` into a Markdown page names one of its headings (GitHub's anchors).
 """
 
 from __future__ import annotations
@@ -257,3 +259,50 @@ def test_bench_help_is_plain_text() -> None:
     text = build_parser().format_help()
     assert "step" in text and "fp8ops.graph_step" in text
     assert ":func:" not in text and "``" not in text
+
+
+# [text](target): the target up to a space or the closing parenthesis
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"^```.*?^```[ \t]*$", re.DOTALL | re.MULTILINE)
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+
+
+def _heading_anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but hyphens and underscores
+    dropped, spaces to hyphens; a repeated heading gets -1, -2, ..."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for line in _FENCE.sub("", page.read_text()).splitlines():
+        m = re.match(r"#{1,6}\s+(.*)", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug)
+        seen[slug] = 0 if n is None else n + 1
+        anchors.add(slug if n is None else f"{slug}-{n + 1}")
+    return anchors
+
+
+def test_heading_anchors_follow_github(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# A section (2026-12-08, H100)\n## The backward's `dQ` pass\n```\n# not a heading\n```\n"
+                    "# A section (2026-12-08, H100)\n")
+    assert _heading_anchors(page) == {"a-section-2026-12-08-h100", "the-backwards-dq-pass",
+                                      "a-section-2026-12-08-h100-1"}
+
+
+def test_relative_links_resolve() -> None:
+    bad = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        text = _INLINE_CODE.sub("", _FENCE.sub("", page.read_text()))
+        for m in _LINK.finditer(text):
+            link = m.group(1)
+            if re.match(r"[a-z]+:", link):  # http:, https:, mailto:
+                continue
+            path, _, fragment = link.partition("#")
+            target = (page.parent / path) if path else page
+            if not target.exists():
+                bad.append(f"{page.relative_to(ROOT)}: {link} (no such file)")
+            elif fragment and target.suffix == ".md" and fragment not in _heading_anchors(target):
+                bad.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
+    assert not bad, "\n".join(bad)
