@@ -6,7 +6,7 @@ allocations, pytree work). On the CPU the kernels are the reference functions, w
 than a GPU launch; the glue measured here is common to both devices.
 
     python scripts/host_profile.py [--device cpu|cuda] [--profile] [--calls N] [--repeats R]
-                                   [--cpu-time] [--stub-kernels] [--only NAME ...]
+                                   [--cpu-time] [--stub-kernels [--direct]] [--only NAME ...]
                                    [--compare-launch-paths [--rounds N]]
 
 Each case prints the best of ``--repeats`` (3) loops of ``--calls`` (200) calls in µs per call;
@@ -14,7 +14,12 @@ on CUDA a loop is launched without synchronization (one ``synchronize`` after it
 is the host's time. ``--profile`` also prints the cProfile top 35 functions of each case by
 tottime and by cumtime. ``--stub-kernels`` (CPU only) replaces the CPU kernel of every ``fp8ops::``
 library op by its fake kernel (outputs of the right shape, uninitialised, no arithmetic), so the time
-left is the glue alone: what a GPU host pays per call besides the launches themselves.
+left is the glue alone: what a GPU host pays per call besides the launches themselves. With
+``--direct`` the library ops are called straight to those kernels, as fp8ops calls its CUDA kernels
+in eager mode (``kernels._library.EagerOp``), instead of through ``torch.ops``. On the CPU a case
+``fp8_linear floor`` times an autograd Function that calls only what an FP8 linear layer must (three
+casts with their transposed copies, three FP8 GEMMs): ``fp8_linear`` less that floor is the library's
+own glue around its launches.
 ``--compare-launch-paths`` times every case as fp8ops runs by default and as it ran before (its
 library ops called through ``torch.ops``, its transposed FP8 copies stored through tensor maps, a
 fill kernel for each amax output), alternating the two in each of ``--rounds`` rounds.
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 
 import fp8ops
+from fp8ops._glue import apply
 from fp8ops.testing.states import calibrate
 
 T, H, FFN, HEADS = 16, 32, 64, 4  # tokens, hidden, ffn, heads
@@ -100,6 +106,9 @@ def cases(device: str) -> dict[str, Callable[[], None]]:
             "torch SDPA causal": lambda: back(sdpa(qa, ka, va, is_causal=True)),
             "attention causal (triton)": lambda: back(fp8ops.attention(qa, ka, va, causal=True, backend="triton")[0]),
         }
+    else:
+        # applied as the library applies its Functions (no argument binding per call)
+        extra = {"fp8_linear floor: 3 casts + 3 GEMMs": lambda: back(apply(_Floor, x, w, b, lin_d.input.scale)[0])}
     return {
         **extra,
         "torch F.linear": lambda: back(torch.nn.functional.linear(x, w, b)),
@@ -117,9 +126,44 @@ def cases(device: str) -> dict[str, Callable[[], None]]:
     }
 
 
-def stub_kernels() -> list[str]:
-    """Register each ``fp8ops::`` op's fake kernel as its CPU kernel (for this process); the op names."""
+class _Floor(torch.autograd.Function):
+    """What an FP8 linear layer must call and nothing else: x and W cast with their transposed copies
+    and the forward GEMM; in the backward dy's cast and the two GEMMs (no checks, no scaling state,
+    no probe; the bias gradient a plain sum)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> Any:  # type: ignore[override]
+        from fp8ops.kernels._library import OPS
+
+        e4m3 = torch.float8_e4m3fn
+        xq, xq_t, _, x_inv = OPS.cast_transpose(x, scale, None, 0, False, e4m3)
+        wq, wq_t, _, w_inv = OPS.cast_transpose(w, scale, None, 0, False, e4m3)
+        return OPS.scaled_mm(xq, wq, x_inv, w_inv, b, x.dtype, False), xq_t, wq_t, x_inv, w_inv
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(*output[1:], inputs[3])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> Any:  # type: ignore[override]
+        from fp8ops.kernels._library import OPS
+
+        xq_t, wq_t, x_inv, w_inv, scale = ctx.saved_tensors
+        with torch.no_grad():
+            dyq, dyq_t, _, dy_inv = OPS.cast_transpose(dy, scale, None, 0, False, torch.float8_e5m2)
+            dx = OPS.scaled_mm(dyq, wq_t, dy_inv, w_inv, None, dy.dtype, False)
+            dw = OPS.scaled_mm(dyq_t, xq_t, dy_inv, x_inv, None, dy.dtype, False)
+        return dx, dw, dy.sum(0), None
+
+
+def stub_kernels(direct: bool = False) -> list[str]:
+    """Register each ``fp8ops::`` op's fake kernel as its CPU kernel (for this process); the op names.
+    ``direct``: the library's own call sites (``kernels._library.OPS``) call those kernels straight,
+    as they call the CUDA kernels in eager mode, instead of through ``torch.ops``."""
     from torch._library.simple_registry import singleton
+
+    from fp8ops.kernels._library import OPS
 
     lib = torch.library.Library("fp8ops", "IMPL")
     stubbed = []
@@ -129,6 +173,9 @@ def stub_kernels() -> list[str]:
             continue
         lib.impl(name, fake, "CPU")
         stubbed.append(name)
+        if direct and hasattr(OPS, name):
+            op = getattr(OPS, name)
+            op.kernel, op.device_type = fake, "cpu"
     stub_kernels.lib = lib  # type: ignore[attr-defined]  # keep the registrations alive
     return stubbed
 
@@ -215,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stub-kernels", action="store_true",
                         help="CPU only: run each fp8ops library op's fake kernel instead of its reference "
                              "math, so the time is the glue around the kernels")
+    parser.add_argument("--direct", action="store_true",
+                        help="with --stub-kernels: the library ops called straight to those kernels, as "
+                             "fp8ops calls its CUDA kernels in eager mode, not through torch.ops")
     parser.add_argument("--only", nargs="*", default=None, help="case names (substrings) to run")
     parser.add_argument("--rounds", type=int, default=2, help="with --compare-launch-paths: rounds per case")
     parser.add_argument("--compare-launch-paths", action="store_true",
@@ -231,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.stub_kernels:
         if args.device != "cpu":
             parser.error("--stub-kernels: only with --device cpu")
-        stub_kernels()
+        stub_kernels(args.direct)
+    elif args.direct:
+        parser.error("--direct: only with --stub-kernels")
     todo = cases(args.device)
     if args.only:
         todo = {k: v for k, v in todo.items() if any(s in k for s in args.only)}

@@ -82,3 +82,27 @@ def test_measure_variant_times_a_step_and_reports_failures(monkeypatch) -> None:
 
     assert bench_step.measure_variant(broken, "eager", 2, "broken case", failed, progress) is None
     assert failed[1] == "broken case: ValueError: no such variant"
+
+
+def test_host_profile_floor_runs_with_direct_stub_kernels() -> None:
+    # scripts/host_profile.py's launch-free floor: the stubs replace this process's CPU kernels, so it
+    # runs in a process of its own; both cases time, and the library ops were called straight
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.argv[0] = 'host_profile'; sys.path.insert(0, 'scripts'); import host_profile as h; "
+            "from fp8ops.kernels._library import OPS; "
+            "h.main(['--stub-kernels', '--direct', '--calls', '2', '--repeats', '1', '--only', 'floor', "
+            "'fp8_linear delayed']); print('direct', OPS.cast_transpose.direct_calls, OPS.scaled_mm.direct_calls)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert any(line.startswith("fp8_linear floor: 3 casts + 3 GEMMs") and line.endswith("us/call") for line in lines)
+    assert any(line.startswith("fp8_linear delayed") and line.endswith("us/call") for line in lines)
+    casts, gemms = (int(v) for v in lines[-1].split()[1:])
+    assert casts >= 3 * 12 and gemms >= 3 * 12, lines[-1]  # three of each per call, 12 calls at least
+    bad = subprocess.run([sys.executable, "scripts/host_profile.py", "--direct"], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--direct: only with --stub-kernels" in bad.stderr
