@@ -129,7 +129,9 @@ def cases(device: str) -> dict[str, Callable[[], None]]:
 class _Floor(torch.autograd.Function):
     """What an FP8 linear layer must call and nothing else: x and W cast with their transposed copies
     and the forward GEMM; in the backward dy's cast and the two GEMMs (no checks, no scaling state,
-    no probe; the bias gradient a plain sum)."""
+    no probe; the bias gradient a plain sum). Through the library ops, so that it runs on the CPU
+    with their stub kernels; ``scripts/linear_host_floor.py`` is the same floor on a GPU, with the
+    cast launchers and ``torch._scaled_mm`` called directly."""
 
     @staticmethod
     def forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> Any:  # type: ignore[override]

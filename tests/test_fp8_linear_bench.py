@@ -1,8 +1,13 @@
 """The full training step that ``python -m fp8ops.bench linear`` times (fp8ops.bench.linear.step_case),
 run on the CPU: the fp8ops FP8 step calibrates its state and trains the weight in the direction of
-the bf16 step, within FP8's error, through fp8ops.graph_step as well (eager on the CPU)."""
+the bf16 step, within FP8's error, through fp8ops.graph_step as well (eager on the CPU). Also the host
+profile's launch-free floor of an FP8 linear layer (scripts/host_profile.py) runs."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,10 +92,6 @@ def test_measure_variant_times_a_step_and_reports_failures(monkeypatch) -> None:
 def test_host_profile_floor_runs_with_direct_stub_kernels() -> None:
     # scripts/host_profile.py's launch-free floor: the stubs replace this process's CPU kernels, so it
     # runs in a process of its own; both cases time, and the library ops were called straight
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     code = ("import sys; sys.argv[0] = 'host_profile'; sys.path.insert(0, 'scripts'); import host_profile as h; "
             "from fp8ops.kernels._library import OPS; "
