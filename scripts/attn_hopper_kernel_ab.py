@@ -34,7 +34,8 @@ A = importlib.import_module("fp8ops.attention")
 R = importlib.import_module("fp8ops.reference.attention")
 K = importlib.import_module("fp8ops.kernels.attention")
 CASES = ["causal128", "alibi128", "window128", "document128", "none128", "causal64", "causal256"]
-# also: "causalmask128", causal_mask() as a mask_mod without a block mask; "causalblock128", with its block mask
+# also: "causalmask128", causal_mask() as a mask_mod without a block mask; "causalblock128", with its block mask;
+# "causaldrop128", causal with dropout 0.1 (a fixed seed: both arms draw the same mask)
 
 
 def _inputs(case: str, grad: bool) -> tuple[list[torch.Tensor], dict]:
@@ -44,12 +45,15 @@ def _inputs(case: str, grad: bool) -> tuple[list[torch.Tensor], dict]:
     H, B = (4096 // d if d <= 128 else 32), 65536 // S
     torch.manual_seed(0)
     qkv = [torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16).requires_grad_(grad) for _ in range(3)]
-    left, right = R.normalize_window((1024, 0) if variant == "window" else None, variant in ("causal", "alibi"))
+    left, right = R.normalize_window((1024, 0) if variant == "window" else None,
+                                     variant in ("causal", "alibi", "causaldrop"))
     kw = dict(score_mod=A.alibi(H) if variant == "alibi" else None, mask_mod=None, block_mask=None, left=left,
               right=right, scale=d**-0.5, layout="bhsd", cu_q=None, cu_kv=None, max_q=None, max_kv=None,
               dropout_p=0.0, seed=None)
     if grad:
         kw.update(dq_mode="auto", bwd_config={"HOPPER": 2})
+    if variant == "causaldrop":
+        kw.update(dropout_p=0.1, seed=torch.tensor(1234, dtype=torch.int64, device="cuda"))
     if variant in ("causalmask", "causalblock"):
         kw.update(mask_mod=A.causal_mask())
     if variant == "causalblock":

@@ -3,7 +3,8 @@
 # tests (TEST_ARGS replaces the list; TESTS_LIMIT_S bounds them), then scripts/attn_hopper_kernel_ab.py
 # PASS against that kernel's file at git revision OLD_REV (default HEAD; OLD_FILE: a copy of that file
 # instead) over AB_CASES (default "window128 document128 causal128"; "" for none), once per entry of
-# AB_SETS (";"-separated; each entry "--set NAME=INT ..." for the new kernel's module, "-" none), then, when NCU=1,
+# AB_SETS (";"-separated; each entry "--set NAME=INT ..." for the new kernel's module, "-" none; an entry
+# "SETTINGS @ CASES" runs those cases instead of AB_CASES), then, when NCU=1,
 # Nsight Compute over one forward+backward of each of NCU_CASES (default: scripts/attn_ncu.py's,
 # the sliding window and the document mask; OUT/ncu.csv and its summary OUT/ncu.txt), then `bench attention` at S = 8192,
 # d = 128 when BENCH=1 (BENCH_VARIANTS, default the four of the Flex targets).
@@ -28,12 +29,16 @@ if [ -n "${AB_CASES-window128 document128 causal128}" ]; then
         git show "${OLD_REV:-HEAD}:kernels/$KFILE" > "/tmp/attn_old/$KFILE" || FAILED=1
     fi
     IFS=';' read -r -a sets <<< "${AB_SETS:--}"
-    for opts in "${sets[@]}"; do
+    for entry in "${sets[@]}"; do
+        opts=${entry%%@*}
+        cases=${AB_CASES-window128 document128 causal128}
+        [ "$opts" != "$entry" ] && cases=${entry#*@}
+        opts=$(echo $opts)  # trimmed
         [ "$opts" = "-" ] && opts=""
-        echo "-- settings: ${opts:-none}"
+        echo "-- settings: ${opts:-none}; cases: $cases"
         # shellcheck disable=SC2086  # the settings and cases are lists of words
         OUT=$OUT timeout 300 "$PY" scripts/attn_hopper_kernel_ab.py "$PASS" "/tmp/attn_old/$KFILE" $opts \
-            ${AB_CASES-window128 document128 causal128} >> "$OUT/hopper_${PASS}_ab.log" 2>&1 || FAILED=1
+            $cases >> "$OUT/hopper_${PASS}_ab.log" 2>&1 || FAILED=1
     done
     tail -20 "$OUT/hopper_${PASS}_ab.log"
 fi
