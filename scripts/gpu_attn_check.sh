@@ -33,7 +33,7 @@ if [ -n "${AB_CASES-window128 document128 causal128}" ]; then
         opts=${entry%%@*}
         cases=${AB_CASES-window128 document128 causal128}
         [ "$opts" != "$entry" ] && cases=${entry#*@}
-        opts=$(echo $opts)  # trimmed
+        read -r -a words <<< "$opts" && opts="${words[*]}"  # trimmed
         [ "$opts" = "-" ] && opts=""
         echo "-- settings: ${opts:-none}; cases: $cases"
         # shellcheck disable=SC2086  # the settings and cases are lists of words
