@@ -6,6 +6,7 @@ H = 4096 / d, S = 8192 (or SEQ), bf16; the document mask is the benchmark's (``f
     python scripts/attn_hopper_kernel_ab.py fwd OLD/_attention_hopper.py [causal128 document128 ...]
     python scripts/attn_hopper_kernel_ab.py bwd OLD/_attention_hopper_bwd.py [--set NAME=VALUE ...] [causal128 ...]
 
+``main(..., new_path=FILE)`` times a kernel file in place of the current kernel (``scripts/attn_bwd_bound_check.py``).
 ``--set NAME=VALUE``: a module-level setting of the current kernel's module (an int; e.g.
 ``--set CAST_IN_KERNEL=0``) for the new arm; the output file then carries the settings in its name.
 
@@ -64,19 +65,28 @@ def _inputs(case: str, grad: bool) -> tuple[list[torch.Tensor], dict]:
     return qkv, kw
 
 
-def main(which: str, old_path: str, cases: list[str]) -> dict:
+def _launcher_from(path: str, name: str, tag: str):
+    """The launcher ``name`` of a kernel file loaded as a sibling module of ``fp8ops.kernels`` (called
+    without the keywords it does not take)."""
+    spec = importlib.util.spec_from_file_location(f"fp8ops.kernels._{name}_{tag}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name)
+    known = inspect.signature(fn).parameters
+
+    def arm(*args, **kwargs):
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in known})
+
+    return arm
+
+
+def main(which: str, old_path: str, cases: list[str], new_path: str | None = None) -> dict:
+    """Time the launcher of the current kernel (or of the file ``new_path``) against the file
+    ``old_path``'s, case by case; {case: its row}."""
     name = "hopper_fwd" if which == "fwd" else "hopper_bwd"
-    mod = f"fp8ops.kernels._{name}_earlier"
-    spec = importlib.util.spec_from_file_location(mod, old_path)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    old_fn = getattr(old, name)
-    known = inspect.signature(old_fn).parameters
-
-    def old_arm(*args, **kwargs):  # the earlier launcher without the keywords it did not take yet
-        return old_fn(*args, **{k: v for k, v in kwargs.items() if k in known})
-
-    arms = {"new": getattr(K, name), "old": old_arm}
+    original = getattr(K, name)
+    new_arm = original if new_path is None else _launcher_from(new_path, name, "new")
+    arms = {"new": new_arm, "old": _launcher_from(old_path, name, "earlier")}
     res = {}
     for case in cases:
         (q, k, v), kw = _inputs(case, which == "bwd")
@@ -96,7 +106,7 @@ def main(which: str, old_path: str, cases: list[str]) -> dict:
                 setattr(K, name, fn)
                 got[arm] = [t.clone() for t in run()]
                 row[arm].append(min(event_times_ms(run, 10)))
-        setattr(K, name, arms["new"])
+        setattr(K, name, original)
         n, o = got["new"], got["old"]
         if which == "fwd":
             row.update(bitwise_equal=all(torch.equal(a, b) for a, b in zip(n, o)))
