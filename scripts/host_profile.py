@@ -40,6 +40,7 @@ import torch
 
 import fp8ops
 from fp8ops._glue import apply
+from fp8ops.kernels._library import OPS
 from fp8ops.testing.states import calibrate
 
 T, H, FFN, HEADS = 16, 32, 64, 4  # tokens, hidden, ffn, heads
@@ -135,8 +136,6 @@ class _Floor(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> Any:  # type: ignore[override]
-        from fp8ops.kernels._library import OPS
-
         e4m3 = torch.float8_e4m3fn
         xq, xq_t, _, x_inv = OPS.cast_transpose(x, scale, None, 0, False, e4m3)
         wq, wq_t, _, w_inv = OPS.cast_transpose(w, scale, None, 0, False, e4m3)
@@ -149,8 +148,6 @@ class _Floor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> Any:  # type: ignore[override]
-        from fp8ops.kernels._library import OPS
-
         xq_t, wq_t, x_inv, w_inv, scale = ctx.saved_tensors
         with torch.no_grad():
             dyq, dyq_t, _, dy_inv = OPS.cast_transpose(dy, scale, None, 0, False, torch.float8_e5m2)
@@ -164,8 +161,6 @@ def stub_kernels(direct: bool = False) -> list[str]:
     ``direct``: the library's own call sites (``kernels._library.OPS``) call those kernels straight,
     as they call the CUDA kernels in eager mode, instead of through ``torch.ops``."""
     from torch._library.simple_registry import singleton
-
-    from fp8ops.kernels._library import OPS
 
     lib = torch.library.Library("fp8ops", "IMPL")
     stubbed = []
